@@ -1,0 +1,28 @@
+"""Higher-order operators that keep sharding annotations, local_map regions, scans,
+opaque kernels and named scopes in traced graphs, with typed spec arguments.
+
+``import hops`` registers every HOP (eager, fake, functionalization, proxy, autograd
+and Dynamo rules) and binds the name ``hops`` in FX-generated code so spec values in
+node args print and run as ``hops.Shard(0)``.
+"""
+
+import sys as _sys
+
+from hops import _compat
+from hops.specs import Mesh, Partial, Placement, Replicate, Shard, ShardingSpec, spec_from_text
+
+_compat.register_fx_global("hops", "import hops", _sys.modules[__name__])
+
+from hops.sharding_annotation import annotate_sharding, sharding_annotation_hop  # noqa: E402
+
+__all__ = [
+    "Mesh",
+    "Placement",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "ShardingSpec",
+    "spec_from_text",
+    "annotate_sharding",
+    "sharding_annotation_hop",
+]

@@ -1,0 +1,49 @@
+"""Every difference between the supported torch versions (2.9 .. 2.13) lives here.
+
+The rest of the package imports these names instead of probing torch itself, so a new
+torch release means editing one file. Private torch APIs this package borrows are also
+wrapped here, each with the reason it is needed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
+
+
+def torch_xla_available() -> bool:
+    """True when torch_xla can be imported (it exists only for torch 2.9 here)."""
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def register_fx_global(name: str, import_str: str, obj: Any) -> None:
+    """Make ``name`` resolvable in the globals of every FX-generated module.
+
+    Spec values print as ``hops.Shard(0)``; FX codegen emits ``repr`` of unknown constants,
+    so ``hops`` must be bound when the generated code runs, is deep-copied or pickled.
+    ``_register_custom_builtin`` is private but has the same signature in 2.9 and 2.13.
+    """
+    from torch.fx.graph import _register_custom_builtin
+
+    _register_custom_builtin(name, import_str, obj)
+
+
+def register_dynamo_hop_variable(hop: torch._ops.HigherOrderOperator, variable_cls: type) -> None:
+    """Tell Dynamo which VariableTracker traces ``hop``.
+
+    Dynamo looks HOPs up by ``__name__`` in a private table and graph-breaks on unknown ones;
+    there is no public out-of-tree hook in 2.9 or 2.13.
+    """
+    from torch._dynamo.variables import higher_order_ops
+
+    higher_order_ops._hop_name_to_variable_class[hop.__name__] = variable_cls
+
+
+def dynamo_hop_variable_base() -> type:
+    from torch._dynamo.variables.higher_order_ops import TorchHigherOrderOperatorVariable
+
+    return TorchHigherOrderOperatorVariable

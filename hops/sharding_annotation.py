@@ -1,0 +1,152 @@
+"""``sharding_annotation_hop``: the traceable ``mark_sharding``.
+
+Semantics: the identity on values (the output is a new tensor that does not alias ``x``)
+with a statement of how the value should be laid out on a mesh. The statement is the
+typed ``ShardingSpec`` in the node's args, so it survives every tracer and every pass.
+
+Node form: ``hops_sharding_annotation(x, spec)`` or, when the gradient should be laid
+out differently, ``hops_sharding_annotation(x, spec, grad_spec)``. The gradient goes
+through the same HOP with the pair swapped, so backward graphs carry the annotation too
+and the transpose of the transpose is the original node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._C import DispatchKey
+from torch._ops import HigherOrderOperator
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import (
+    ProxyTorchDispatchMode,
+    disable_proxy_modes_tracing,
+    track_tensor_tree,
+)
+
+from hops import _dynamo
+from hops.specs import ShardingSpec
+
+__all__ = ["annotate_sharding", "sharding_annotation_hop"]
+
+
+class ShardingAnnotation(HigherOrderOperator):
+    """HOP ``hops_sharding_annotation(x, spec[, grad_spec])``."""
+
+    def __init__(self) -> None:
+        # The package prefix keeps this name from overwriting another HOP's in torch's
+        # single global HOP registry.
+        super().__init__("hops_sharding_annotation")
+
+    def __call__(self, x: torch.Tensor, spec: ShardingSpec, grad_spec: ShardingSpec | None = None):
+        _check_args(x, spec, grad_spec)
+        return super().__call__(*self.node_args(x, spec, grad_spec))
+
+    @staticmethod
+    def node_args(x: Any, spec: Any, grad_spec: Any = None) -> tuple[Any, ...]:
+        """The canonical node args: ``grad_spec`` only when it differs from ``spec``."""
+        return (x, spec) if grad_spec is None or grad_spec == spec else (x, spec, grad_spec)
+
+
+sharding_annotation_hop = ShardingAnnotation()
+
+
+def annotate_sharding(
+    x: torch.Tensor, spec: ShardingSpec, *, grad_spec: ShardingSpec | None = None
+) -> torch.Tensor:
+    """Return a copy of ``x`` annotated as laid out per ``spec``.
+
+    ``grad_spec`` is the layout of the gradient of the result (default: ``spec``).
+    Raises ``TypeError``/``ValueError`` naming the argument for a non-tensor ``x``, a
+    non-``ShardingSpec`` spec, or a ``Shard(d)`` with ``d`` out of range for ``x``.
+    """
+    return sharding_annotation_hop(x, spec, grad_spec)
+
+
+def _check_args(x: Any, spec: Any, grad_spec: Any) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"annotate_sharding(x=...) must be a Tensor, got {type(x).__name__}")
+    for name, value in (("spec", spec), ("grad_spec", grad_spec)):
+        if value is None and name == "grad_spec":
+            continue
+        if not isinstance(value, ShardingSpec):
+            raise TypeError(
+                f"annotate_sharding({name}=...) must be a hops.ShardingSpec, "
+                f"got {type(value).__name__} {value!r}"
+            )
+        value.check_tensor(x.dim(), f"annotate_sharding({name}=...)")
+
+
+# --------------------------------------------------------------------------- eager
+
+
+@sharding_annotation_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
+def _eager(x: torch.Tensor, spec: ShardingSpec, grad_spec: ShardingSpec | None = None):
+    # A plain tensor has no layout to change; the value is the identity, without aliasing.
+    return x.clone()
+
+
+# --------------------------------------------------------------------------- fake
+
+
+@sharding_annotation_hop.py_impl(FakeTensorMode)
+def _fake(mode: FakeTensorMode, x: torch.Tensor, spec: ShardingSpec, grad_spec=None):
+    # py_impl(FakeTensorMode), not register_fake: 2.9's fake-kernel path expects tuples.
+    with mode:
+        return x.clone()
+
+
+# --------------------------------------------------------------------------- functionalize
+
+
+@sharding_annotation_hop.py_functionalize_impl
+def _functionalize(ctx: Any, x: torch.Tensor, spec: ShardingSpec, grad_spec=None):
+    unwrapped = ctx.unwrap_tensors(x)
+    with ctx.redispatch_to_next():
+        out = sharding_annotation_hop(unwrapped, spec, grad_spec)
+    return ctx.wrap_tensors(out)
+
+
+# --------------------------------------------------------------------------- proxy
+
+
+@sharding_annotation_hop.py_impl(ProxyTorchDispatchMode)
+def _proxy(mode: ProxyTorchDispatchMode, x: torch.Tensor, spec: ShardingSpec, grad_spec=None):
+    with disable_proxy_modes_tracing():
+        out = sharding_annotation_hop(x, spec, grad_spec)
+    node_args = pytree.tree_map(
+        mode.tracer.unwrap_proxy, sharding_annotation_hop.node_args(x, spec, grad_spec)
+    )
+    out_proxy = mode.tracer.create_proxy("call_function", sharding_annotation_hop, node_args, {})
+    return track_tensor_tree(out, out_proxy, constant=None, tracer=mode.tracer)
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+class _ShardingAnnotationFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: ShardingSpec, grad_spec: ShardingSpec | None):
+        ctx.spec, ctx.grad_spec = spec, grad_spec
+        with torch._C._AutoDispatchBelowAutograd():
+            return sharding_annotation_hop(x, spec, grad_spec)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        # The cotangent is laid out per grad_spec; its own cotangent (double backward) per spec.
+        if ctx.grad_spec is None:
+            grad_x = sharding_annotation_hop(grad, ctx.spec)
+        else:
+            grad_x = sharding_annotation_hop(grad, ctx.grad_spec, ctx.spec)
+        return grad_x, None, None
+
+
+@sharding_annotation_hop.py_autograd_impl
+def _autograd(x: torch.Tensor, spec: ShardingSpec, grad_spec: ShardingSpec | None = None):
+    return _ShardingAnnotationFunction.apply(x, spec, grad_spec)
+
+
+# --------------------------------------------------------------------------- dynamo
+
+_dynamo.register_plain_hop(sharding_annotation_hop)

@@ -1,0 +1,430 @@
+"""Typed, immutable spec values that HOPs of this package take as node arguments.
+
+Every value here is a frozen dataclass: equal and hashable by value, picklable and
+deep-copyable. Its ``repr`` is Python that re-creates an equal value wherever the name
+``hops`` is bound, which includes the globals of every FX-generated module (see
+``hops._compat.register_fx_global``), and ``__fx_create_arg__`` keeps it a literal
+constant in FX node args instead of a constructor node.
+
+Placements use DTensor's vocabulary (``Shard(d)``, ``Replicate()``, ``Partial(op)``),
+one per mesh axis, because that is what sharding solvers read and write; conversions to
+and from torch_xla partition specs and DTensor objects live beside them.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "Mesh",
+    "Placement",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "ShardingSpec",
+    "spec_from_text",
+]
+
+PARTIAL_REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class _FxLiteral:
+    """Mixin: FX keeps instances as literal constants in node args."""
+
+    __slots__ = ()
+
+    def __fx_create_arg__(self, tracer: Any) -> Any:
+        return self
+
+
+def _check_int(value: Any, name: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------- mesh
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Mesh(_FxLiteral):
+    """A logical device mesh: ``shape``, one name per axis, and row-major device ids.
+
+    A plain value, not a process group: convert with ``to_xla()`` or ``to_device_mesh()``.
+    ``device_ids`` defaults to ``0 .. prod(shape) - 1``; it may be given flat or with the
+    mesh's shape (a nested sequence or a numpy array).
+    """
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    device_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shape, int) or not isinstance(self.shape, Iterable):
+            raise TypeError(f"Mesh(shape=...) must be a sequence of ints, got {self.shape!r}")
+        shape = tuple(
+            _check_int(n, f"Mesh(shape=...)[{i}]", minimum=1) for i, n in enumerate(self.shape)
+        )
+        if not shape:
+            raise ValueError("Mesh(shape=...) must have at least one axis, got ()")
+        if isinstance(self.axis_names, str) or not isinstance(self.axis_names, Iterable):
+            raise TypeError(
+                f"Mesh(axis_names=...) must be a sequence of str, got {self.axis_names!r}"
+            )
+        axis_names = tuple(self.axis_names)
+        for i, name in enumerate(axis_names):
+            if not isinstance(name, str) or not name.isidentifier():
+                raise TypeError(
+                    f"Mesh(axis_names=...)[{i}] must be a non-empty identifier str, got {name!r}"
+                )
+        if len(axis_names) != len(shape):
+            raise ValueError(
+                f"Mesh(axis_names=...) has {len(axis_names)} names {axis_names} but "
+                f"shape {shape} has {len(shape)} axes"
+            )
+        if len(set(axis_names)) != len(axis_names):
+            raise ValueError(f"Mesh(axis_names=...) has duplicate names: {axis_names}")
+        size = math.prod(shape)
+        device_ids = tuple(range(size)) if self.device_ids is None else self._flat_ids(shape)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "axis_names", axis_names)
+        object.__setattr__(self, "device_ids", device_ids)
+
+    def _flat_ids(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        ids = self.device_ids
+        given_shape = getattr(ids, "shape", None)
+        if given_shape is not None and tuple(given_shape) not in ((math.prod(shape),), shape):
+            raise ValueError(
+                f"Mesh(device_ids=...) has shape {tuple(given_shape)}, expected {shape} "
+                f"or flat ({math.prod(shape)},)"
+            )
+        flat = list(ids.flatten().tolist() if hasattr(ids, "flatten") else _flatten(ids))
+        if len(flat) != math.prod(shape):
+            raise ValueError(
+                f"Mesh(device_ids=...) has {len(flat)} ids but shape {shape} needs "
+                f"{math.prod(shape)}"
+            )
+        flat = [_check_int(d, "Mesh(device_ids=...) entry", minimum=0) for d in flat]
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"Mesh(device_ids=...) has duplicate ids: {tuple(flat)}")
+        return tuple(flat)
+
+    @property
+    def size(self) -> int:
+        return len(self.device_ids)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def axis_index(self, axis_name: str) -> int:
+        """Position of ``axis_name`` in the mesh; ``ValueError`` if the mesh has no such axis."""
+        if axis_name not in self.axis_names:
+            raise ValueError(f"unknown mesh axis {axis_name!r}; the mesh has axes {self.axis_names}")
+        return self.axis_names.index(axis_name)
+
+    def __repr__(self) -> str:
+        ids = "" if self.device_ids == tuple(range(self.size)) else f", device_ids={self.device_ids!r}"
+        return f"hops.Mesh(shape={self.shape!r}, axis_names={self.axis_names!r}{ids})"
+
+    # -- conversions
+    def to_xla(self) -> Any:
+        """The equivalent ``torch_xla.distributed.spmd.Mesh``."""
+        import numpy as np
+
+        xs = _import_xla_spmd()
+        return xs.Mesh(np.array(self.device_ids), self.shape, self.axis_names)
+
+    @classmethod
+    def from_xla(cls, xla_mesh: Any) -> Mesh:
+        names = xla_mesh.axis_names
+        if names is None:
+            names = tuple(f"axis{i}" for i in range(len(xla_mesh.mesh_shape)))
+        return cls(tuple(xla_mesh.mesh_shape), tuple(names), tuple(int(i) for i in xla_mesh.device_ids))
+
+    def to_device_mesh(self, device_type: str = "cpu") -> Any:
+        """The equivalent DTensor ``DeviceMesh``; needs an initialized process group of
+        at least ``size`` ranks (a fake process group is enough for tracing)."""
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "Mesh.to_device_mesh() needs an initialized torch.distributed process group "
+                "(for tracing, init_process_group('fake', ...) is enough)"
+            )
+        if dist.get_world_size() < max(self.device_ids) + 1:
+            raise ValueError(
+                f"Mesh.to_device_mesh(): mesh uses device ids up to {max(self.device_ids)} "
+                f"but the process group has world size {dist.get_world_size()}"
+            )
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ids = torch.tensor(self.device_ids, dtype=torch.int).reshape(self.shape)
+        return DeviceMesh(device_type, ids, mesh_dim_names=self.axis_names)
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh: Any) -> Mesh:
+        ids = device_mesh.mesh
+        names = device_mesh.mesh_dim_names
+        if names is None:
+            names = tuple(f"axis{i}" for i in range(ids.ndim))
+        return cls(tuple(ids.shape), tuple(names), tuple(int(i) for i in ids.flatten().tolist()))
+
+
+def _flatten(ids: Any) -> list[Any]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise TypeError(f"Mesh(device_ids=...) must be a sequence of ints, got {ids!r}")
+    out: list[Any] = []
+    for item in ids:
+        if isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
+            out.extend(_flatten(item))
+        else:
+            out.append(item)
+    return out
+
+
+def _import_xla_spmd() -> Any:
+    try:
+        import torch_xla.distributed.spmd as xs
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "this conversion needs torch_xla (install the 'xla' extra: pip install -e '.[xla]')"
+        ) from e
+    return xs
+
+
+# --------------------------------------------------------------------------- placements
+
+
+class Placement(_FxLiteral):
+    """How a tensor is laid out along one mesh axis (DTensor's vocabulary)."""
+
+    __slots__ = ()
+
+    def to_dtensor(self) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def from_dtensor(placement: Any) -> Placement:
+        """Convert a ``torch.distributed.tensor`` placement to this package's value."""
+        from torch.distributed.tensor import placement_types as pt
+
+        if isinstance(placement, pt.Shard):
+            return Shard(placement.dim)
+        if isinstance(placement, pt.Replicate):
+            return Replicate()
+        if isinstance(placement, pt.Partial):
+            return Partial(placement.reduce_op)
+        raise TypeError(
+            f"cannot convert {placement!r} (type {type(placement).__name__}) to a placement; "
+            "expected DTensor's Shard, Replicate or Partial"
+        )
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Shard(Placement):
+    """The tensor's ``dim`` is split evenly (GSPMD pads uneven splits) across the mesh axis."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        _check_int(self.dim, "Shard(dim)", minimum=0)
+
+    def __repr__(self) -> str:
+        return f"hops.Shard({self.dim})"
+
+    def to_dtensor(self) -> Any:
+        from torch.distributed.tensor import Shard as DTensorShard
+
+        return DTensorShard(self.dim)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Replicate(Placement):
+    """Every device along the mesh axis holds the whole tensor."""
+
+    def __repr__(self) -> str:
+        return "hops.Replicate()"
+
+    def to_dtensor(self) -> Any:
+        from torch.distributed.tensor import Replicate as DTensorReplicate
+
+        return DTensorReplicate()
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Partial(Placement):
+    """Devices along the mesh axis hold partial values; the tensor is their ``reduce_op``."""
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in PARTIAL_REDUCE_OPS:
+            raise ValueError(
+                f"Partial(reduce_op) must be one of {PARTIAL_REDUCE_OPS}, got {self.reduce_op!r}"
+            )
+
+    def __repr__(self) -> str:
+        return "hops.Partial()" if self.reduce_op == "sum" else f"hops.Partial({self.reduce_op!r})"
+
+    def to_dtensor(self) -> Any:
+        from torch.distributed.tensor import Partial as DTensorPartial
+
+        return DTensorPartial(self.reduce_op)
+
+
+def _as_placement(value: Any, where: str) -> Placement:
+    if isinstance(value, Placement):
+        return value
+    if type(value).__module__.startswith("torch.distributed.tensor"):
+        return Placement.from_dtensor(value)
+    raise TypeError(
+        f"{where} must be a placement (hops.Shard(d), hops.Replicate(), hops.Partial()), "
+        f"got {type(value).__name__} {value!r}"
+    )
+
+
+# --------------------------------------------------------------------------- sharding spec
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class ShardingSpec(_FxLiteral):
+    """How a global tensor is laid out on ``mesh``: one placement per mesh axis.
+
+    DTensor placements may be passed and are converted. Use ``check_tensor`` to validate
+    against a tensor's rank, ``to_partition_spec`` for torch_xla's per-dim form.
+    """
+
+    mesh: Mesh
+    placements: tuple[Placement, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(
+                f"ShardingSpec(mesh=...) must be a hops.Mesh, got {type(self.mesh).__name__}"
+            )
+        if isinstance(self.placements, (Placement, str)) or not isinstance(
+            self.placements, Iterable
+        ):
+            raise TypeError(
+                "ShardingSpec(placements=...) must be a sequence with one placement per mesh "
+                f"axis, got {self.placements!r}"
+            )
+        placements = tuple(
+            _as_placement(p, f"ShardingSpec(placements=...)[{i}]")
+            for i, p in enumerate(self.placements)
+        )
+        if len(placements) != self.mesh.ndim:
+            raise ValueError(
+                f"ShardingSpec(placements=...) has {len(placements)} placements but the mesh "
+                f"has {self.mesh.ndim} axes {self.mesh.axis_names}: give one per mesh axis"
+            )
+        object.__setattr__(self, "placements", placements)
+
+    def __repr__(self) -> str:
+        placements = ", ".join(map(repr, self.placements))
+        if len(self.placements) == 1:
+            placements += ","
+        return f"hops.ShardingSpec(mesh={self.mesh!r}, placements=({placements}))"
+
+    @property
+    def has_partial(self) -> bool:
+        return any(isinstance(p, Partial) for p in self.placements)
+
+    def check_tensor(self, ndim: int, argument: str) -> None:
+        """Raise ``ValueError`` naming ``argument`` if a tensor of rank ``ndim`` cannot take this spec."""
+        for axis, placement in zip(self.mesh.axis_names, self.placements):
+            if isinstance(placement, Shard) and placement.dim >= ndim:
+                raise ValueError(
+                    f"{argument}: placement {placement!r} on mesh axis {axis!r} shards dim "
+                    f"{placement.dim}, but the tensor has rank {ndim}"
+                )
+
+    def to_partition_spec(self, ndim: int) -> tuple[str | tuple[str, ...] | None, ...]:
+        """torch_xla's partition spec: for each tensor dim, the mesh axes that split it
+        (``None``, one name, or a tuple of names in major-to-minor order)."""
+        if self.has_partial:
+            raise ValueError(
+                f"{self!r} has a Partial placement, which has no XLA partition spec "
+                "(a partition spec describes how a whole value is split, not pending reductions)"
+            )
+        self.check_tensor(ndim, "to_partition_spec")
+        per_dim: list[list[str]] = [[] for _ in range(ndim)]
+        for axis, placement in zip(self.mesh.axis_names, self.placements):
+            if isinstance(placement, Shard):
+                per_dim[placement.dim].append(axis)
+        return tuple(
+            None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in per_dim
+        )
+
+    @classmethod
+    def from_partition_spec(
+        cls, mesh: Mesh, partition_spec: Sequence[str | Sequence[str] | None]
+    ) -> ShardingSpec:
+        """Inverse of ``to_partition_spec``; mesh axes that split no dim are ``Replicate``."""
+        if isinstance(partition_spec, str) or not isinstance(partition_spec, Sequence):
+            raise TypeError(
+                f"partition_spec must be a sequence with one entry per tensor dim, got {partition_spec!r}"
+            )
+        placements: list[Placement | None] = [None] * mesh.ndim
+        for dim, entry in enumerate(partition_spec):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            for axis in axes:
+                index = mesh.axis_index(axis)
+                if placements[index] is not None:
+                    raise ValueError(
+                        f"partition_spec {tuple(partition_spec)!r} uses mesh axis {axis!r} twice"
+                    )
+                placements[index] = Shard(dim)
+        return cls(mesh, tuple(Replicate() if p is None else p for p in placements))
+
+    def to_dtensor_placements(self) -> tuple[Any, ...]:
+        return tuple(p.to_dtensor() for p in self.placements)
+
+
+# --------------------------------------------------------------------------- text form
+
+_TEXT_CONSTRUCTORS = {
+    cls.__name__: cls for cls in (Mesh, Shard, Replicate, Partial, ShardingSpec)
+}
+
+
+def spec_from_text(text: str) -> Any:
+    """Parse the ``repr`` of a spec value back into the value, without ``eval``.
+
+    Accepts only calls of this module's constructors (``hops.X(...)`` or ``X(...)``) with
+    literal arguments; anything else is a ``ValueError``.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"spec_from_text expects str, got {type(text).__name__}")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"not a spec: {text!r} ({e.msg})") from None
+    return _build(tree.body, text)
+
+
+def _build(node: ast.AST, text: str) -> Any:
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return tuple(_build(e, text) for e in node.elts)
+    if isinstance(node, ast.Call):
+        func = node.func
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "hops":
+            name = func.attr
+        elif isinstance(func, ast.Name):
+            name = func.id
+        else:
+            name = None
+        if name in _TEXT_CONSTRUCTORS:
+            args = [_build(a, text) for a in node.args]
+            kwargs = {k.arg: _build(k.value, text) for k in node.keywords if k.arg is not None}
+            return _TEXT_CONSTRUCTORS[name](*args, **kwargs)
+    raise ValueError(f"not a spec: {text!r} (unexpected {ast.dump(node)[:60]})")

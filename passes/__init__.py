@@ -1,0 +1,22 @@
+"""FX passes over graphs that contain this package's HOPs.
+
+- ``inline_hops``: HOPs -> plain ATen graph any backend runs.
+- ``lower_to_xla``: HOPs -> functional ``hops_xla`` ops whose XLA kernels emit sharding custom calls.
+"""
+
+import hops  # noqa: F401  (registers the HOPs the rule tables refer to)
+from passes.inline import INLINE_RULES, inline_hops, register_inline_rule
+from passes.xla import XLA_RULES, lower_to_xla, register_xla_rule
+from passes._infra import HopRulePass, PassError, graph_modules
+
+__all__ = [
+    "inline_hops",
+    "lower_to_xla",
+    "INLINE_RULES",
+    "XLA_RULES",
+    "register_inline_rule",
+    "register_xla_rule",
+    "HopRulePass",
+    "PassError",
+    "graph_modules",
+]

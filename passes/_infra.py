@@ -1,0 +1,66 @@
+"""What every pass of this package shares: a rule table applied over a graph and its subgraphs.
+
+A pass here is a ``torch.fx.passes.infra.pass_base.PassBase``: ``requires`` checks its input,
+``call`` rewrites, ``ensures`` checks what it promised. ``HopRulePass`` is the common shape:
+one rule per HOP, applied to every ``call_function`` node of that HOP in the root graph and in
+every nested ``GraphModule`` (HOP bodies), each visited once. Rules read only node args
+(never ``node.meta``), so deleting meta cannot change the result. Every changed graph is
+linted and recompiled; the walk is linear in the number of nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+Rule = Callable[[fx.Node], None]
+
+
+def graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    """``gm`` and every ``GraphModule`` nested in it (HOP bodies), each once."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            yield module
+
+
+class PassError(ValueError):
+    """A graph a pass cannot handle; the message names the node."""
+
+
+class HopRulePass(PassBase):
+    """Apply ``rules[node.target](node)`` to every node whose target has a rule."""
+
+    def __init__(self, name: str, rules: dict[object, Rule]) -> None:
+        super().__init__()
+        self.name = name
+        self.rules = rules
+
+    def requires(self, graph_module: fx.GraphModule) -> None:
+        if not isinstance(graph_module, fx.GraphModule):
+            raise TypeError(
+                f"{self.name} expects a torch.fx.GraphModule, got {type(graph_module).__name__}"
+            )
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        modified = False
+        for module in list(graph_modules(graph_module)):
+            graph_changed = False
+            for node in list(module.graph.nodes):
+                if node.op == "call_function":
+                    rule = self.rules.get(node.target)
+                    if rule is not None:
+                        rule(node)
+                        graph_changed = True
+            if graph_changed:
+                module.graph.lint()
+                module.recompile()
+                modified = True
+        return PassResult(graph_module, modified)
+
+    def ensures(self, graph_module: fx.GraphModule) -> None:
+        for module in graph_modules(graph_module):
+            for node in module.graph.nodes:
+                if node.op == "call_function" and node.target in self.rules:
+                    raise AssertionError(f"{self.name} left {node.format_node()}")

@@ -1,0 +1,34 @@
+"""Test set-up shared by every test module.
+
+torch_xla reads PJRT_DEVICE / CPU_NUM_DEVICES when it starts, so they are set before any
+import of it. When torch_xla is present, SPMD is switched on and the XLA device is created
+at session start: autograd on XLA tensors fails if a CPU backward ran before the XLA device
+existed, and tests must not depend on their order.
+"""
+
+import os
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "4")
+
+import pytest  # noqa: E402
+
+from hops._compat import torch_xla_available  # noqa: E402
+
+if torch_xla_available():
+    import torch_xla  # noqa: E402
+    import torch_xla.runtime as xr  # noqa: E402
+
+    xr.use_spmd()
+    torch_xla.device()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch_xla_available():
+        return
+    skip = pytest.mark.skip(
+        reason="needs torch_xla (only built for torch 2.9.0; install the 'xla' extra)"
+    )
+    for item in items:
+        if "xla" in item.keywords:
+            item.add_marker(skip)
