@@ -47,3 +47,14 @@ def dynamo_hop_variable_base() -> type:
     from torch._dynamo.variables.higher_order_ops import TorchHigherOrderOperatorVariable
 
     return TorchHigherOrderOperatorVariable
+
+
+def dynamo_graph_break(gb_type: str, context: str, explanation: str) -> None:
+    """Stop Dynamo tracing here with a structured reason (an error under ``fullgraph=True``).
+
+    2.9 names the structured form ``unimplemented_v2``; 2.13 renamed it ``unimplemented``.
+    """
+    from torch._dynamo import exc
+
+    graph_break = getattr(exc, "unimplemented_v2", None) or exc.unimplemented
+    graph_break(gb_type=gb_type, context=context, explanation=explanation, hints=[])

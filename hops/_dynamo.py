@@ -7,15 +7,13 @@ source, so a different spec recompiles instead of silently reusing the graph).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
-
-import torch
 
 from hops import _compat
 
 
-def _constant_or_proxy(arg: Any, hop_name: str, position: int) -> Any:
-    from torch._dynamo.exc import unimplemented
+def _constant_or_proxy(tx: Any, arg: Any, hop_name: str, position: Any) -> Any:
     from torch._dynamo.variables.tensor import TensorVariable
 
     if isinstance(arg, TensorVariable):
@@ -24,21 +22,61 @@ def _constant_or_proxy(arg: Any, hop_name: str, position: int) -> Any:
         return arg.as_python_constant()
     except NotImplementedError:
         pass
-    # Values Dynamo models as user objects still hold the real object; ours are immutable.
-    value = getattr(arg, "value", None)
-    if value is not None and hasattr(type(value), "__fx_create_arg__"):
-        return value
-    unimplemented_args: dict[str, Any] = dict(
+    # Dynamo models our frozen spec dataclasses as user objects that still hold the value.
+    value_type = arg.python_type()
+    if dataclasses.is_dataclass(value_type) and hasattr(value_type, "__fx_create_arg__"):
+        if arg.source is not None:
+            _guard_on_value(arg.source, arg.value)
+            return arg.value
+        # Built inside the traced code: the fields live in Dynamo's side-effect tracking.
+        return _rebuild_in_trace(tx, arg)
+    _compat.dynamo_graph_break(
         gb_type=f"{hop_name}: non-constant argument",
         context=f"argument {position}: {arg}",
         explanation=f"{hop_name} takes tensors and constant spec values only",
-        hints=[],
     )
-    try:
-        unimplemented(**unimplemented_args)
-    except TypeError:  # older signature: a single message
-        unimplemented(unimplemented_args["explanation"])
-    raise AssertionError("unreachable")
+
+
+_PRIMITIVES = (int, float, bool, str, type(None))
+
+
+def _rebuild_in_trace(tx: Any, arg: Any) -> Any:
+    from torch._dynamo.variables.lists import BaseListVariable
+
+    if isinstance(arg, BaseListVariable):
+        return tuple(_rebuild_in_trace(tx, item) for item in arg.items)
+    value_type = arg.python_type()
+    if dataclasses.is_dataclass(value_type):
+        fields = [f.name for f in dataclasses.fields(value_type) if f.init]
+        return value_type(**{f: _rebuild_in_trace(tx, arg.var_getattr(tx, f)) for f in fields})
+    return arg.as_python_constant()
+
+
+def _guard_on_value(source: Any, value: Any) -> None:
+    """Guard that the object at ``source`` still equals ``value`` (a spec value).
+
+    EQUALS_MATCH accepts only builtin types, and ID_MATCH would recompile for every equal
+    spec built anew; a spec is a tree of frozen dataclasses, tuples and primitives, so guard
+    the type of each object and the equality of each primitive leaf.
+    """
+    from torch._dynamo.guards import GuardBuilder, install_guard
+    from torch._dynamo.source import AttrSource, GetItemSource
+
+    if isinstance(value, _PRIMITIVES) or (
+        type(value) is tuple and all(isinstance(v, _PRIMITIVES) for v in value)
+    ):
+        install_guard(source.make_guard(GuardBuilder.EQUALS_MATCH))
+        return
+    install_guard(source.make_guard(GuardBuilder.TYPE_MATCH))
+    if type(value) is tuple:
+        install_guard(source.make_guard(GuardBuilder.SEQUENCE_LENGTH))
+        for index, item in enumerate(value):
+            _guard_on_value(GetItemSource(source, index), item)
+    elif dataclasses.is_dataclass(value):
+        for field in dataclasses.fields(value):
+            _guard_on_value(AttrSource(source, field.name), getattr(value, field.name))
+    else:
+        raise TypeError(f"cannot guard on {type(value).__name__} at {source.name()}")
 
 
 def register_plain_hop(hop: Any) -> None:
@@ -50,8 +88,8 @@ def register_plain_hop(hop: Any) -> None:
         from torch._dynamo.variables.lazy import LazyVariableTracker
 
         args, kwargs = LazyVariableTracker.realize_all((args, kwargs))
-        values = [_constant_or_proxy(a, hop.__name__, i) for i, a in enumerate(args)]
-        named = {k: _constant_or_proxy(v, hop.__name__, k) for k, v in kwargs.items()}
+        values = [_constant_or_proxy(tx, a, hop.__name__, i) for i, a in enumerate(args)]
+        named = {k: _constant_or_proxy(tx, v, hop.__name__, k) for k, v in kwargs.items()}
         proxy = tx.output.create_proxy(
             "call_function", hop, hop.node_args(*values, **named), {}
         )

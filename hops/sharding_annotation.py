@@ -40,7 +40,13 @@ class ShardingAnnotation(HigherOrderOperator):
         super().__init__("hops_sharding_annotation")
 
     def __call__(self, x: torch.Tensor, spec: ShardingSpec, grad_spec: ShardingSpec | None = None):
-        _check_args(x, spec, grad_spec)
+        if isinstance(x, torch.fx.Proxy):
+            # torch.fx symbolic tracing (also how a pickled GraphModule is rebuilt).
+            _check_specs(spec, grad_spec, ndim=None)
+            return x.tracer.create_proxy("call_function", self, self.node_args(x, spec, grad_spec), {})
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"annotate_sharding(x=...) must be a Tensor, got {type(x).__name__}")
+        _check_specs(spec, grad_spec, ndim=x.dim())
         return super().__call__(*self.node_args(x, spec, grad_spec))
 
     @staticmethod
@@ -64,9 +70,7 @@ def annotate_sharding(
     return sharding_annotation_hop(x, spec, grad_spec)
 
 
-def _check_args(x: Any, spec: Any, grad_spec: Any) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"annotate_sharding(x=...) must be a Tensor, got {type(x).__name__}")
+def _check_specs(spec: Any, grad_spec: Any, ndim: int | None) -> None:
     for name, value in (("spec", spec), ("grad_spec", grad_spec)):
         if value is None and name == "grad_spec":
             continue
@@ -75,7 +79,8 @@ def _check_args(x: Any, spec: Any, grad_spec: Any) -> None:
                 f"annotate_sharding({name}=...) must be a hops.ShardingSpec, "
                 f"got {type(value).__name__} {value!r}"
             )
-        value.check_tensor(x.dim(), f"annotate_sharding({name}=...)")
+        if ndim is not None:
+            value.check_tensor(ndim, f"annotate_sharding({name}=...)")
 
 
 # --------------------------------------------------------------------------- eager

@@ -1,0 +1,57 @@
+"""Snapshot helpers: graph text that holds on every supported torch version, and a TestCase."""
+
+from __future__ import annotations
+
+import re
+
+import expecttest
+import torch
+import torch.fx as fx
+
+_DROP = re.compile(r"^\s*(# No stacktrace found.*|# File: .*|# Annotation: .*)$")
+
+
+def normalize(text: str) -> str:
+    lines = []
+    for line in text.splitlines():
+        line = line.rstrip()
+        if not line.strip() or _DROP.match(line):
+            continue
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def readable(gm: fx.GraphModule) -> str:
+    """``gm.print_readable`` without stack traces, blank lines or trailing spaces."""
+    return normalize(gm.print_readable(print_output=False))
+
+
+def delete_meta(gm: fx.GraphModule) -> None:
+    """Delete every ``node.meta`` and ``gm.meta`` in ``gm`` and its subgraphs."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            module.meta.clear()
+            for node in module.graph.nodes:
+                node.meta.clear()
+
+
+class TestCase(expecttest.TestCase):
+    """``expecttest.TestCase`` whose ``assertEqual`` compares tensors (and pytrees of them)."""
+
+    def assertEqual(self, actual, expected, msg=None):  # noqa: N802  (unittest's name)
+        if isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor) or (
+            isinstance(actual, (tuple, list)) and any(isinstance(a, torch.Tensor) for a in actual)
+        ):
+            torch.testing.assert_close(actual, expected, msg=msg)
+        else:
+            super().assertEqual(actual, expected, msg)
+
+
+def strip_detach(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop ``aten.detach`` nodes (value no-ops whose count differs across torch versions)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
