@@ -27,7 +27,7 @@ import passes
 SPEC = hops.ShardingSpec(hops.Mesh((2, 2), ("data", "model")), (hops.Shard(0), hops.Replicate()))
 aten = torch.ops.aten
 SIZES = (2_000, 20_000)
-ROUNDS = 4
+ROUNDS = 3
 REPEATS = {2_000: 3, 20_000: 1}  # per round
 PASSES = {"inline_hops": passes.inline_hops, "lower_to_xla": passes.lower_to_xla}
 

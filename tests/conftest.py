@@ -2,8 +2,8 @@
 
 torch_xla reads PJRT_DEVICE / CPU_NUM_DEVICES when it starts, so they are set before any
 import of it. When torch_xla is present, SPMD is switched on and the XLA device is created
-at session start: autograd on XLA tensors fails if a CPU backward ran before the XLA device
-existed, and tests must not depend on their order.
+at session start, and one XLA backward runs: autograd on XLA tensors fails if a CPU
+backward ran first, and tests must not depend on their order.
 """
 
 import os
@@ -12,6 +12,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "4")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from hops._compat import torch_xla_available  # noqa: E402
 
@@ -20,7 +21,11 @@ if torch_xla_available():
     import torch_xla.runtime as xr  # noqa: E402
 
     xr.use_spmd()
-    torch_xla.device()
+    # The autograd engine sizes its per-device queues at the first backward it runs; make
+    # that one an XLA backward so later XLA backwards work whatever ran before them.
+    _probe = torch.ones(1, device=torch_xla.device(), requires_grad=True)
+    (_probe * 2).sum().backward()
+    del _probe
 
 
 def pytest_collection_modifyitems(config, items):
