@@ -384,6 +384,24 @@ class ShardingSpec(_FxLiteral):
                 placements[index] = Shard(dim)
         return cls(mesh, tuple(Replicate() if p is None else p for p in placements))
 
+    def to_xla(self, ndim: int) -> tuple[Any, tuple[str | tuple[str, ...] | None, ...]]:
+        """``(torch_xla Mesh, partition spec)`` for a tensor of rank ``ndim``, as
+        ``xs.mark_sharding`` takes them."""
+        return self.mesh.to_xla(), self.to_partition_spec(ndim)
+
+    @classmethod
+    def from_xla(cls, xla_mesh: Any, partition_spec: Sequence[Any]) -> ShardingSpec:
+        """Inverse of ``to_xla``; integer mesh-axis indices are accepted like torch_xla does."""
+        mesh = Mesh.from_xla(xla_mesh)
+        by_name = [
+            None if entry is None
+            else mesh.axis_names[entry] if isinstance(entry, int)
+            else entry if isinstance(entry, str)
+            else tuple(mesh.axis_names[a] if isinstance(a, int) else a for a in entry)
+            for entry in partition_spec
+        ]
+        return cls.from_partition_spec(mesh, by_name)
+
     def to_dtensor_placements(self) -> tuple[Any, ...]:
         return tuple(p.to_dtensor() for p in self.placements)
 

@@ -109,6 +109,12 @@ def test_mesh_and_spec_to_torch_xla_and_back():
     assert Mesh.from_xla(xla_mesh) == MESH
     reordered = Mesh((2, 2), ("data", "model"), device_ids=(3, 1, 2, 0))
     assert Mesh.from_xla(reordered.to_xla()) == reordered
+    spec = ShardingSpec(reordered, (Shard(1), Shard(1)))
+    xla_mesh, partition_spec = spec.to_xla(3)
+    assert partition_spec == (None, ("data", "model"), None)
+    assert ShardingSpec.from_xla(xla_mesh, partition_spec) == spec
+    assert ShardingSpec.from_xla(xla_mesh, (None, (0, 1), None)) == spec
+    assert ShardingSpec.from_xla(xla_mesh, (1, None)) == ShardingSpec(reordered, (Replicate(), Shard(0)))
 
 
 # ----------------------------------------------------------------------------- bad calls
