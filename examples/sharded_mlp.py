@@ -68,6 +68,7 @@ def sharding_lines(hlo: str) -> list[str]:
 
 def main() -> None:
     import torch_xla
+    import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
     xr.use_spmd()
@@ -88,6 +89,7 @@ def main() -> None:
     for line in sharding_lines(torch_xla._XLAC._get_xla_tensors_hlo([loss])):
         print("  ", re.sub(r"\s+", " ", line))
     torch_xla.sync()
+    xm.wait_device_ops()  # the backward reads the forward's results: let that execution finish
     grad_up, grad_down, _ = backward(*saved, torch.ones((), device=device))
     print("# backward HLO: sharding custom calls")
     for line in sharding_lines(torch_xla._XLAC._get_xla_tensors_hlo([grad_up, grad_down])):

@@ -12,7 +12,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 @pytest.mark.xla
 def test_sharded_mlp_example():
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
+    # A fresh process as a user runs it: not the XLA_USE_SPMD this test process has set.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_USE_SPMD"}
+    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / "sharded_mlp.py")],
         capture_output=True, text=True, env=env, timeout=300,

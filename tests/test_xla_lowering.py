@@ -26,9 +26,13 @@ def xla_device():
 
 
 def sync():
+    """Materialize pending tensors and wait for the execution: reading HLO of tensors built on
+    results of a still-running execution intermittently crashes torch_xla 2.9 (SIGSEGV)."""
     import torch_xla
+    import torch_xla.core.xla_model as xm
 
     torch_xla.sync()
+    xm.wait_device_ops()
 
 
 def hlo_text(*tensors):
