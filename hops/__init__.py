@@ -9,10 +9,20 @@ node args print and run as ``hops.Shard(0)``.
 import sys as _sys
 
 from hops import _compat
-from hops.specs import Mesh, Partial, Placement, Replicate, Shard, ShardingSpec, spec_from_text
+from hops.specs import (
+    LocalMapSpec,
+    Mesh,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    ShardingSpec,
+    spec_from_text,
+)
 
 _compat.register_fx_global("hops", "import hops", _sys.modules[__name__])
 
+from hops.local_map import local_map, local_map_hop  # noqa: E402
 from hops.sharding_annotation import annotate_sharding, sharding_annotation_hop  # noqa: E402
 
 __all__ = [
@@ -22,7 +32,10 @@ __all__ = [
     "Replicate",
     "Partial",
     "ShardingSpec",
+    "LocalMapSpec",
     "spec_from_text",
+    "local_map",
+    "local_map_hop",
     "annotate_sharding",
     "sharding_annotation_hop",
 ]

@@ -25,6 +25,8 @@ __all__ = [
     "Replicate",
     "Partial",
     "ShardingSpec",
+    "LocalMapSpec",
+    "transpose_placement",
     "spec_from_text",
 ]
 
@@ -406,10 +408,121 @@ class ShardingSpec(_FxLiteral):
         return tuple(p.to_dtensor() for p in self.placements)
 
 
+# --------------------------------------------------------------------------- local_map spec
+
+Placements = tuple  # one Placement per mesh axis
+
+
+def _placements_tuple(value: Any, mesh: Mesh, where: str) -> tuple[Placement, ...]:
+    if isinstance(value, (Placement, str)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{where} must be a sequence with one placement per mesh axis {mesh.axis_names}, "
+            f"got {value!r}"
+        )
+    placements = tuple(_as_placement(p, f"{where}[{i}]") for i, p in enumerate(value))
+    if len(placements) != mesh.ndim:
+        raise ValueError(
+            f"{where} has {len(placements)} placements but the mesh has {mesh.ndim} axes "
+            f"{mesh.axis_names}: give one per mesh axis"
+        )
+    return placements
+
+
+def transpose_placement(placement: Placement, where: str) -> Placement:
+    """The placement of a cotangent: the adjoint of how the primal is laid out.
+
+    Sharded stays sharded; a replicated value's cotangent is a pending sum (each device's
+    contribution must be added); a pending sum's cotangent is replicated (the adjoint of a
+    sum is a broadcast). Only ``Partial("sum")`` has a linear adjoint.
+    """
+    if isinstance(placement, Replicate):
+        return Partial("sum")
+    if isinstance(placement, Partial):
+        if placement.reduce_op != "sum":
+            raise ValueError(
+                f"{where}: Partial({placement.reduce_op!r}) is not linear, so it has no gradient "
+                "placement; give in_grad_placements explicitly or use Partial('sum')"
+            )
+        return Replicate()
+    return placement
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class LocalMapSpec(_FxLiteral):
+    """Everything a ``local_map_hop`` node needs besides its body and tensors.
+
+    ``in_placements[i]`` / ``out_placements[j]`` / ``in_grad_placements[i]`` are tuples with
+    one placement per mesh axis, for the i-th flat tensor input / j-th flat tensor output.
+    ``in_grad_placements`` (``None``: derived by ``transpose_placement``) is the layout of
+    the gradient of each input.
+    """
+
+    mesh: Mesh
+    in_placements: tuple[tuple[Placement, ...], ...]
+    out_placements: tuple[tuple[Placement, ...], ...]
+    in_grad_placements: tuple[tuple[Placement, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(
+                f"LocalMapSpec(mesh=...) must be a hops.Mesh, got {type(self.mesh).__name__}"
+            )
+        for name in ("in_placements", "out_placements", "in_grad_placements"):
+            value = getattr(self, name)
+            if value is None and name == "in_grad_placements":
+                continue
+            if not isinstance(value, (tuple, list)):
+                raise TypeError(f"{name} must be a tuple of per-tensor placements, got {value!r}")
+            object.__setattr__(
+                self,
+                name,
+                tuple(_placements_tuple(p, self.mesh, f"{name}[{i}]") for i, p in enumerate(value)),
+            )
+        if self.in_grad_placements is not None and len(self.in_grad_placements) != len(self.in_placements):
+            raise ValueError(
+                f"in_grad_placements has {len(self.in_grad_placements)} entries but there are "
+                f"{len(self.in_placements)} tensor inputs"
+            )
+
+    def __repr__(self) -> str:
+        def fmt(groups: tuple[tuple[Placement, ...], ...]) -> str:
+            inner = ", ".join("(" + ", ".join(map(repr, g)) + ("," if len(g) == 1 else "") + ")" for g in groups)
+            return "(" + inner + ("," if len(groups) == 1 else "") + ")"
+
+        grads = "" if self.in_grad_placements is None else f", in_grad_placements={fmt(self.in_grad_placements)}"
+        return (
+            f"hops.LocalMapSpec(mesh={self.mesh!r}, in_placements={fmt(self.in_placements)}, "
+            f"out_placements={fmt(self.out_placements)}{grads})"
+        )
+
+    def grad_placements(self) -> tuple[tuple[Placement, ...], ...]:
+        """``in_grad_placements`` if given, else each input's placements transposed."""
+        if self.in_grad_placements is not None:
+            return self.in_grad_placements
+        return tuple(
+            tuple(transpose_placement(p, f"in_placements[{i}]") for p in group)
+            for i, group in enumerate(self.in_placements)
+        )
+
+    def backward_spec(self, needs_grad: Sequence[bool]) -> LocalMapSpec:
+        """The spec of the backward region: inputs are the primals and the output
+        cotangents; outputs are the gradients of the inputs with ``needs_grad``."""
+        cotangents = tuple(
+            tuple(transpose_placement(p, f"out_placements[{j}]") for p in group)
+            for j, group in enumerate(self.out_placements)
+        )
+        grads = self.grad_placements()
+        return LocalMapSpec(
+            self.mesh,
+            self.in_placements + cotangents,
+            tuple(g for g, needed in zip(grads, needs_grad) if needed),
+        )
+
+
 # --------------------------------------------------------------------------- text form
 
 _TEXT_CONSTRUCTORS = {
-    cls.__name__: cls for cls in (Mesh, Shard, Replicate, Partial, ShardingSpec)
+    cls.__name__: cls for cls in (Mesh, Shard, Replicate, Partial, ShardingSpec, LocalMapSpec)
 }
 
 

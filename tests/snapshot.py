@@ -8,6 +8,8 @@ import expecttest
 import torch
 import torch.fx as fx
 
+from hops._subgraph import strip_detach  # noqa: F401  (re-exported for tests)
+
 _DROP = re.compile(r"^\s*(# No stacktrace found.*|# File: .*|# Annotation: .*)$")
 
 
@@ -46,12 +48,3 @@ class TestCase(expecttest.TestCase):
         else:
             super().assertEqual(actual, expected, msg)
 
-
-def strip_detach(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop ``aten.detach`` nodes (value no-ops whose count differs across torch versions)."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-    gm.recompile()
-    return gm

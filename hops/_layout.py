@@ -1,0 +1,133 @@
+"""How a global tensor maps to per-device local tensors under DTensor-style placements.
+
+Mesh axes are applied in order (axis 0 is the most significant), as DTensor does: a dim
+sharded by axes ``a`` then ``b`` is split into ``size(a) * size(b)`` chunks and device
+``(i, j)`` holds chunk ``i * size(b) + j``. ``Partial`` splits a value into per-device
+contributions that reduce back to it: for ``sum`` the first device along the axis holds the
+value and the others zeros; for ``avg``/``max``/``min`` every device holds the value.
+
+These are the reference semantics the eager SPMD simulation runs and every lowering is
+checked against.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Sequence
+
+import torch
+
+from hops.specs import Mesh, Partial, Placement, Replicate, Shard
+
+
+def device_coordinates(mesh: Mesh) -> list[tuple[int, ...]]:
+    """Every device's coordinate in the mesh, row-major (the order of ``mesh.device_ids``)."""
+    return list(itertools.product(*(range(n) for n in mesh.shape)))
+
+
+def check_divisible(shape: Sequence[Any], placements: Sequence[Placement], mesh: Mesh, what: str) -> None:
+    """``ValueError`` naming ``what`` and the dim if a sharded dim does not split evenly."""
+    for dim in range(len(shape)):
+        ways = shard_ways(placements, mesh, dim)
+        if ways > 1 and shape[dim] % ways != 0:
+            axes = [a for a, p in zip(mesh.axis_names, placements) if isinstance(p, Shard) and p.dim == dim]
+            raise ValueError(
+                f"{what}: dim {dim} has size {shape[dim]}, which does not split evenly over mesh "
+                f"axes {axes} ({ways} ways); local_map needs even shards"
+            )
+
+
+def shard_ways(placements: Sequence[Placement], mesh: Mesh, dim: int) -> int:
+    ways = 1
+    for size, placement in zip(mesh.shape, placements):
+        if isinstance(placement, Shard) and placement.dim == dim:
+            ways *= size
+    return ways
+
+
+def check_rank(ndim: int, placements: Sequence[Placement], mesh: Mesh, what: str) -> None:
+    for axis, placement in zip(mesh.axis_names, placements):
+        if isinstance(placement, Shard) and placement.dim >= ndim:
+            raise ValueError(
+                f"{what}: placement {placement!r} on mesh axis {axis!r} shards dim {placement.dim}, "
+                f"but the tensor has rank {ndim}"
+            )
+
+
+def local_shape(shape: Sequence[Any], placements: Sequence[Placement], mesh: Mesh, what: str) -> list[Any]:
+    """The shape each device holds of a global tensor of ``shape``."""
+    check_rank(len(shape), placements, mesh, what)
+    check_divisible(shape, placements, mesh, what)
+    return [size // shard_ways(placements, mesh, dim) for dim, size in enumerate(shape)]
+
+
+def global_shape(shape: Sequence[Any], placements: Sequence[Placement], mesh: Mesh, what: str) -> list[Any]:
+    """The global shape of a tensor whose per-device pieces have ``shape``."""
+    check_rank(len(shape), placements, mesh, what)
+    return [size * shard_ways(placements, mesh, dim) for dim, size in enumerate(shape)]
+
+
+def shard_for_device(
+    tensor: torch.Tensor, placements: Sequence[Placement], mesh: Mesh, coordinate: Sequence[int]
+) -> torch.Tensor:
+    """The local tensor device ``coordinate`` holds of the global ``tensor``."""
+    local = tensor
+    for size, placement, index in zip(mesh.shape, placements, coordinate):
+        if isinstance(placement, Shard):
+            local = local.chunk(size, dim=placement.dim)[index]
+        elif isinstance(placement, Partial) and placement.reduce_op == "sum" and index != 0:
+            local = torch.zeros_like(local)
+    return local.clone()
+
+
+_REDUCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sum": lambda stacked: stacked.sum(0),
+    "avg": lambda stacked: stacked.mean(0),
+    "max": lambda stacked: stacked.amax(0),
+    "min": lambda stacked: stacked.amin(0),
+}
+
+
+def assemble(
+    pieces: dict[tuple[int, ...], torch.Tensor],
+    placements: Sequence[Placement],
+    mesh: Mesh,
+    what: str,
+) -> torch.Tensor:
+    """The global tensor whose device pieces are ``pieces`` (keyed by device coordinate).
+
+    Combines the last mesh axis first, so chunks of a dim sharded by several axes land in
+    axis-0-major order. ``Replicate`` pieces must agree (else ``ValueError`` naming ``what``).
+    """
+    grid = dict(pieces)
+    for axis in reversed(range(mesh.ndim)):
+        placement = placements[axis]
+        combined: dict[tuple[int, ...], torch.Tensor] = {}
+        for prefix in {coordinate[:axis] for coordinate in grid}:
+            row = [grid[prefix + (i,)] for i in range(mesh.shape[axis])]
+            combined[prefix] = _combine(row, placement, mesh.axis_names[axis], what)
+        grid = combined
+    return grid[()]
+
+
+def _combine(row: list[torch.Tensor], placement: Placement, axis: str, what: str) -> torch.Tensor:
+    if isinstance(placement, Shard):
+        return torch.cat(row, dim=placement.dim)
+    if isinstance(placement, Partial):
+        return _REDUCE[placement.reduce_op](torch.stack(row))
+    assert isinstance(placement, Replicate)
+    first = row[0]
+    for index, other in enumerate(row[1:], start=1):
+        same = (
+            torch.allclose(first, other, rtol=1e-5, atol=1e-6)
+            if first.is_floating_point() or first.is_complex()
+            else torch.equal(first, other)
+        )
+        if not same:
+            raise ValueError(
+                f"{what} is declared Replicate on mesh axis {axis!r}, but device {index} along that "
+                f"axis produced a different value than device 0 (max difference "
+                f"{(first.double() - other.double()).abs().max().item():.3g}); declare it Partial "
+                "or Shard, or make the body's result identical on every device"
+            )
+    return first

@@ -1,0 +1,119 @@
+"""Helpers for HOPs whose first argument is a body (a callable traced into a subgraph)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+
+def body_name(body: Any) -> str:
+    """A Python identifier naming ``body`` after the user function it came from.
+
+    Functions keep their ``__name__``; a GraphModule traced from one carries it as its class
+    name (``make_fx`` names the class after the function), so re-tracing keeps the name.
+    """
+    name = getattr(body, "__name__", None)
+    if not isinstance(name, str) or name in ("GraphModule", "forward"):
+        name = type(body).__name__
+    name = re.sub(r"\W+", "_", name).strip("_") or "body"
+    if name == "GraphModule":
+        name = "body"
+    return name if not name[0].isdigit() else f"body_{name}"
+
+
+def named(fn: Callable, name: str) -> Callable:
+    """``fn`` under the name ``name``, so the subgraph traced from it is named after the user function."""
+
+    def call(*args: Any) -> Any:
+        return fn(*args)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def strip_detach(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop ``aten.detach`` nodes: value no-ops left behind by tracing a vjp."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def _is_mutating_use(node: fx.Node, value: fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        given = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+        if given is value or (isinstance(given, (list, tuple)) and value in given):
+            return True
+    return False
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def find_input_mutation_and_aliasing(gm: fx.GraphModule) -> tuple[list[int], list[tuple[int, int]]]:
+    """Inputs a traced body writes to, and (output, input) pairs where an output aliases an input.
+
+    Reads op schemas: a write through any view of a placeholder counts as a mutation of it,
+    and an output that is a placeholder or a view of one aliases it.
+    """
+    root_of: dict[fx.Node, int] = {}
+    mutated: set[int] = set()
+    aliased: list[tuple[int, int]] = []
+    index = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            root_of[node] = index
+            index += 1
+        elif node.op == "call_function":
+            for value in node.all_input_nodes:
+                if value in root_of and _is_mutating_use(node, value):
+                    mutated.add(root_of[value])
+            if _is_view(node) and node.args and node.args[0] in root_of:
+                root_of[node] = root_of[node.args[0]]
+        elif node.op == "output":
+            outputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
+            for position, value in enumerate(outputs):
+                if isinstance(value, fx.Node) and value in root_of:
+                    aliased.append((position, root_of[value]))
+    return sorted(mutated), aliased
+
+
+def check_body_is_functional(
+    gm: fx.GraphModule, function: str, input_names: Sequence[str] | None = None
+) -> None:
+    """``ValueError`` naming the function and argument if the body mutates or aliases an input."""
+    mutated, aliased = find_input_mutation_and_aliasing(gm)
+
+    def name(i: int) -> str:
+        return input_names[i] if input_names is not None and i < len(input_names) else f"input {i}"
+
+    if mutated:
+        raise ValueError(
+            f"{function} mutates its argument {name(mutated[0])} in place; a region body must be "
+            "functional (return a new tensor instead of writing into an input)"
+        )
+    if aliased:
+        output, source = aliased[0]
+        raise ValueError(
+            f"{function} returns output {output}, which aliases its argument {name(source)} (the input "
+            "itself or a view of it); return a copy (e.g. .clone()) instead"
+        )

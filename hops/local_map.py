@@ -1,0 +1,377 @@
+"""``local_map_hop``: a region whose body runs on each device's local shard.
+
+``hops.local_map(fn, mesh=..., in_placements=..., out_placements=...)`` returns a callable
+taking *global* tensors. Calling it emits one node
+``hops_local_map(body, *flat_tensor_inputs, spec)`` whose ``spec`` is a typed
+``LocalMapSpec`` holding the mesh and every placement. The body sees each device's local
+tensors; outputs are the global tensors the per-device results form under
+``out_placements``.
+
+Rules:
+- eager: an SPMD simulation (one body call per device on its shard; outputs reassembled,
+  ``Replicate`` outputs checked to agree): the reference every lowering is compared with;
+- fake: local shapes from global shapes and placements, the body on them, global output shapes;
+- functionalization / proxy: the body must not mutate or alias its inputs (refused, naming them);
+  the body is traced into a subgraph named after the user function;
+- autograd: the backward is another ``local_map_hop`` (inputs: primals and output cotangents;
+  outputs: input gradients laid out per ``in_grad_placements``, derived when not given:
+  replicated -> ``Partial``, sharded -> same shard). It recomputes the body's forward, so no
+  activation crosses the region boundary.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch._C import DispatchKey
+from torch._higher_order_ops.utils import (
+    _maybe_run_with_interpreter,
+    materialize_as_graph,
+    reenter_make_fx,
+)
+from torch._ops import HigherOrderOperator
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import (
+    ProxyTorchDispatchMode,
+    disable_proxy_modes_tracing,
+    track_tensor_tree,
+)
+
+from hops import _layout
+from hops._subgraph import body_name, check_body_is_functional, named, strip_detach
+from hops.specs import LocalMapSpec, Mesh, Placement
+
+__all__ = ["local_map", "local_map_hop"]
+
+
+class LocalMap(HigherOrderOperator):
+    """HOP ``hops_local_map(body, *tensors, spec)``."""
+
+    def __init__(self) -> None:
+        super().__init__("hops_local_map")
+
+    def __call__(self, body: Callable, *tensors_and_spec: Any):
+        tensors, spec = _split(tensors_and_spec)
+        _check_call(body, tensors, spec)
+        return super().__call__(body, *tensors, spec)
+
+
+local_map_hop = LocalMap()
+
+
+def _split(tensors_and_spec: Sequence[Any]) -> tuple[tuple[Any, ...], LocalMapSpec]:
+    if not tensors_and_spec or not isinstance(tensors_and_spec[-1], LocalMapSpec):
+        raise TypeError(
+            "local_map_hop(body, *tensors, spec): the last argument must be a hops.LocalMapSpec, "
+            f"got {type(tensors_and_spec[-1]).__name__ if tensors_and_spec else 'nothing'}"
+        )
+    return tuple(tensors_and_spec[:-1]), tensors_and_spec[-1]
+
+
+def _check_call(body: Any, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
+    if not callable(body):
+        raise TypeError(f"local_map_hop: body must be callable, got {type(body).__name__}")
+    if len(tensors) != len(spec.in_placements):
+        raise ValueError(
+            f"local_map {body_name(body)}: {len(tensors)} tensor inputs but in_placements has "
+            f"{len(spec.in_placements)} entries"
+        )
+    for i, (tensor, placements) in enumerate(zip(tensors, spec.in_placements)):
+        what = f"local_map {body_name(body)}: input {i}"
+        if isinstance(tensor, torch.fx.Proxy):
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{what} must be a Tensor, got {type(tensor).__name__}")
+        _layout.local_shape(tensor.shape, placements, spec.mesh, what)
+
+
+# --------------------------------------------------------------------------- public API
+
+_IS_PLACEMENTS = lambda value: isinstance(value, tuple) and all(  # noqa: E731
+    isinstance(p, Placement) or type(p).__module__.startswith("torch.distributed.tensor")
+    for p in value
+)
+
+
+def _is_placements_leaf(value: Any) -> bool:
+    return value is None or (isinstance(value, (tuple, list)) and len(value) > 0 and _IS_PLACEMENTS(tuple(value)))
+
+
+def _broadcast(prefix: Any, tree: Any, where: str) -> list[Any]:
+    """Expand a pytree prefix of placements over ``tree``'s leaves."""
+    if _is_placements_leaf(prefix):
+        leaf = None if prefix is None else tuple(prefix)
+        return [leaf] * len(pytree.tree_leaves(tree))
+    if isinstance(prefix, (tuple, list)) and isinstance(tree, (tuple, list)) and len(prefix) == len(tree):
+        return [p for i, (sub, t) in enumerate(zip(prefix, tree)) for p in _broadcast(sub, t, f"{where}[{i}]")]
+    if isinstance(prefix, dict) and isinstance(tree, dict) and prefix.keys() == tree.keys():
+        return [p for k in tree for p in _broadcast(prefix[k], tree[k], f"{where}[{k!r}]")]
+    raise ValueError(
+        f"{where} does not match its argument: expected a placements tuple, None, or the same "
+        f"structure as the argument ({type(tree).__name__}), got {prefix!r}"
+    )
+
+
+def local_map(
+    fn: Callable,
+    *,
+    mesh: Mesh,
+    in_placements: Sequence[Any],
+    out_placements: Any,
+    in_grad_placements: Sequence[Any] | None = None,
+) -> Callable:
+    """Wrap ``fn`` so that it runs on local shards of global tensors (DTensor's ``local_map``).
+
+    ``in_placements`` has one entry per positional argument: a tuple with one placement per
+    mesh axis (applied to every tensor in that argument), ``None`` for a non-tensor argument,
+    or a pytree matching the argument. ``out_placements`` mirrors the structure ``fn``
+    returns, with a placements tuple per tensor. ``in_grad_placements`` (same structure as
+    ``in_placements``) lays out input gradients; by default replicated inputs get ``Partial``
+    gradients and sharded inputs keep their shard. Bad placements raise ``TypeError`` /
+    ``ValueError`` naming ``fn`` and the argument.
+    """
+    name = getattr(fn, "__name__", "fn")
+    if not callable(fn):
+        raise TypeError(f"local_map(fn=...) must be callable, got {type(fn).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"local_map({name}): mesh must be a hops.Mesh, got {type(mesh).__name__}")
+    if not isinstance(in_placements, (tuple, list)):
+        raise TypeError(
+            f"local_map({name}): in_placements must have one entry per positional argument, got {in_placements!r}"
+        )
+    if in_grad_placements is not None and (
+        not isinstance(in_grad_placements, (tuple, list)) or len(in_grad_placements) != len(in_placements)
+    ):
+        raise ValueError(
+            f"local_map({name}): in_grad_placements must have one entry per positional argument "
+            f"({len(in_placements)}), got {in_grad_placements!r}"
+        )
+    out_leaves, out_treespec = pytree.tree_flatten(out_placements, is_leaf=_is_placements_leaf)
+    if not out_leaves or any(p is None for p in out_leaves):
+        raise ValueError(f"local_map({name}): out_placements needs a placements tuple for every output")
+    # Validate placements against the mesh now, before any call.
+    LocalMapSpec(mesh, (), tuple(out_leaves))
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        if len(args) != len(in_placements):
+            raise TypeError(
+                f"local_map({name}): called with {len(args)} positional arguments but in_placements "
+                f"has {len(in_placements)} entries"
+            )
+        leaves, args_treespec = pytree.tree_flatten(args)
+        per_leaf = _broadcast(tuple(in_placements), args, f"local_map({name}) in_placements")
+        grads_per_leaf = (
+            None
+            if in_grad_placements is None
+            else _broadcast(tuple(in_grad_placements), args, f"local_map({name}) in_grad_placements")
+        )
+        tensor_positions = []
+        for position, (leaf, placements) in enumerate(zip(leaves, per_leaf)):
+            is_tensor = isinstance(leaf, torch.Tensor)
+            if is_tensor and placements is None:
+                raise ValueError(f"local_map({name}): tensor argument leaf {position} has no in_placements (None)")
+            if not is_tensor and placements is not None:
+                raise TypeError(
+                    f"local_map({name}): in_placements gives placements for leaf {position}, which is "
+                    f"a {type(leaf).__name__}, not a tensor; use None for non-tensor arguments"
+                )
+            if is_tensor:
+                tensor_positions.append(position)
+        spec = LocalMapSpec(
+            mesh,
+            tuple(per_leaf[p] for p in tensor_positions),
+            tuple(out_leaves),
+            None if grads_per_leaf is None else tuple(grads_per_leaf[p] for p in tensor_positions),
+        )
+
+        def body(*local_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            local_leaves = list(leaves)
+            for position, tensor in zip(tensor_positions, local_tensors):
+                local_leaves[position] = tensor
+            result = fn(*pytree.tree_unflatten(local_leaves, args_treespec))
+            result_leaves, result_treespec = pytree.tree_flatten(result)
+            if result_treespec != out_treespec or not all(isinstance(r, torch.Tensor) for r in result_leaves):
+                raise TypeError(
+                    f"local_map({name}) returned {pytree.tree_map(lambda r: type(r).__name__, result)}, "
+                    f"which does not match out_placements {out_placements!r}"
+                )
+            return tuple(result_leaves)
+
+        body.__name__ = name
+        flat_outputs = local_map_hop(body, *(leaves[p] for p in tensor_positions), spec)
+        return pytree.tree_unflatten(list(flat_outputs), out_treespec)
+
+    return call
+
+
+# --------------------------------------------------------------------------- eager
+
+
+def _check_outputs(name: str, outputs: Any, spec: LocalMapSpec) -> tuple[torch.Tensor, ...]:
+    if not isinstance(outputs, (tuple, list)) or len(outputs) != len(spec.out_placements):
+        raise TypeError(
+            f"local_map {name}: the body must return {len(spec.out_placements)} tensors "
+            f"(one per out_placements entry), got {type(outputs).__name__}"
+        )
+    for j, (output, placements) in enumerate(zip(outputs, spec.out_placements)):
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"local_map {name}: output {j} is a {type(output).__name__}, not a tensor")
+        _layout.check_rank(output.dim(), placements, spec.mesh, f"local_map {name}: output {j}")
+    return tuple(outputs)
+
+
+def simulate(body: Callable, tensors: Sequence[torch.Tensor], spec: LocalMapSpec) -> tuple[torch.Tensor, ...]:
+    """Run ``body`` once per device on its local shards and assemble the global outputs."""
+    name = body_name(body)
+    pieces: list[dict[tuple[int, ...], torch.Tensor]] = [{} for _ in spec.out_placements]
+    for coordinate in _layout.device_coordinates(spec.mesh):
+        local = [
+            _layout.shard_for_device(t, placements, spec.mesh, coordinate)
+            for t, placements in zip(tensors, spec.in_placements)
+        ]
+        versions = [t._version for t in local]
+        outputs = _check_outputs(name, body(*local), spec)
+        for i, (t, version) in enumerate(zip(local, versions)):
+            if t._version != version:
+                raise ValueError(
+                    f"{name} mutates its argument input {i} in place; a region body must be functional"
+                )
+        for j, output in enumerate(outputs):
+            if any(output.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in local):
+                raise ValueError(f"{name} returns output {j}, which aliases one of its arguments; return a copy")
+            pieces[j][coordinate] = output
+    return tuple(
+        _layout.assemble(p, placements, spec.mesh, f"local_map {name}: output {j}")
+        for j, (p, placements) in enumerate(zip(pieces, spec.out_placements))
+    )
+
+
+@local_map_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
+def _eager(body: Callable, *tensors_and_spec: Any):
+    tensors, spec = _split(tensors_and_spec)
+    return simulate(body, tensors, spec)
+
+
+# --------------------------------------------------------------------------- fake
+
+
+def _local_examples(tensors: Sequence[torch.Tensor], spec: LocalMapSpec) -> list[torch.Tensor]:
+    """Device 0's local tensors: what the body is traced with."""
+    origin = (0,) * spec.mesh.ndim
+    return [
+        _layout.shard_for_device(t, placements, spec.mesh, origin)
+        for t, placements in zip(tensors, spec.in_placements)
+    ]
+
+
+@local_map_hop.py_impl(FakeTensorMode)
+def _fake(mode: FakeTensorMode, body: Callable, *tensors_and_spec: Any):
+    tensors, spec = _split(tensors_and_spec)
+    name = body_name(body)
+    with mode:
+        outputs = _check_outputs(name, body(*_local_examples(tensors, spec)), spec)
+        return tuple(
+            output.new_empty(
+                _layout.global_shape(output.shape, placements, spec.mesh, f"local_map {name}: output {j}")
+            )
+            for j, (output, placements) in enumerate(zip(outputs, spec.out_placements))
+        )
+
+
+# --------------------------------------------------------------------------- functionalize
+
+
+@local_map_hop.py_functionalize_impl
+def _functionalize(ctx: Any, body: Callable, *tensors_and_spec: Any):
+    tensors, spec = _split(tensors_and_spec)
+    unwrapped = ctx.unwrap_tensors(tensors)
+    with disable_proxy_modes_tracing():
+        examples = _local_examples(unwrapped, spec)
+    # Functionalizing a body that writes into its inputs would silently drop the writes.
+    check_body_is_functional(materialize_as_graph(body, tuple(examples)), body_name(body))
+    with ctx.redispatch_to_next():
+        functional_body = named(ctx.functionalize(_maybe_run_with_interpreter(body)), body_name(body))
+        outputs = local_map_hop(functional_body, *unwrapped, spec)
+    return ctx.wrap_tensors(outputs)
+
+
+# --------------------------------------------------------------------------- proxy
+
+
+@local_map_hop.py_impl(ProxyTorchDispatchMode)
+def _proxy(mode: ProxyTorchDispatchMode, body: Callable, *tensors_and_spec: Any):
+    tensors, spec = _split(tensors_and_spec)
+    name = body_name(body)
+    with disable_proxy_modes_tracing():
+        outputs = local_map_hop(body, *tensors, spec)
+        examples = _local_examples(tensors, spec)
+    body_graph = reenter_make_fx(body)(*examples)
+    check_body_is_functional(body_graph, name)
+    qualname = mode.tracer.get_fresh_qualname(f"{name}_body_")
+    mode.tracer.root.register_module(qualname, body_graph)
+    node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (body_graph, *tensors, spec))
+    out_proxy = mode.tracer.create_proxy("call_function", local_map_hop, node_args, {})
+    return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+def _backward_body(body: Callable, n_inputs: int, needs_grad: Sequence[bool]) -> Callable:
+    """Local vjp of ``body``: (primals..., cotangents...) -> grads of the inputs that need them."""
+
+    def backward(*primals_and_cotangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        primals = [
+            p.detach().requires_grad_(need)
+            for p, need in zip(primals_and_cotangents[:n_inputs], needs_grad)
+        ]
+        cotangents = primals_and_cotangents[n_inputs:]
+        with torch.enable_grad():
+            outputs = body(*primals)
+        pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
+        wanted = [p for p, need in zip(primals, needs_grad) if need]
+        grads = (
+            torch.autograd.grad([o for o, _ in pairs], wanted, [c for _, c in pairs], allow_unused=True)
+            if pairs
+            else [None] * len(wanted)
+        )
+        return tuple(torch.zeros_like(p) if g is None else g for g, p in zip(grads, wanted))
+
+    return backward
+
+
+class _LocalMapFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, body: Callable, spec: LocalMapSpec, *tensors: torch.Tensor):
+        ctx.body, ctx.spec = body, spec
+        ctx.save_for_backward(*tensors)
+        with torch._C._AutoDispatchBelowAutograd():
+            return local_map_hop(body, *tensors, spec)
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor):
+        tensors = ctx.saved_tensors
+        needs_grad = list(ctx.needs_input_grad[2:])
+        backward_spec = ctx.spec.backward_spec(needs_grad)
+        # Trace the vjp here, where autograd is live; traced inside the proxy rule it would
+        # run below autograd and produce no gradients.
+        with disable_proxy_modes_tracing():
+            examples = _local_examples((*tensors, *cotangents), backward_spec)
+        backward_graph = strip_detach(
+            materialize_as_graph(
+                _backward_body(ctx.body, len(tensors), needs_grad), tuple(examples), force_enable_grad=True
+            )
+        )
+        backward_body = named(backward_graph, f"{body_name(ctx.body)}_bwd")
+        grads = iter(local_map_hop(backward_body, *tensors, *cotangents, backward_spec))
+        return (None, None, *(next(grads) if need else None for need in needs_grad))
+
+
+@local_map_hop.py_autograd_impl
+def _autograd(body: Callable, *tensors_and_spec: Any):
+    tensors, spec = _split(tensors_and_spec)
+    return _LocalMapFunction.apply(body, spec, *tensors)
