@@ -58,3 +58,33 @@ def dynamo_graph_break(gb_type: str, context: str, explanation: str) -> None:
 
     graph_break = getattr(exc, "unimplemented_v2", None) or exc.unimplemented
     graph_break(gb_type=gb_type, context=context, explanation=explanation, hints=[])
+
+
+def dynamo_speculate_subgraph(tx: Any, body: Any, body_inputs: list, hop: Any) -> tuple:
+    """Trace ``body`` (a VariableTracker) into a subgraph with Dynamo's own machinery.
+
+    Returns ``(graph, lifted)``: the graph takes one input per ``body_inputs`` entry (each
+    a TensorVariable whose node's ``example_value`` gives the input's metadata), then the
+    lifted closure values; ``lifted`` maps each outer proxy to its inner placeholder, in
+    input order. Its output is ``body``'s, unflattened. Mutating or aliasing an input,
+    or aliasing between outputs, is a graph break.
+
+    ``speculate_subgraph`` is private but has these arguments in 2.9 and 2.13; 2.13 calls
+    it the legacy path (newer torch HOPs use ``speculate_subgraph_with_auto_output_flattening``,
+    absent in 2.9), so it may move.
+    """
+    from torch._dynamo.variables.higher_order_ops import speculate_subgraph
+
+    (_output, _output_spec), graph, lifted = speculate_subgraph(
+        tx,
+        body,
+        body_inputs,
+        {},
+        hop.__name__,
+        source_target=hop,
+        set_subgraph_inputs="manual",
+        should_flatten_outputs=False,
+        supports_input_mutation=False,
+        supports_aliasing=False,
+    )
+    return graph, lifted

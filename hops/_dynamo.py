@@ -3,12 +3,19 @@
 A HOP without subgraphs is traced like any op: tensor arguments become proxies and spec
 arguments become Python constants baked into the node (Dynamo guards them through their
 source, so a different spec recompiles instead of silently reusing the graph).
+
+A HOP whose first argument is a Python body (``register_subgraph_hop``) gets the same
+treatment for its tensors and specs; Dynamo traces the body into a GraphModule, and tensors
+the body closes over become explicit inputs of that GraphModule and of the node.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
+
+import torch
 
 from hops import _compat
 
@@ -105,3 +112,141 @@ def register_plain_hop(hop: Any) -> None:
         },
     )
     _compat.register_dynamo_hop_variable(hop, variable_cls)
+
+
+def register_subgraph_hop(hop: Any) -> None:
+    """Register with Dynamo a HOP called as ``hop(body, *tensor_args, *specs)``.
+
+    ``body`` is a Python callable taking the tensor args positionally and returning a tensor
+    or a tuple/list of tensors; ``specs`` are the trailing non-tensor args (spec values),
+    baked into the node as constants and guarded like a plain HOP's.
+
+    Dynamo traces ``body`` into a GraphModule and emits ONE node::
+
+        hop(body_gm, *tensor_args, lifted, *specs)
+
+    ``body_gm`` (a ``get_attr``) returns what ``body`` returns (same structure) and takes
+    ``(*tensor_args, *lifted)``. ``lifted`` is always a tuple, possibly empty: the tensors
+    (and symbolic ints) the body reads from its closure or globals, in the order of the
+    body's trailing inputs. The HOP's rules must accept this node form as well as the user
+    form without ``lifted``.
+
+    Optional hook ``hop.body_example_args(args, specs) -> tuple`` (``args``: one fake tensor
+    per tensor arg) returns the inputs the body really sees (e.g. local shards): the body
+    is speculated on their shapes. Default: the tensor args themselves. The node's output
+    metadata comes from the HOP's own FakeTensorMode rule, run on the node, never from the
+    body's outputs.
+    """
+    base = _compat.dynamo_hop_variable_base()
+
+    def _call_function(self: Any, tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        from torch._dynamo.variables.builder import wrap_fx_proxy
+        from torch._dynamo.variables.higher_order_ops import make_attr
+        from torch._dynamo.variables.lazy import LazyVariableTracker
+        from torch._dynamo.variables.tensor import TensorVariable
+
+        args, kwargs = LazyVariableTracker.realize_all((args, kwargs))
+        if kwargs or not args or isinstance(args[0], TensorVariable):
+            _compat.dynamo_graph_break(
+                gb_type=f"{hop.__name__}: unsupported call",
+                context=f"args: {args}, kwargs: {kwargs}",
+                explanation=f"{hop.__name__} takes (body, *tensors, *specs), positionally",
+            )
+        body, rest = args[0], args[1:]
+        num_tensors = 0
+        while num_tensors < len(rest) and isinstance(rest[num_tensors], TensorVariable):
+            num_tensors += 1
+        tensor_args, spec_args = rest[:num_tensors], rest[num_tensors:]
+        specs = tuple(
+            _constant_or_proxy(tx, a, hop.__name__, num_tensors + 1 + i)
+            for i, a in enumerate(spec_args)
+        )
+        if any(isinstance(s, torch.fx.Proxy) for s in specs):
+            _compat.dynamo_graph_break(
+                gb_type=f"{hop.__name__}: tensor after a spec argument",
+                context=f"args: {args}",
+                explanation=f"{hop.__name__} takes its tensors before its spec arguments",
+            )
+
+        example_args = _body_example_args(tx, hop, tensor_args, specs)
+        # Speculate on graph-free copies of the args that carry the body's example values:
+        # "manual" inputs take their placeholder metadata from these, so the body sees the
+        # shapes it will really get, and the outer graph and its tensors are left untouched.
+        body_inputs = [
+            _graph_free_tensor_variable(vt.as_proxy().node.name, example)
+            for vt, example in zip(tensor_args, example_args)
+        ]
+        # Outputs stay unflattened: body_gm returns what body returns, so the HOP's rules
+        # may be given either one.
+        body_graph, lifted_freevars = _compat.dynamo_speculate_subgraph(tx, body, body_inputs, hop)
+        body_gm = torch.fx.GraphModule(tx.output.nn_modules, body_graph)
+        body_name = tx.output.install_subgraph(_subgraph_name(body), body_gm)
+        node_args = (
+            make_attr(tx, body_name),
+            *(vt.as_proxy() for vt in tensor_args),
+            tuple(lifted_freevars.keys()),
+            *specs,
+        )
+        proxy = tx.output.create_proxy("call_function", hop, node_args, {})
+        # No example value given: Dynamo runs the node under its FakeTensorMode, i.e. the
+        # HOP's own fake rule decides the output shapes.
+        return wrap_fx_proxy(tx=tx, proxy=proxy)
+
+    variable_cls = type(
+        f"{type(hop).__name__}Variable",
+        (base,),
+        {
+            "_HOP_NAME": f"torch.ops.higher_order.{hop.__name__}",
+            "_ALLOW_FALLBACK_TO_EAGER": True,
+            "_call_function": _call_function,
+        },
+    )
+    _compat.register_dynamo_hop_variable(hop, variable_cls)
+
+
+def _body_example_args(tx: Any, hop: Any, tensor_args: list[Any], specs: tuple) -> tuple:
+    """Fresh fake tensors shaped like what the body receives (``hop.body_example_args``)."""
+    fake_args = tuple(vt.as_proxy().node.meta["example_value"] for vt in tensor_args)
+    hook = getattr(hop, "body_example_args", None)
+    with tx.fake_mode:
+        examples = fake_args if hook is None else tuple(hook(fake_args, specs))
+        if len(examples) != len(fake_args) or not all(
+            isinstance(t, torch.Tensor) for t in examples
+        ):
+            raise TypeError(
+                f"{hop.__name__}.body_example_args must return one tensor per tensor "
+                f"argument ({len(fake_args)}), got {examples!r}"
+            )
+        # Fresh storage: a shard view of an arg must not look like aliasing the arg itself
+        # when the body also closes over it (Dynamo rejects aliased subgraph inputs).
+        return tuple(
+            torch.empty_strided(
+                t.size(),
+                t.stride(),
+                dtype=t.dtype,
+                device=t.device,
+                requires_grad=t.requires_grad,
+            )
+            for t in examples
+        )
+
+
+def _graph_free_tensor_variable(name: str, example: Any) -> Any:
+    """A TensorVariable for ``example`` whose proxy lives in a scratch graph, not Dynamo's."""
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    node = torch.fx.Graph().placeholder(name)
+    node.meta["example_value"] = example
+    props = {**TensorVariable.specialize(example), "class_type": torch.Tensor}
+    return TensorVariable(torch.fx.Proxy(node), **props)
+
+
+def _subgraph_name(body: Any) -> str:
+    """``<function name>_body``: a subgraph is named after the function it came from
+    (its code name: wrappers compile their body under the user function's name)."""
+    try:
+        name = body.get_name()
+    except Exception:  # not a plain function (a module, a partial): no reliable name
+        name = ""
+    name = re.sub(r"\W+", "_", name).strip("_")
+    return f"{name}_body" if name else "body"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,6 +20,8 @@ def body_name(body: Any) -> str:
     if not isinstance(name, str) or name in ("GraphModule", "forward"):
         name = type(body).__name__
     name = re.sub(r"\W+", "_", name).strip("_") or "body"
+    # A subgraph registered as "<fn>_body_<n>" and traced again keeps "<fn>".
+    name = re.sub(r"_body(_?\d+)?$", "", name) or "body"
     if name == "GraphModule":
         name = "body"
     return name if not name[0].isdigit() else f"body_{name}"
@@ -32,6 +35,25 @@ def named(fn: Callable, name: str) -> Callable:
 
     call.__name__ = call.__qualname__ = name
     return call
+
+
+def rename_inner_function(factory: Callable, inner: str, name: str) -> Callable:
+    """A copy of ``factory`` whose nested function ``inner`` is compiled under ``name``.
+
+    Tracers name subgraphs after the traced function's code name (Dynamo reads
+    ``co_name``; an assigned ``__name__`` is not seen by every version), so a wrapper that
+    defines its body inside traced code gets the user's function name this way.
+    """
+    code = factory.__code__
+    consts = tuple(
+        c.replace(co_name=name, co_qualname=name) if isinstance(c, types.CodeType) and c.co_name == inner else c
+        for c in code.co_consts
+    )
+    renamed = types.FunctionType(
+        code.replace(co_consts=consts), factory.__globals__, factory.__name__, factory.__defaults__, factory.__closure__
+    )
+    renamed.__kwdefaults__ = factory.__kwdefaults__
+    return renamed
 
 
 def strip_detach(gm: fx.GraphModule) -> fx.GraphModule:

@@ -40,8 +40,14 @@ from torch.fx.experimental.proxy_tensor import (
     track_tensor_tree,
 )
 
-from hops import _layout
-from hops._subgraph import body_name, check_body_is_functional, named, strip_detach
+from hops import _dynamo, _layout
+from hops._subgraph import (
+    body_name,
+    check_body_is_functional,
+    named,
+    rename_inner_function,
+    strip_detach,
+)
 from hops.specs import LocalMapSpec, Mesh, Placement
 
 __all__ = ["local_map", "local_map_hop"]
@@ -55,8 +61,17 @@ class LocalMap(HigherOrderOperator):
 
     def __call__(self, body: Callable, *tensors_and_spec: Any):
         tensors, spec = _split(tensors_and_spec)
+        if tensors and isinstance(tensors[-1], tuple):
+            # Dynamo's node form: values the body closed over come as one trailing tuple.
+            *tensors, lifted = tensors
+            tensors, spec = (*tensors, *lifted), spec.with_lifted(lifted)
         _check_call(body, tensors, spec)
         return super().__call__(body, *tensors, spec)
+
+    @staticmethod
+    def body_example_args(tensors: Sequence[torch.Tensor], specs: Sequence[Any]) -> tuple:
+        """What the body sees of ``tensors``: device 0's local shards."""
+        return tuple(_local_examples(tensors, specs[-1]))
 
 
 local_map_hop = LocalMap()
@@ -83,6 +98,10 @@ def _check_call(body: Any, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
         what = f"local_map {body_name(body)}: input {i}"
         if isinstance(tensor, torch.fx.Proxy):
             continue
+        if placements is None:
+            if isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{what} is a tensor but its in_placements entry is None")
+            continue
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what} must be a Tensor, got {type(tensor).__name__}")
         _layout.local_shape(tensor.shape, placements, spec.mesh, what)
@@ -90,21 +109,39 @@ def _check_call(body: Any, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
 
 # --------------------------------------------------------------------------- public API
 
-_IS_PLACEMENTS = lambda value: isinstance(value, tuple) and all(  # noqa: E731
-    isinstance(p, Placement) or type(p).__module__.startswith("torch.distributed.tensor")
-    for p in value
-)
-
-
 def _is_placements_leaf(value: Any) -> bool:
-    return value is None or (isinstance(value, (tuple, list)) and len(value) > 0 and _IS_PLACEMENTS(tuple(value)))
+    """A placements tuple (or None) in a normalized placements tree."""
+    return value is None or (
+        type(value) is tuple and len(value) > 0 and all(isinstance(p, Placement) for p in value)
+    )
+
+
+def _normalize(tree: Any, mesh: Mesh, where: str) -> Any:
+    """Placements tree with every leaf a tuple of this package's placements (or None).
+
+    Done once in ``local_map``, so each call (possibly traced by Dynamo) only walks
+    ready-made values.
+    """
+    if tree is None:
+        return None
+    if isinstance(tree, (tuple, list)) and tree and all(
+        isinstance(p, Placement) or type(p).__module__.startswith("torch.distributed.tensor") for p in tree
+    ):
+        return LocalMapSpec(mesh, (tuple(tree),), ()).in_placements[0]
+    if isinstance(tree, (tuple, list)):
+        return tuple(_normalize(t, mesh, f"{where}[{i}]") for i, t in enumerate(tree))
+    if isinstance(tree, dict):
+        return {k: _normalize(v, mesh, f"{where}[{k!r}]") for k, v in tree.items()}
+    raise TypeError(
+        f"{where} must be a placements tuple (one placement per mesh axis {mesh.axis_names}), "
+        f"None, or a tuple/list/dict of those, got {tree!r}"
+    )
 
 
 def _broadcast(prefix: Any, tree: Any, where: str) -> list[Any]:
     """Expand a pytree prefix of placements over ``tree``'s leaves."""
     if _is_placements_leaf(prefix):
-        leaf = None if prefix is None else tuple(prefix)
-        return [leaf] * len(pytree.tree_leaves(tree))
+        return [prefix] * len(pytree.tree_leaves(tree))
     if isinstance(prefix, (tuple, list)) and isinstance(tree, (tuple, list)) and len(prefix) == len(tree):
         return [p for i, (sub, t) in enumerate(zip(prefix, tree)) for p in _broadcast(sub, t, f"{where}[{i}]")]
     if isinstance(prefix, dict) and isinstance(tree, dict) and prefix.keys() == tree.keys():
@@ -149,11 +186,16 @@ def local_map(
             f"local_map({name}): in_grad_placements must have one entry per positional argument "
             f"({len(in_placements)}), got {in_grad_placements!r}"
         )
+    # Validate and normalize every placement now, before any call.
+    in_placements = _normalize(tuple(in_placements), mesh, f"local_map({name}) in_placements")
+    if in_grad_placements is not None:
+        in_grad_placements = _normalize(tuple(in_grad_placements), mesh, f"local_map({name}) in_grad_placements")
+    out_placements = _normalize(out_placements, mesh, f"local_map({name}) out_placements")
     out_leaves, out_treespec = pytree.tree_flatten(out_placements, is_leaf=_is_placements_leaf)
     if not out_leaves or any(p is None for p in out_leaves):
         raise ValueError(f"local_map({name}): out_placements needs a placements tuple for every output")
-    # Validate placements against the mesh now, before any call.
-    LocalMapSpec(mesh, (), tuple(out_leaves))
+
+    make_body = rename_inner_function(_make_body, "body", body_name(fn))
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
@@ -163,11 +205,11 @@ def local_map(
                 f"has {len(in_placements)} entries"
             )
         leaves, args_treespec = pytree.tree_flatten(args)
-        per_leaf = _broadcast(tuple(in_placements), args, f"local_map({name}) in_placements")
+        per_leaf = _broadcast(in_placements, args, f"local_map({name}) in_placements")
         grads_per_leaf = (
             None
             if in_grad_placements is None
-            else _broadcast(tuple(in_grad_placements), args, f"local_map({name}) in_grad_placements")
+            else _broadcast(in_grad_placements, args, f"local_map({name}) in_grad_placements")
         )
         tensor_positions = []
         for position, (leaf, placements) in enumerate(zip(leaves, per_leaf)):
@@ -188,24 +230,38 @@ def local_map(
             None if grads_per_leaf is None else tuple(grads_per_leaf[p] for p in tensor_positions),
         )
 
-        def body(*local_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            local_leaves = list(leaves)
-            for position, tensor in zip(tensor_positions, local_tensors):
-                local_leaves[position] = tensor
-            result = fn(*pytree.tree_unflatten(local_leaves, args_treespec))
-            result_leaves, result_treespec = pytree.tree_flatten(result)
-            if result_treespec != out_treespec or not all(isinstance(r, torch.Tensor) for r in result_leaves):
-                raise TypeError(
-                    f"local_map({name}) returned {pytree.tree_map(lambda r: type(r).__name__, result)}, "
-                    f"which does not match out_placements {out_placements!r}"
-                )
-            return tuple(result_leaves)
-
-        body.__name__ = name
+        body = make_body(fn, leaves, tensor_positions, args_treespec, out_treespec, out_placements)
         flat_outputs = local_map_hop(body, *(leaves[p] for p in tensor_positions), spec)
         return pytree.tree_unflatten(list(flat_outputs), out_treespec)
 
     return call
+
+
+def _make_body(
+    fn: Callable,
+    leaves: list[Any],
+    tensor_positions: list[int],
+    args_treespec: Any,
+    out_treespec: Any,
+    out_placements: Any,
+) -> Callable:
+    """The region body: ``fn`` on local tensors, with non-tensor arguments baked in, returning
+    a flat tuple of tensors. ``local_map`` compiles ``body`` under the user function's name."""
+
+    def body(*local_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        local_leaves = list(leaves)
+        for position, tensor in zip(tensor_positions, local_tensors):
+            local_leaves[position] = tensor
+        result = fn(*pytree.tree_unflatten(local_leaves, args_treespec))
+        result_leaves, result_treespec = pytree.tree_flatten(result)
+        if result_treespec != out_treespec or not all(isinstance(r, torch.Tensor) for r in result_leaves):
+            raise TypeError(
+                f"local_map({body_name(fn)}) returned {pytree.tree_map(lambda r: type(r).__name__, result)}, "
+                f"which does not match out_placements {out_placements!r}"
+            )
+        return tuple(result_leaves)
+
+    return body
 
 
 # --------------------------------------------------------------------------- eager
@@ -230,18 +286,19 @@ def simulate(body: Callable, tensors: Sequence[torch.Tensor], spec: LocalMapSpec
     pieces: list[dict[tuple[int, ...], torch.Tensor]] = [{} for _ in spec.out_placements]
     for coordinate in _layout.device_coordinates(spec.mesh):
         local = [
-            _layout.shard_for_device(t, placements, spec.mesh, coordinate)
+            t if placements is None else _layout.shard_for_device(t, placements, spec.mesh, coordinate)
             for t, placements in zip(tensors, spec.in_placements)
         ]
-        versions = [t._version for t in local]
+        local_tensors = [t for t in local if isinstance(t, torch.Tensor)]
+        versions = [t._version for t in local_tensors]
         outputs = _check_outputs(name, body(*local), spec)
-        for i, (t, version) in enumerate(zip(local, versions)):
+        for i, (t, version) in enumerate(zip(local_tensors, versions)):
             if t._version != version:
                 raise ValueError(
                     f"{name} mutates its argument input {i} in place; a region body must be functional"
                 )
         for j, output in enumerate(outputs):
-            if any(output.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in local):
+            if any(output.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in local_tensors):
                 raise ValueError(f"{name} returns output {j}, which aliases one of its arguments; return a copy")
             pieces[j][coordinate] = output
     return tuple(
@@ -263,7 +320,7 @@ def _local_examples(tensors: Sequence[torch.Tensor], spec: LocalMapSpec) -> list
     """Device 0's local tensors: what the body is traced with."""
     origin = (0,) * spec.mesh.ndim
     return [
-        _layout.shard_for_device(t, placements, spec.mesh, origin)
+        t if placements is None else _layout.shard_for_device(t, placements, spec.mesh, origin)
         for t, placements in zip(tensors, spec.in_placements)
     ]
 
@@ -322,15 +379,21 @@ def _proxy(mode: ProxyTorchDispatchMode, body: Callable, *tensors_and_spec: Any)
 
 
 def _backward_body(body: Callable, n_inputs: int, needs_grad: Sequence[bool]) -> Callable:
-    """Local vjp of ``body``: (primals..., cotangents...) -> grads of the inputs that need them."""
+    """Local vjp of ``body``: (primals..., cotangents...) -> grads of the inputs that need them.
 
-    def backward(*primals_and_cotangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    Runs under the dispatch keys of the moment it is made (inside ``backward``, where
+    autograd is live), wherever it is called from: the eager rule runs below autograd.
+    """
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+
+    def backward(*primals_and_cotangents: Any) -> tuple[torch.Tensor, ...]:
         primals = [
-            p.detach().requires_grad_(need)
+            p.detach().requires_grad_(need) if isinstance(p, torch.Tensor) else p
             for p, need in zip(primals_and_cotangents[:n_inputs], needs_grad)
         ]
         cotangents = primals_and_cotangents[n_inputs:]
-        with torch.enable_grad():
+        with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
             outputs = body(*primals)
         pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
         wanted = [p for p, need in zip(primals, needs_grad) if need]
@@ -344,29 +407,43 @@ def _backward_body(body: Callable, n_inputs: int, needs_grad: Sequence[bool]) ->
     return backward
 
 
+def _is_tracing(values: Sequence[Any]) -> bool:
+    """Whether a tracer (make_fx, AOTAutograd, export) is recording this backward."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return bool(_get_current_dispatch_mode_stack()) or any(
+        isinstance(v, FakeTensor) or (isinstance(v, torch.Tensor) and torch._is_functional_tensor(v))
+        for v in values
+    )
+
+
 class _LocalMapFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, body: Callable, spec: LocalMapSpec, *tensors: torch.Tensor):
         ctx.body, ctx.spec = body, spec
-        ctx.save_for_backward(*tensors)
+        # Non-tensor inputs (ints, SymInts) cannot be saved as tensors: keep them aside.
+        ctx.non_tensors = [None if isinstance(t, torch.Tensor) else t for t in tensors]
+        ctx.save_for_backward(*(t for t in tensors if isinstance(t, torch.Tensor)))
         with torch._C._AutoDispatchBelowAutograd():
             return local_map_hop(body, *tensors, spec)
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor):
-        tensors = ctx.saved_tensors
+        saved = iter(ctx.saved_tensors)
+        tensors = tuple(next(saved) if value is None else value for value in ctx.non_tensors)
         needs_grad = list(ctx.needs_input_grad[2:])
         backward_spec = ctx.spec.backward_spec(needs_grad)
-        # Trace the vjp here, where autograd is live; traced inside the proxy rule it would
-        # run below autograd and produce no gradients.
-        with disable_proxy_modes_tracing():
-            examples = _local_examples((*tensors, *cotangents), backward_spec)
-        backward_graph = strip_detach(
-            materialize_as_graph(
-                _backward_body(ctx.body, len(tensors), needs_grad), tuple(examples), force_enable_grad=True
+        backward_body = _backward_body(ctx.body, len(tensors), needs_grad)
+        if _is_tracing((*tensors, *cotangents)):
+            # Trace the vjp here, where autograd is live; traced inside the proxy rule it
+            # would run below autograd and produce no gradients.
+            with disable_proxy_modes_tracing():
+                examples = _local_examples((*tensors, *cotangents), backward_spec)
+            backward_body = strip_detach(
+                materialize_as_graph(backward_body, tuple(examples), force_enable_grad=True)
             )
-        )
-        backward_body = named(backward_graph, f"{body_name(ctx.body)}_bwd")
+        backward_body = named(backward_body, f"{body_name(ctx.body)}_bwd")
         grads = iter(local_map_hop(backward_body, *tensors, *cotangents, backward_spec))
         return (None, None, *(next(grads) if need else None for need in needs_grad))
 
@@ -375,3 +452,8 @@ class _LocalMapFunction(torch.autograd.Function):
 def _autograd(body: Callable, *tensors_and_spec: Any):
     tensors, spec = _split(tensors_and_spec)
     return _LocalMapFunction.apply(body, spec, *tensors)
+
+
+# --------------------------------------------------------------------------- dynamo
+
+_dynamo.register_subgraph_hop(local_map_hop)

@@ -452,15 +452,16 @@ class LocalMapSpec(_FxLiteral):
     """Everything a ``local_map_hop`` node needs besides its body and tensors.
 
     ``in_placements[i]`` / ``out_placements[j]`` / ``in_grad_placements[i]`` are tuples with
-    one placement per mesh axis, for the i-th flat tensor input / j-th flat tensor output.
+    one placement per mesh axis, for the i-th flat input / j-th flat tensor output; ``None``
+    marks a non-tensor input (an int or SymInt the body reads as is).
     ``in_grad_placements`` (``None``: derived by ``transpose_placement``) is the layout of
     the gradient of each input.
     """
 
     mesh: Mesh
-    in_placements: tuple[tuple[Placement, ...], ...]
+    in_placements: tuple[tuple[Placement, ...] | None, ...]
     out_placements: tuple[tuple[Placement, ...], ...]
-    in_grad_placements: tuple[tuple[Placement, ...], ...] | None = None
+    in_grad_placements: tuple[tuple[Placement, ...] | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -473,10 +474,15 @@ class LocalMapSpec(_FxLiteral):
                 continue
             if not isinstance(value, (tuple, list)):
                 raise TypeError(f"{name} must be a tuple of per-tensor placements, got {value!r}")
+            # None marks a non-tensor input (an int or SymInt the body reads), passed as is.
+            allow_none = name != "out_placements"
             object.__setattr__(
                 self,
                 name,
-                tuple(_placements_tuple(p, self.mesh, f"{name}[{i}]") for i, p in enumerate(value)),
+                tuple(
+                    None if p is None and allow_none else _placements_tuple(p, self.mesh, f"{name}[{i}]")
+                    for i, p in enumerate(value)
+                ),
             )
         if self.in_grad_placements is not None and len(self.in_grad_placements) != len(self.in_placements):
             raise ValueError(
@@ -485,8 +491,11 @@ class LocalMapSpec(_FxLiteral):
             )
 
     def __repr__(self) -> str:
-        def fmt(groups: tuple[tuple[Placement, ...], ...]) -> str:
-            inner = ", ".join("(" + ", ".join(map(repr, g)) + ("," if len(g) == 1 else "") + ")" for g in groups)
+        def fmt(groups: tuple[tuple[Placement, ...] | None, ...]) -> str:
+            inner = ", ".join(
+                "None" if g is None else "(" + ", ".join(map(repr, g)) + ("," if len(g) == 1 else "") + ")"
+                for g in groups
+            )
             return "(" + inner + ("," if len(groups) == 1 else "") + ")"
 
         grads = "" if self.in_grad_placements is None else f", in_grad_placements={fmt(self.in_grad_placements)}"
@@ -500,9 +509,25 @@ class LocalMapSpec(_FxLiteral):
         if self.in_grad_placements is not None:
             return self.in_grad_placements
         return tuple(
-            tuple(transpose_placement(p, f"in_placements[{i}]") for p in group)
+            None if group is None else tuple(transpose_placement(p, f"in_placements[{i}]") for p in group)
             for i, group in enumerate(self.in_placements)
         )
+
+    def with_lifted(self, lifted: Sequence[Any]) -> LocalMapSpec:
+        """This spec for inputs extended by values the body closed over (lifted by tracing):
+        a tensor is seen whole by every device (``Replicate``), so its gradient is ``Partial``."""
+        import torch
+
+        extra = tuple(
+            tuple(Replicate() for _ in self.mesh.shape) if isinstance(v, torch.Tensor) else None
+            for v in lifted
+        )
+        grads = None
+        if self.in_grad_placements is not None:
+            grads = self.in_grad_placements + tuple(
+                None if e is None else tuple(Partial() for _ in e) for e in extra
+            )
+        return LocalMapSpec(self.mesh, self.in_placements + extra, self.out_placements, grads)
 
     def backward_spec(self, needs_grad: Sequence[bool]) -> LocalMapSpec:
         """The spec of the backward region: inputs are the primals and the output
