@@ -10,6 +10,7 @@ linted and recompiled; the walk is linear in the number of nodes.
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, Iterator
 
 import torch.fx as fx
@@ -27,6 +28,27 @@ def graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
 
 class PassError(ValueError):
     """A graph a pass cannot handle; the message names the node."""
+
+
+def body_module(node: fx.Node) -> fx.GraphModule:
+    """The subgraph a HOP node takes as its first argument (a ``get_attr``)."""
+    body = node.args[0]
+    if not (isinstance(body, fx.Node) and body.op == "get_attr"):
+        raise PassError(f"{node.format_node()}: expected a get_attr of the body subgraph as first argument")
+    return node.graph.owning_module.get_submodule(body.target)
+
+
+def replace_tuple_output(node: fx.Node, values: list[fx.Node]) -> None:
+    """Make every ``node[i]`` read ``values[i]``, then erase ``node`` and its unused body ``get_attr``."""
+    for user in list(node.users):
+        if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
+            raise PassError(f"{node.format_node()}: its tuple output is used by {user.format_node()}, not by getitem")
+        user.replace_all_uses_with(values[user.args[1]])
+        node.graph.erase_node(user)
+    body = node.args[0]
+    node.graph.erase_node(node)
+    if isinstance(body, fx.Node) and body.op == "get_attr" and not body.users:
+        node.graph.erase_node(body)
 
 
 class HopRulePass(PassBase):

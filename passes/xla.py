@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+import operator
+
+from hops.local_map import local_map_hop
 from hops.sharding_annotation import sharding_annotation_hop
-from hops.specs import ShardingSpec
+from hops.specs import LocalMapSpec, ShardingSpec
 from passes import xla_ops
-from passes._infra import HopRulePass, PassError, Rule
+from passes._infra import HopRulePass, PassError, Rule, replace_tuple_output
 
 XLA_RULES: dict[object, Rule] = {}
 
@@ -49,6 +52,32 @@ def lower_sharding_annotation_to_xla(node: fx.Node) -> None:
     # Rewriting the node in place keeps its name and stack trace.
     node.target = xla_ops.sharding_constraint
     node.args = args
+
+
+@register_xla_rule(local_map_hop)
+def lower_local_map_to_xla(node: fx.Node) -> None:
+    """A manual-sharding region: enter each input per its placements, run the body on local
+    tensors (the body stays a subgraph, lowered in turn), leave each output per its placements."""
+    _, *inputs, spec = node.args
+    if not isinstance(spec, LocalMapSpec):
+        raise PassError(f"lower_to_xla: {node.format_node()}: last argument must be a hops.LocalMapSpec")
+    graph = node.graph
+    body = node.args[0]
+    with graph.inserting_before(node):
+        local_inputs = [
+            value if placements is None
+            else graph.call_function(xla_ops.enter_manual, (value, repr(ShardingSpec(spec.mesh, placements))))
+            for value, placements in zip(inputs, spec.in_placements)
+        ]
+        local_outputs = graph.call_module(body.target, tuple(local_inputs))
+        outputs = [
+            graph.call_function(
+                xla_ops.exit_manual,
+                (graph.call_function(operator.getitem, (local_outputs, j)), repr(ShardingSpec(spec.mesh, placements))),
+            )
+            for j, placements in enumerate(spec.out_placements)
+        ]
+    replace_tuple_output(node, outputs)
 
 
 def lower_to_xla(gm: fx.GraphModule) -> fx.GraphModule:

@@ -12,6 +12,7 @@ torch_xla's ``OpSharding`` per (spec, rank), so a call costs a dict lookup.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -82,3 +83,142 @@ torch.library.register_autograd(
 )
 
 sharding_constraint = torch.ops.hops_xla.sharding_constraint.default
+
+
+# --------------------------------------------------------------------------- manual regions
+#
+# A local_map region lowers to: enter_manual per input (Sharding + SPMDFullToShardShape),
+# the body on local tensors, exit_manual per output (pending reductions all-reduced, then
+# SPMDShardToFullShape). Specs are ShardingSpec texts whose placements may be Partial:
+# entering, a Partial("sum") value is split so that only the first device along the axis
+# holds it (the others hold zeros); leaving, a Partial value is all-reduced over the axis.
+
+_lib.define("enter_manual(Tensor x, str spec) -> Tensor")
+_lib.define("exit_manual(Tensor x, str spec) -> Tensor")
+
+_REDUCE_TYPES = {"sum": "sum", "max": "max", "min": "min", "avg": "sum"}
+
+
+def _region_spec(spec_text: str) -> ShardingSpec:
+    spec = spec_from_text(spec_text)
+    if not isinstance(spec, ShardingSpec):
+        raise TypeError(f"expected the text of a hops.ShardingSpec, got {spec_text!r}")
+    return spec
+
+
+def _without_partial(spec: ShardingSpec) -> str:
+    from hops.specs import Partial, Replicate
+
+    return repr(ShardingSpec(spec.mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)))
+
+
+def _manual_off_xla(x: torch.Tensor, spec: str):
+    raise RuntimeError(
+        f"hops_xla manual-sharding regions run only on XLA tensors under SPMD, got a {x.device} tensor; "
+        "for other backends run the graph before lower_to_xla (the eager SPMD simulation) or, for "
+        "per-device graphs, passes.inline_hops(gm, per_device=True)"
+    )
+
+
+def _enter_manual_fake(x: torch.Tensor, spec: str):
+    from hops import _layout
+
+    region = _region_spec(spec)
+    return x.new_empty(_layout.local_shape(x.shape, region.placements, region.mesh, "enter_manual"))
+
+
+def _exit_manual_fake(x: torch.Tensor, spec: str):
+    from hops import _layout
+
+    region = _region_spec(spec)
+    return x.new_empty(_layout.global_shape(x.shape, region.placements, region.mesh, "exit_manual"))
+
+
+def _axis_groups(spec: ShardingSpec, axis: int) -> list[list[int]]:
+    """Device-id groups along mesh ``axis`` (each group varies only that axis)."""
+    import numpy as np
+
+    ids = np.array(spec.mesh.device_ids).reshape(spec.mesh.shape)
+    return np.moveaxis(ids, axis, -1).reshape(-1, spec.mesh.shape[axis]).tolist()
+
+
+def _axis_coordinate(spec: ShardingSpec, axis: int, device: torch.device) -> torch.Tensor:
+    """Inside a manual region: this device's coordinate along mesh ``axis`` (shape (1,))."""
+    import torch_xla
+
+    from hops.specs import Replicate, Shard
+
+    placements = tuple(Shard(0) if i == axis else Replicate() for i in range(spec.mesh.ndim))
+    coordinates = torch.arange(spec.mesh.shape[axis], device=device) * 1
+    index_spec = repr(ShardingSpec(spec.mesh, placements))
+    torch_xla._XLAC._xla_mark_sharding(coordinates, xla_op_sharding(index_spec, 1))
+    return torch_xla._XLAC._spmd_full_to_shard_shape(coordinates)
+
+
+def _enter_manual_xla(x: torch.Tensor, spec: str):
+    import torch_xla
+
+    from hops.specs import Partial
+
+    region = _region_spec(spec)
+    out = x * 1  # an IR value (not device data) the custom calls can attach to
+    torch_xla._XLAC._xla_mark_sharding(out, xla_op_sharding(_without_partial(region), x.dim()))
+    local = torch_xla._XLAC._spmd_full_to_shard_shape(out)
+    for axis, placement in enumerate(region.placements):
+        if isinstance(placement, Partial) and placement.reduce_op == "sum":
+            first = (_axis_coordinate(region, axis, x.device) == 0).to(local.dtype)
+            local = local * first.reshape((1,) * local.dim())
+    return local
+
+
+def _exit_manual_xla(x: torch.Tensor, spec: str):
+    import torch_xla
+
+    from hops import _layout
+    from hops.specs import Partial
+
+    region = _region_spec(spec)
+    local = x
+    for axis, placement in enumerate(region.placements):
+        if isinstance(placement, Partial):
+            scale = 1.0 / region.mesh.shape[axis] if placement.reduce_op == "avg" else 1.0
+            local = torch_xla._XLAC._xla_spmd_all_reduce(
+                _REDUCE_TYPES[placement.reduce_op], local, scale, _axis_groups(region, axis)
+            )
+    if local is x:
+        local = x * 1  # mark a fresh value manual, not the caller's tensor
+    torch_xla._XLAC._mark_manual_sharding(local, _manual_sharding())
+    full_shape = _layout.global_shape(x.shape, region.placements, region.mesh, "exit_manual")
+    return torch_xla._XLAC._spmd_shard_to_full_shape(
+        local, xla_op_sharding(_without_partial(region), x.dim()), full_shape, local.dtype
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _manual_sharding() -> Any:
+    import torch_xla
+    from torch_xla.distributed.spmd.xla_sharding import ShardingType
+
+    return torch_xla._XLAC.OpSharding([], [], [], ShardingType.MANUAL)
+
+
+def _region_not_differentiable(ctx: Any, grad: torch.Tensor):
+    raise RuntimeError(
+        "hops_xla.enter_manual/exit_manual have no autograd rule: lower the forward and backward "
+        "graphs AOTAutograd produces (the backward region is its own local_map node)"
+    )
+
+
+for _name, _fake_rule, _xla_rule in (
+    ("enter_manual", _enter_manual_fake, _enter_manual_xla),
+    ("exit_manual", _exit_manual_fake, _exit_manual_xla),
+):
+    _lib.impl(_name, _manual_off_xla, "CompositeExplicitAutograd")
+    _lib.impl(_name, _xla_rule, "XLA")
+    torch.library.register_fake(f"hops_xla::{_name}", _fake_rule, lib=_lib)
+    torch.library.register_autograd(
+        f"hops_xla::{_name}", _region_not_differentiable, setup_context=lambda ctx, inputs, output: None, lib=_lib
+    )
+
+enter_manual = torch.ops.hops_xla.enter_manual.default
+exit_manual = torch.ops.hops_xla.exit_manual.default

@@ -153,3 +153,111 @@ def test_lowered_op_refuses_a_spec_that_does_not_fit_the_tensor():
         xla_ops.sharding_constraint(torch.randn(8, device=xla_device()), repr(COLS))
     with pytest.raises(ValueError, match="not a spec"):
         xla_ops.sharding_constraint(torch.randn(8, device=xla_device()), "rows please")
+
+
+# --------------------------------------------------------------------------- local_map regions
+
+
+def aot_lowered(fn, *args):
+    """AOTAutograd's forward and backward graphs of ``fn``, lowered to XLA."""
+    graphs = {}
+
+    def keep(name):
+        def compile_graph(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm)
+
+        return compile_graph
+
+    aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(*args).sum().backward()
+    return passes.lower_to_xla(graphs["forward"]), passes.lower_to_xla(graphs["backward"])
+
+
+def custom_call_targets(hlo):
+    return re.findall(r'custom_call_target="(\w+)"', hlo)
+
+
+def all_reduce_groups(hlo):
+    return re.findall(r"all-reduce\(.*replica_groups=(\{[^ ]*\}),", hlo)
+
+
+def matmul(x, w):
+    return x @ w
+
+
+# autoparallel#515: a (Replicate, Shard(0)) weight whose gradient must be (Partial, Shard(0)).
+sharded_matmul = hops.local_map(
+    matmul,
+    mesh=MESH,
+    in_placements=((Shard(0), Shard(1)), (Replicate(), Shard(0))),
+    out_placements=(Shard(0), hops.Partial()),
+)
+
+
+def run_forward_backward(fn, *args):
+    """Lowered forward and backward on XLA; returns (out, grads, forward HLO, backward HLO)."""
+    forward, backward = aot_lowered(fn, *(a.detach().requires_grad_() for a in args))
+    device = xla_device()
+    out, *saved = forward(*(a.detach().to(device) for a in args))
+    forward_hlo = hlo_text(out)
+    sync()
+    grads = backward(*saved, torch.ones(out.shape, device=device))
+    return out, grads, forward_hlo, hlo_text(*grads)
+
+
+def test_local_map_lowers_to_a_manual_region_forward_and_backward():
+    x, w = torch.randn(8, 6), torch.randn(6, 4)
+    out, (grad_x, grad_w), forward_hlo, backward_hlo = run_forward_backward(sharded_matmul, x, w)
+    assert custom_call_targets(forward_hlo) == [
+        "Sharding", "SPMDFullToShardShape", "Sharding", "SPMDFullToShardShape",
+        "Sharding", "SPMDShardToFullShape",
+    ]
+    # The Partial output is summed over "model" (device groups {0,1},{2,3}) inside the region.
+    assert all_reduce_groups(forward_hlo) == ["{{0,1},{2,3}}"]
+    assert re.search(r"dot\(f32\[4,3\]\{1,0\} %custom-call\.\d+, f32\[3,4\]", forward_hlo)  # local shapes
+    # Backward: the weight's Partial gradient is summed over "data" ({0,2},{1,3}).
+    assert all_reduce_groups(backward_hlo) == ["{{0,2},{1,3}}"]
+    assert custom_call_targets(backward_hlo).count("SPMDShardToFullShape") == 2
+
+    reference_x, reference_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (reference_x @ reference_w).sum().backward()
+    torch.testing.assert_close(out.cpu(), x @ w)
+    torch.testing.assert_close(grad_x.cpu(), reference_x.grad)
+    torch.testing.assert_close(grad_w.cpu(), reference_w.grad)
+
+
+def scale_and_project(x, w):
+    return x * 2, x @ w
+
+
+def test_replicated_output_cotangent_enters_the_backward_region_as_partial():
+    # y is Replicate: its cotangent enters the backward region as Partial (first device
+    # along each axis holds it), so the replicated x's gradient sums correctly.
+    region = hops.local_map(
+        scale_and_project,
+        mesh=MESH,
+        in_placements=((Replicate(), Replicate()), (Replicate(), Shard(1))),
+        out_placements=((Replicate(), Replicate()), (Replicate(), Shard(1))),
+    )
+
+    def loss(x, w):
+        y, z = region(x, w)
+        return y.sum() + z.sum()
+
+    x, w = torch.randn(4, 6), torch.randn(6, 8)
+    out, (grad_x, grad_w), _, backward_hlo = run_forward_backward(loss, x, w)
+    simulated_x, simulated_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss(simulated_x, simulated_w).backward()
+    reference_x, reference_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ((reference_x * 2).sum() + (reference_x @ reference_w).sum()).backward()
+    torch.testing.assert_close(simulated_x.grad, reference_x.grad)
+    torch.testing.assert_close(grad_x.cpu(), reference_x.grad)
+    torch.testing.assert_close(grad_w.cpu(), reference_w.grad)
+    torch.testing.assert_close(out.cpu(), loss(x, w))
+    assert "all-reduce" in backward_hlo
+
+
+def test_local_map_region_off_xla_refuses_clearly():
+    gm = passes.lower_to_xla(make_fx(sharded_matmul)(torch.randn(8, 6), torch.randn(6, 4)))
+    with pytest.raises(RuntimeError, match="run only on XLA tensors under SPMD"):
+        gm(torch.randn(8, 6), torch.randn(6, 4))
