@@ -2,16 +2,19 @@
 
 - ``inline_hops``: HOPs -> plain ATen graph any backend runs.
 - ``lower_to_xla``: HOPs -> functional ``hops_xla`` ops whose XLA kernels emit sharding custom calls.
+- ``check_placements``: stated layouts (annotations, region outputs) agree with each local_map region.
 """
 
 import hops  # noqa: F401  (registers the HOPs the rule tables refer to)
 from passes.inline import INLINE_RULES, inline_hops, register_inline_rule
 from passes.xla import XLA_RULES, lower_to_xla, register_xla_rule
 from passes._infra import HopRulePass, PassError, graph_modules
+from passes.check import check_placements
 
 __all__ = [
     "inline_hops",
     "lower_to_xla",
+    "check_placements",
     "INLINE_RULES",
     "XLA_RULES",
     "register_inline_rule",

@@ -5,7 +5,8 @@ A pass here is a ``torch.fx.passes.infra.pass_base.PassBase``: ``requires`` chec
 one rule per HOP, applied to every ``call_function`` node of that HOP in the root graph and in
 every nested ``GraphModule`` (HOP bodies), each visited once. Rules read only node args
 (never ``node.meta``), so deleting meta cannot change the result. Every changed graph is
-linted and recompiled; the walk is linear in the number of nodes.
+linted, loses submodules nothing refers to any more, and is recompiled; the walk is linear
+in the number of nodes.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class HopRulePass(PassBase):
                         graph_changed = True
             if graph_changed:
                 module.graph.lint()
+                module.delete_all_unused_submodules()  # e.g. bodies of inlined regions
                 module.recompile()
                 modified = True
         return PassResult(graph_module, modified)

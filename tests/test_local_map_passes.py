@@ -1,0 +1,114 @@
+"""Passes over local_map regions: inlining (when it keeps results) and placement checking."""
+
+import pytest
+import torch
+from snapshot import TestCase, readable
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import hops
+import passes
+from hops import Mesh, Partial, Replicate, Shard, ShardingSpec
+
+MESH = Mesh((2, 2), ("data", "model"))
+ROWS = (Shard(0), Replicate())
+
+
+def scale(x):
+    return x * 3
+
+
+def matmul(x, w):
+    return x @ w
+
+
+replicated_scale = hops.local_map(
+    scale, mesh=MESH, in_placements=((Replicate(), Replicate()),), out_placements=(Replicate(), Replicate())
+)
+row_scale = hops.local_map(scale, mesh=MESH, in_placements=(ROWS,), out_placements=ROWS)
+# Scaling is linear, so it may run on pending sums and leave them pending.
+partial_scale = hops.local_map(
+    scale, mesh=MESH, in_placements=((Shard(0), Partial()),), out_placements=(Shard(0), Partial())
+)
+sharded_matmul = hops.local_map(
+    matmul,
+    mesh=MESH,
+    in_placements=((Shard(0), Shard(1)), (Replicate(), Shard(0))),
+    out_placements=(Shard(0), Partial()),
+)
+
+
+class TestInlineLocalMap(TestCase):
+    def test_replicated_region_inlines_into_its_body(self):
+        x = torch.randn(4, 4)
+        gm = passes.inline_hops(make_fx(lambda t: replicated_scale(t) + 1)(x))
+        self.assertExpectedInline(readable(gm), """\
+class <lambda>(torch.nn.Module):
+    def forward(self, t_1: "f32[4, 4]"):
+        mul: "f32[4, 4]" = torch.ops.aten.mul.Tensor(t_1, 3);  t_1 = None
+        add: "f32[4, 4]" = torch.ops.aten.add.Tensor(mul, 1);  mul = None
+        return add
+""")
+        self.assertEqual(gm(x), x * 3 + 1)
+
+    def test_sharded_region_is_refused_in_a_global_graph(self):
+        gm = make_fx(row_scale)(torch.randn(4, 4))
+        with self.assertRaisesRegex(passes.PassError, r"hops_local_map.*per_device=True"):
+            passes.inline_hops(gm)
+
+    def test_per_device_graph_inlines_every_region(self):
+        # In per-device form each device runs the graph on its own shards: the region's
+        # body is exactly what runs, and a Partial output stays a pending local sum.
+        gm = passes.inline_hops(make_fx(sharded_matmul)(torch.randn(8, 6), torch.randn(6, 4)), per_device=True)
+        self.assertExpectedInline(readable(gm), """\
+class matmul(torch.nn.Module):
+    def forward(self, x_1: "f32[8, 6]", w_1: "f32[6, 4]"):
+        mm: "f32[4, 4]" = torch.ops.aten.mm.default(x_1, w_1);  x_1 = w_1 = None
+        return mm
+""")
+        local_x, local_w = torch.randn(4, 3), torch.randn(3, 4)
+        self.assertEqual(gm(local_x, local_w), local_x @ local_w)
+
+
+class TestCheckPlacements(TestCase):
+    def test_consistent_plan_passes(self):
+        def plan(x, w):
+            x = hops.annotate_sharding(x, ShardingSpec(MESH, (Shard(0), Shard(1))))
+            y = sharded_matmul(x, w)
+            return hops.annotate_sharding(partial_scale(y), ShardingSpec(MESH, (Shard(0), Partial())))
+
+        gm = make_fx(plan)(torch.randn(8, 6), torch.randn(6, 4))
+        self.assertIs(passes.check_placements(gm), gm)
+
+    def test_mismatches_are_reported_with_their_nodes(self):
+        def plan(x, w):
+            x = hops.annotate_sharding(x, ShardingSpec(MESH, (Shard(0), Replicate())))  # region wants Shard(1) on model
+            w = hops.annotate_sharding(
+                w, ShardingSpec(MESH, (Replicate(), Shard(0))), grad_spec=ShardingSpec(MESH, (Shard(1), Shard(0)))
+            )  # the region produces (Partial, Shard(0)) for w's gradient
+            y = sharded_matmul(x, w)  # out (Shard(0), Partial) feeds a region that wants (Shard(0), Replicate)
+            z = row_scale(y)
+            return hops.annotate_sharding(z, ShardingSpec(MESH, (Replicate(), Replicate())))
+
+        gm = make_fx(plan)(torch.randn(8, 6), torch.randn(6, 4))
+        with self.assertRaises(passes.PassError) as caught:
+            passes.check_placements(gm)
+        message = str(caught.exception)
+        self.assertIn("hops_local_map input 0: annotation hops_sharding_annotation lays it out as (hops.Shard(0), hops.Replicate())", message)
+        self.assertIn("wants its gradient as (hops.Shard(1), hops.Shard(0)), the region produces (hops.Partial(), hops.Shard(0))", message)
+        self.assertIn("hops_local_map_1 input 0: output 0 of hops_local_map lays it out as (hops.Shard(0), hops.Partial())", message)
+        self.assertIn("hops_local_map_1 output 0: annotation hops_sharding_annotation_2", message)
+        self.assertEqual(message.count("\n"), 4)
+
+    def test_a_different_mesh_is_a_mismatch(self):
+        other = Mesh((4,), ("x",))
+
+        def plan(x):
+            return row_scale(hops.annotate_sharding(x, ShardingSpec(other, (Shard(0),))))
+
+        gm = make_fx(plan)(torch.randn(4, 4))
+        with self.assertRaisesRegex(passes.PassError, "is on hops.Mesh\\(shape=\\(4,\\)"):
+            passes.check_placements(gm)
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])
