@@ -10,17 +10,33 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.mark.xla
-def test_sharded_mlp_example():
+def run_example(name):
     # A fresh process as a user runs it: not the XLA_USE_SPMD this test process has set.
     env = {k: v for k, v in os.environ.items() if k != "XLA_USE_SPMD"}
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "sharded_mlp.py")],
-        capture_output=True, text=True, env=env, timeout=300,
+        [sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, env=env, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    forward, backward = result.stdout.split("# backward HLO")
+    return result.stdout
+
+
+@pytest.mark.xla
+def test_sharded_mlp_example():
+    forward, backward = run_example("sharded_mlp.py").split("# backward HLO")
     assert forward.count('custom_call_target="Sharding"') == 3
     assert backward.count('custom_call_target="Sharding"') == 2
-    assert "gradients match eager PyTorch" in result.stdout
+    assert "gradients match eager PyTorch" in backward
+
+
+@pytest.mark.xla
+def test_local_map_attention_example():
+    stdout = run_example("local_map_attention.py")
+    graph, hlo = stdout.split("# forward HLO")
+    assert "torch.ops.higher_order.hops_local_map(attention_body_0" in graph
+    forward, backward = hlo.split("# backward HLO")
+    # Three inputs enter the region, one output leaves it.
+    assert forward.count('"SPMDFullToShardShape"') == 3 and forward.count('"SPMDShardToFullShape"') == 1
+    # Keys and values are replicated over "context": their gradients are summed over it.
+    assert backward.count("all-reduce(") == 2 and "replica_groups={{0,1},{2,3}}" in backward
+    assert "gradients of x, wq, wk, wv, wo match single-device eager" in backward
