@@ -44,6 +44,10 @@ def rename_inner_function(factory: Callable, inner: str, name: str) -> Callable:
     ``co_name``; an assigned ``__name__`` is not seen by every version), so a wrapper that
     defines its body inside traced code gets the user's function name this way.
     """
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace code-object surgery; a wrapper built inside compiled code keeps
+        # the generic name rather than breaking the graph.
+        return factory
     code = factory.__code__
     consts = tuple(
         c.replace(co_name=name, co_qualname=name) if isinstance(c, types.CodeType) and c.co_name == inner else c

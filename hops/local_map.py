@@ -48,7 +48,7 @@ from hops._subgraph import (
     rename_inner_function,
     strip_detach,
 )
-from hops.specs import LocalMapSpec, Mesh, Placement
+from hops.specs import LocalMapSpec, Mesh, Placement, is_placement_like
 
 __all__ = ["local_map", "local_map_hop"]
 
@@ -124,9 +124,7 @@ def _normalize(tree: Any, mesh: Mesh, where: str) -> Any:
     """
     if tree is None:
         return None
-    if isinstance(tree, (tuple, list)) and tree and all(
-        isinstance(p, Placement) or type(p).__module__.startswith("torch.distributed.tensor") for p in tree
-    ):
+    if isinstance(tree, (tuple, list)) and tree and all(is_placement_like(p) for p in tree):
         return LocalMapSpec(mesh, (tuple(tree),), ()).in_placements[0]
     if isinstance(tree, (tuple, list)):
         return tuple(_normalize(t, mesh, f"{where}[{i}]") for i, t in enumerate(tree))

@@ -281,10 +281,18 @@ class Partial(Placement):
         return DTensorPartial(self.reduce_op)
 
 
+def is_placement_like(value: Any) -> bool:
+    """A placement of this package or of DTensor (recognized by DTensor's Placement API,
+    which keeps the check traceable by Dynamo)."""
+    return isinstance(value, Placement) or (
+        hasattr(value, "is_shard") and hasattr(value, "is_replicate") and hasattr(value, "is_partial")
+    )
+
+
 def _as_placement(value: Any, where: str) -> Placement:
     if isinstance(value, Placement):
         return value
-    if type(value).__module__.startswith("torch.distributed.tensor"):
+    if is_placement_like(value):
         return Placement.from_dtensor(value)
     raise TypeError(
         f"{where} must be a placement (hops.Shard(d), hops.Replicate(), hops.Partial()), "

@@ -1,0 +1,163 @@
+"""local_map under torch.compile(fullgraph=True) and strict torch.export."""
+
+import torch
+from functorch.compile import make_boxed_func
+from snapshot import TestCase, readable
+
+import hops
+from hops import LocalMapSpec, Mesh, Partial, Replicate, Shard
+
+MESH = Mesh((2, 2), ("data", "model"))
+
+
+def matmul(x, w):
+    return x @ w
+
+
+sharded_matmul = hops.local_map(
+    matmul,
+    mesh=MESH,
+    in_placements=((Shard(0), Shard(1)), (Replicate(), Shard(0))),
+    out_placements=(Shard(0), Partial()),
+)
+
+BIAS = torch.randn(4)
+
+
+def with_bias(x, w):
+    return x @ w + BIAS
+
+
+biased_matmul = hops.local_map(
+    with_bias,
+    mesh=MESH,
+    in_placements=((Shard(0), Replicate()), (Replicate(), Replicate())),
+    out_placements=(Shard(0), Replicate()),
+)
+
+
+def block(x, w):
+    return sharded_matmul(x, w) * 2
+
+
+class Block(torch.nn.Module):
+    def forward(self, x, w):
+        return block(x, w)
+
+
+def capture():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    return graphs, backend
+
+
+class TestLocalMapDynamo(TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+
+    def test_dynamo_graph_keeps_one_region_with_its_typed_spec(self):
+        graphs, backend = capture()
+        x, w = torch.randn(8, 6), torch.randn(6, 4)
+        self.assertEqual(torch.compile(block, backend=backend, fullgraph=True)(x, w), block(x, w))
+        self.assertEqual(len(graphs), 1)
+        (node,) = [n for n in graphs[0].graph.nodes if n.target is hops.local_map_hop]
+        self.assertIsInstance(node.args[-1], LocalMapSpec)
+        self.assertExpectedInline(readable(graphs[0]), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[8, 6]", L_w_: "f32[6, 4]"):
+        l_x_ = L_x_
+        l_w_ = L_w_
+        matmul_body_0 = self.matmul_body_0
+        hops_local_map = torch.ops.higher_order.hops_local_map(matmul_body_0, l_x_, l_w_, (), hops.LocalMapSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), in_placements=((hops.Shard(0), hops.Shard(1)), (hops.Replicate(), hops.Shard(0))), out_placements=((hops.Shard(0), hops.Partial()),)));  matmul_body_0 = l_x_ = l_w_ = None
+        getitem: "f32[8, 4]" = hops_local_map[0];  hops_local_map = None
+        mul: "f32[8, 4]" = getitem * 2;  getitem = None
+        return (mul,)
+    class matmul_body_0(torch.nn.Module):
+        def forward(self, l_x_: "f32[4, 3]", l_w_: "f32[3, 4]"):
+            result: "f32[4, 4]" = l_x_ @ l_w_;  l_x_ = l_w_ = None
+            return (result,)
+""")
+
+    def test_closed_over_tensor_is_lifted_as_a_replicated_input(self):
+        graphs, backend = capture()
+        x, w = torch.randn(8, 6), torch.randn(6, 4)
+        compiled = torch.compile(biased_matmul, backend=backend, fullgraph=True)
+        self.assertEqual(compiled(x, w), x @ w + BIAS)
+        (node,) = [n for n in graphs[0].graph.nodes if n.target is hops.local_map_hop]
+        self.assertEqual(len(node.args[-2]), 1)  # the lifted tuple: BIAS
+
+    def test_aot_graphs_under_torch_compile_and_gradients(self):
+        from torch._dynamo.backends.common import aot_autograd
+
+        graphs = {}
+
+        def keep(name):
+            def compile_graph(gm, example_inputs):
+                graphs[name] = gm
+                return make_boxed_func(gm)
+
+            return compile_graph
+
+        x, w = torch.randn(8, 6, requires_grad=True), torch.randn(6, 4, requires_grad=True)
+        backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+        torch.compile(block, backend=backend, fullgraph=True)(x, w).sum().backward()
+        reference_x, reference_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        ((reference_x @ reference_w) * 2).sum().backward()
+        self.assertEqual(x.grad, reference_x.grad)
+        self.assertEqual(w.grad, reference_w.grad)
+        self.assertExpectedInline(readable(graphs["backward"]), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[8, 6]", primals_2: "f32[6, 4]", tangents_1: "f32[8, 4]"):
+        mul_1: "f32[8, 4]" = torch.ops.aten.mul.Tensor(tangents_1, 2);  tangents_1 = None
+        matmul_bwd_body_0 = self.matmul_bwd_body_0
+        hops_local_map_1 = torch.ops.higher_order.hops_local_map(matmul_bwd_body_0, primals_1, primals_2, mul_1, hops.LocalMapSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), in_placements=((hops.Shard(0), hops.Shard(1)), (hops.Replicate(), hops.Shard(0)), (hops.Shard(0), hops.Replicate())), out_placements=((hops.Shard(0), hops.Shard(1)), (hops.Partial(), hops.Shard(0)))));  matmul_bwd_body_0 = primals_1 = primals_2 = mul_1 = None
+        getitem_1: "f32[8, 6]" = hops_local_map_1[0]
+        getitem_2: "f32[6, 4]" = hops_local_map_1[1];  hops_local_map_1 = None
+        return (getitem_1, getitem_2)
+    class matmul_bwd_body_0(torch.nn.Module):
+        def forward(self, arg0_1: "f32[4, 3]", arg1_1: "f32[3, 4]", arg2_1: "f32[4, 4]"):
+            t: "f32[3, 4]" = torch.ops.aten.t.default(arg0_1);  arg0_1 = None
+            mm_1: "f32[3, 4]" = torch.ops.aten.mm.default(t, arg2_1);  t = None
+            t_1: "f32[4, 3]" = torch.ops.aten.t.default(arg1_1);  arg1_1 = None
+            mm_2: "f32[4, 3]" = torch.ops.aten.mm.default(arg2_1, t_1);  arg2_1 = t_1 = None
+            return (mm_2, mm_1)
+""")
+
+    def test_a_different_placement_recompiles(self):
+        graphs, backend = capture()
+
+        def run(x, placements):
+            region = hops.local_map(matmul, mesh=MESH, in_placements=(placements, (Replicate(), Replicate())),
+                                    out_placements=placements)
+            return region(x, torch.eye(4))
+
+        compiled = torch.compile(run, backend=backend, fullgraph=True)
+        x = torch.randn(8, 4)
+        for placements in ((Shard(0), Replicate()), (Shard(0), Replicate()), (Replicate(), Shard(0))):
+            self.assertEqual(compiled(x, placements), x)
+        specs = [next(n.args[-1] for n in g.graph.nodes if n.target is hops.local_map_hop) for g in graphs]
+        self.assertEqual([s.in_placements[0] for s in specs], [(Shard(0), Replicate()), (Replicate(), Shard(0))])
+
+
+class TestLocalMapExport(TestCase):
+    def test_export_strict(self):
+        x, w = torch.randn(8, 6), torch.randn(6, 4)
+        ep = torch.export.export(Block(), (x, w), strict=True)
+        self.assertExpectedInline(readable(ep.graph_module), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, x: "f32[8, 6]", w: "f32[6, 4]"):
+        matmul_body_0 = self.matmul_body_0
+        hops_local_map = torch.ops.higher_order.hops_local_map(matmul_body_0, x, w, hops.LocalMapSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), in_placements=((hops.Shard(0), hops.Shard(1)), (hops.Replicate(), hops.Shard(0))), out_placements=((hops.Shard(0), hops.Partial()),)));  matmul_body_0 = x = w = None
+        getitem: "f32[8, 4]" = hops_local_map[0];  hops_local_map = None
+        mul: "f32[8, 4]" = torch.ops.aten.mul.Tensor(getitem, 2);  getitem = None
+        return (mul,)
+    class matmul_body_0(torch.nn.Module):
+        def forward(self, arg0_1: "f32[4, 3]", arg1_1: "f32[3, 4]"):
+            matmul: "f32[4, 4]" = torch.ops.aten.matmul.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
+            return (matmul,)
+""")
+        self.assertEqual(ep.module()(x, w), block(x, w))
