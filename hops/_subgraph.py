@@ -143,3 +143,49 @@ def check_body_is_functional(
             f"{function} returns output {output}, which aliases its argument {name(source)} (the input "
             "itself or a view of it); return a copy (e.g. .clone()) instead"
         )
+
+
+def copy_if_aliases(outputs: Sequence[Any], inputs: Sequence[Any]) -> tuple:
+    """``outputs`` with every tensor that aliases one of ``inputs`` (or an earlier output)
+    replaced by a copy: a region's outputs must be new tensors (a vjp may return its
+    cotangent unchanged)."""
+    seen = [t for t in inputs if isinstance(t, torch.Tensor)]
+    copied = []
+    for value in outputs:
+        if isinstance(value, torch.Tensor) and any(torch._C._is_alias_of(value, t) for t in seen):
+            value = value.clone()
+        if isinstance(value, torch.Tensor):
+            seen.append(value)
+        copied.append(value)
+    return tuple(copied)
+
+
+def emit_body_node(mode: Any, hop: Any, body: Callable, examples: Sequence[Any], args: Sequence[Any], outputs: Any) -> Any:
+    """The proxy rule of a HOP with a body: trace ``body`` on ``examples`` into a subgraph
+    named after the user function, refuse it if it mutates or aliases its inputs, and emit
+    one node ``hop(subgraph, *args)`` whose result is ``outputs`` (computed by the caller
+    with proxy tracing off)."""
+    import torch.utils._pytree as pytree
+    from torch._higher_order_ops.utils import reenter_make_fx
+    from torch.fx.experimental.proxy_tensor import track_tensor_tree
+
+    name = body_name(body)
+    body_graph = reenter_make_fx(body)(*examples)
+    check_body_is_functional(body_graph, name)
+    # make_fx names the class after the function it traced (a wrapper of ``body``):
+    # re-tracing this graph, and errors raised from it, then name the user function.
+    type(body_graph).__name__ = name
+    qualname = mode.tracer.get_fresh_qualname(f"{name}_body_")
+    mode.tracer.root.register_module(qualname, body_graph)
+    node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (body_graph, *args))
+    out_proxy = mode.tracer.create_proxy("call_function", hop, node_args, {})
+    return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
+
+
+def symbolic_trace_call(hop: Any, args: Sequence[Any]) -> Any:
+    """``hop(*args)`` under torch.fx symbolic tracing (how a pickled GraphModule is rebuilt):
+    one node, or ``None`` when no argument is an ``fx.Proxy``."""
+    for value in args:
+        if isinstance(value, fx.Proxy):
+            return value.tracer.create_proxy("call_function", hop, tuple(args), {})
+    return None

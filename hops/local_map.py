@@ -44,11 +44,14 @@ from hops import _dynamo, _layout
 from hops._subgraph import (
     body_name,
     check_body_is_functional,
+    copy_if_aliases,
+    emit_body_node,
     named,
     rename_inner_function,
     strip_detach,
+    symbolic_trace_call,
 )
-from hops.specs import LocalMapSpec, Mesh, Placement, is_placement_like
+from hops.specs import LocalMapSpec, Mesh, Placement, is_placement_like, placements_tuple
 
 __all__ = ["local_map", "local_map_hop"]
 
@@ -60,6 +63,9 @@ class LocalMap(HigherOrderOperator):
         super().__init__("hops_local_map")
 
     def __call__(self, body: Callable, *tensors_and_spec: Any):
+        traced = symbolic_trace_call(self, (body, *tensors_and_spec))
+        if traced is not None:
+            return traced
         tensors, spec = _split(tensors_and_spec)
         if tensors and isinstance(tensors[-1], tuple):
             # Dynamo's node form: values the body closed over come as one trailing tuple.
@@ -125,7 +131,7 @@ def _normalize(tree: Any, mesh: Mesh, where: str) -> Any:
     if tree is None:
         return None
     if isinstance(tree, (tuple, list)) and tree and all(is_placement_like(p) for p in tree):
-        return LocalMapSpec(mesh, (tuple(tree),), ()).in_placements[0]
+        return placements_tuple(tree, mesh, where)
     if isinstance(tree, (tuple, list)):
         return tuple(_normalize(t, mesh, f"{where}[{i}]") for i, t in enumerate(tree))
     if isinstance(tree, dict):
@@ -251,8 +257,12 @@ def _make_body(
         for position, tensor in zip(tensor_positions, local_tensors):
             local_leaves[position] = tensor
         result = fn(*pytree.tree_unflatten(local_leaves, args_treespec))
-        result_leaves, result_treespec = pytree.tree_flatten(result)
-        if result_treespec != out_treespec or not all(isinstance(r, torch.Tensor) for r in result_leaves):
+        try:
+            # Flattened against the declared structure: dict key order does not matter.
+            result_leaves = out_treespec.flatten_up_to(result)
+        except (ValueError, TypeError):
+            result_leaves = None
+        if result_leaves is None or not all(isinstance(r, torch.Tensor) for r in result_leaves):
             raise TypeError(
                 f"local_map({body_name(fn)}) returned {pytree.tree_map(lambda r: type(r).__name__, result)}, "
                 f"which does not match out_placements {out_placements!r}"
@@ -296,7 +306,9 @@ def simulate(body: Callable, tensors: Sequence[torch.Tensor], spec: LocalMapSpec
                     f"{name} mutates its argument input {i} in place; a region body must be functional"
                 )
         for j, output in enumerate(outputs):
-            if any(output.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in local_tensors):
+            if output.untyped_storage().nbytes() and any(
+                torch._C._is_alias_of(output, t) for t in local_tensors
+            ):
                 raise ValueError(f"{name} returns output {j}, which aliases one of its arguments; return a copy")
             pieces[j][coordinate] = output
     return tuple(
@@ -364,20 +376,16 @@ def _proxy(mode: ProxyTorchDispatchMode, body: Callable, *tensors_and_spec: Any)
     with disable_proxy_modes_tracing():
         outputs = local_map_hop(body, *tensors, spec)
         examples = _local_examples(tensors, spec)
-    body_graph = reenter_make_fx(body)(*examples)
-    check_body_is_functional(body_graph, name)
-    qualname = mode.tracer.get_fresh_qualname(f"{name}_body_")
-    mode.tracer.root.register_module(qualname, body_graph)
-    node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (body_graph, *tensors, spec))
-    out_proxy = mode.tracer.create_proxy("call_function", local_map_hop, node_args, {})
-    return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
+    return emit_body_node(mode, local_map_hop, body, examples, (*tensors, spec), outputs)
 
 
 # --------------------------------------------------------------------------- autograd
 
 
-def _backward_body(body: Callable, n_inputs: int, needs_grad: Sequence[bool]) -> Callable:
+def _backward_body(body: Callable, n_inputs: int, needs_grad: Sequence[bool], has_cotangent: Sequence[bool]) -> Callable:
     """Local vjp of ``body``: (primals..., cotangents...) -> grads of the inputs that need them.
+
+    ``cotangents`` are given for the outputs with ``has_cotangent`` only.
 
     Runs under the dispatch keys of the moment it is made (inside ``backward``, where
     autograd is live), wherever it is called from: the eager rule runs below autograd.
@@ -393,6 +401,7 @@ def _backward_body(body: Callable, n_inputs: int, needs_grad: Sequence[bool]) ->
         cotangents = primals_and_cotangents[n_inputs:]
         with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
             outputs = body(*primals)
+        outputs = [o for o, given in zip(outputs, has_cotangent) if given]
         pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
         wanted = [p for p, need in zip(primals, needs_grad) if need]
         grads = (
@@ -400,7 +409,8 @@ def _backward_body(body: Callable, n_inputs: int, needs_grad: Sequence[bool]) ->
             if pairs
             else [None] * len(wanted)
         )
-        return tuple(torch.zeros_like(p) if g is None else g for g, p in zip(grads, wanted))
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, wanted)]
+        return copy_if_aliases(grads, primals_and_cotangents)
 
     return backward
 
@@ -420,6 +430,8 @@ class _LocalMapFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, body: Callable, spec: LocalMapSpec, *tensors: torch.Tensor):
         ctx.body, ctx.spec = body, spec
+        # An output nobody differentiates gets no cotangent, and needs no gradient layout.
+        ctx.set_materialize_grads(False)
         # Non-tensor inputs (ints, SymInts) cannot be saved as tensors: keep them aside.
         ctx.non_tensors = [None if isinstance(t, torch.Tensor) else t for t in tensors]
         ctx.save_for_backward(*(t for t in tensors if isinstance(t, torch.Tensor)))
@@ -431,8 +443,12 @@ class _LocalMapFunction(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         tensors = tuple(next(saved) if value is None else value for value in ctx.non_tensors)
         needs_grad = list(ctx.needs_input_grad[2:])
-        backward_spec = ctx.spec.backward_spec(needs_grad)
-        backward_body = _backward_body(ctx.body, len(tensors), needs_grad)
+        has_cotangent = [c is not None for c in cotangents]
+        if not any(has_cotangent):
+            return (None,) * (2 + len(needs_grad))
+        cotangents = tuple(c for c in cotangents if c is not None)
+        backward_spec = ctx.spec.backward_spec(needs_grad, has_cotangent)
+        backward_body = _backward_body(ctx.body, len(tensors), needs_grad, has_cotangent)
         if _is_tracing((*tensors, *cotangents)):
             # Trace the vjp here, where autograd is live; traced inside the proxy rule it
             # would run below autograd and produce no gradients.

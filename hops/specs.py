@@ -421,7 +421,7 @@ class ShardingSpec(_FxLiteral):
 Placements = tuple  # one Placement per mesh axis
 
 
-def _placements_tuple(value: Any, mesh: Mesh, where: str) -> tuple[Placement, ...]:
+def placements_tuple(value: Any, mesh: Mesh, where: str) -> tuple[Placement, ...]:
     if isinstance(value, (Placement, str)) or not isinstance(value, Iterable):
         raise TypeError(
             f"{where} must be a sequence with one placement per mesh axis {mesh.axis_names}, "
@@ -488,7 +488,7 @@ class LocalMapSpec(_FxLiteral):
                 self,
                 name,
                 tuple(
-                    None if p is None and allow_none else _placements_tuple(p, self.mesh, f"{name}[{i}]")
+                    None if p is None and allow_none else placements_tuple(p, self.mesh, f"{name}[{i}]")
                     for i, p in enumerate(value)
                 ),
             )
@@ -537,12 +537,16 @@ class LocalMapSpec(_FxLiteral):
             )
         return LocalMapSpec(self.mesh, self.in_placements + extra, self.out_placements, grads)
 
-    def backward_spec(self, needs_grad: Sequence[bool]) -> LocalMapSpec:
-        """The spec of the backward region: inputs are the primals and the output
-        cotangents; outputs are the gradients of the inputs with ``needs_grad``."""
+    def backward_spec(self, needs_grad: Sequence[bool], has_cotangent: Sequence[bool] | None = None) -> LocalMapSpec:
+        """The spec of the backward region: inputs are the primals and the cotangents of
+        the outputs with ``has_cotangent`` (default all); outputs are the gradients of the
+        inputs with ``needs_grad``."""
+        if has_cotangent is None:
+            has_cotangent = [True] * len(self.out_placements)
         cotangents = tuple(
             tuple(transpose_placement(p, f"out_placements[{j}]") for p in group)
-            for j, group in enumerate(self.out_placements)
+            for j, (group, given) in enumerate(zip(self.out_placements, has_cotangent))
+            if given
         )
         grads = self.grad_placements()
         return LocalMapSpec(
