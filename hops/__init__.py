@@ -23,6 +23,7 @@ from hops.specs import (
 _compat.register_fx_global("hops", "import hops", _sys.modules[__name__])
 
 from hops.local_map import local_map, local_map_hop  # noqa: E402
+from hops.scan import ScanSpec, scan, scan_hop  # noqa: E402
 from hops.sharding_annotation import annotate_sharding, sharding_annotation_hop  # noqa: E402
 
 __all__ = [
@@ -36,6 +37,9 @@ __all__ = [
     "spec_from_text",
     "local_map",
     "local_map_hop",
+    "ScanSpec",
+    "scan",
+    "scan_hop",
     "annotate_sharding",
     "sharding_annotation_hop",
 ]

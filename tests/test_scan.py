@@ -1,0 +1,342 @@
+"""scan_hop: jax.lax.scan semantics, gradients, errors, and every frontend's graph."""
+
+import pytest
+import torch
+from functorch.compile import aot_function, make_boxed_func
+from snapshot import TestCase, delete_meta, readable
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import hops
+import passes
+from hops import Mesh, Replicate, ScanSpec, Shard, ShardingSpec
+
+MESH = Mesh((2, 2), ("data", "model"))
+ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
+
+
+def rnn_step(h, x, w):
+    h = torch.tanh(h @ w + x)
+    return h, h.sum(-1)
+
+
+def python_loop(fn, init, xs, *additional, reverse=False):
+    """The reference: a Python loop with jax.lax.scan's contract."""
+    carry, ys = init, [None] * xs.shape[0]
+    order = range(xs.shape[0] - 1, -1, -1) if reverse else range(xs.shape[0])
+    for i in order:
+        carry, ys[i] = fn(carry, xs[i], *additional)
+    return carry, torch.stack(ys)
+
+
+def rnn_inputs(dtype=torch.float32, requires_grad=False, small=False):
+    torch.manual_seed(0)
+    batch, length, width = (1, 3, 2) if small else (2, 5, 4)
+    h = torch.randn(batch, width, dtype=dtype)
+    xs = torch.randn(length, batch, width, dtype=dtype)
+    w = torch.randn(width, width, dtype=dtype) / 2
+    return [t.requires_grad_(requires_grad) for t in (h, xs, w)]
+
+
+def aot_graphs(fn, *args):
+    graphs = {}
+
+    def keep(name):
+        def compile_graph(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm)
+
+        return compile_graph
+
+    out = aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(*args)
+    sum(o.sum() for o in torch.utils._pytree.tree_leaves(out)).backward()
+    return graphs["forward"], graphs["backward"]
+
+
+class TestSemantics(TestCase):
+    def test_matches_a_python_loop(self):
+        h, xs, w = rnn_inputs()
+        for reverse in (False, True):
+            expected = python_loop(rnn_step, h, xs, w, reverse=reverse)
+            self.assertEqual(hops.scan(rnn_step, h, xs, additional_inputs=(w,), reverse=reverse), expected)
+
+    def test_pytree_carries_xs_and_ys(self):
+        def step(carry, x):
+            total = carry["total"] + x["a"] * x["b"]
+            return {"total": total, "count": carry["count"] + 1}, (total.sum(), {"max": x["a"].amax()})
+
+        init = {"total": torch.zeros(3), "count": torch.zeros((), dtype=torch.int64)}
+        xs = {"a": torch.randn(4, 3), "b": torch.randn(4, 3)}
+        carry, (sums, stats) = hops.scan(step, init, xs)
+        self.assertEqual(carry["total"], (xs["a"] * xs["b"]).sum(0))
+        self.assertEqual(int(carry["count"]), 4)
+        self.assertEqual(sums, (xs["a"] * xs["b"]).cumsum(0).sum(-1))
+        self.assertEqual(stats["max"], xs["a"].amax(-1))
+
+    def test_closed_over_tensors_are_lifted_and_get_gradients(self):
+        h, xs, w = rnn_inputs(torch.double, requires_grad=True, small=True)
+
+        def step(carry, x):
+            return rnn_step(carry, x, w)
+
+        self.assertTrue(torch.autograd.gradcheck(lambda h, xs, w: hops.scan(step, h, xs), (h, xs, w)))
+
+    def test_length_without_xs_and_length_zero(self):
+        carry, ys = hops.scan(lambda c, x: (c * 2, c), torch.ones(3), None, length=4)
+        self.assertEqual(carry, torch.full((3,), 16.0))
+        self.assertEqual(ys, torch.tensor([1.0, 2, 4, 8]).unsqueeze(-1).expand(4, 3))
+        carry, ys = hops.scan(lambda c, x: (c + x, c * x), torch.ones(3), torch.empty(0, 3))
+        self.assertEqual(carry, torch.ones(3))
+        self.assertEqual(ys.shape, (0, 3))
+
+    def test_gradients_match_the_loop_in_both_remat_modes(self):
+        for remat in (False, True):
+            for reverse in (False, True):
+                h, xs, w = rnn_inputs(torch.double, requires_grad=True, small=True)
+
+                def scanned(h, xs, w):
+                    return hops.scan(rnn_step, h, xs, additional_inputs=(w,), reverse=reverse, remat=remat)
+
+                self.assertTrue(torch.autograd.gradcheck(scanned, (h, xs, w)), f"remat={remat} reverse={reverse}")
+                got = torch.autograd.grad(sum(o.sum() for o in scanned(h, xs, w)), (h, xs, w))
+                expected = torch.autograd.grad(
+                    sum(o.sum() for o in python_loop(rnn_step, h, xs, w, reverse=reverse)), (h, xs, w)
+                )
+                self.assertEqual(got, expected)
+
+
+class TestBadCalls(TestCase):
+    def test_errors_name_the_leaf(self):
+        h, xs, w = rnn_inputs()
+        cases = [
+            (lambda: hops.scan(lambda c, x: (c.sum(), x), h, xs), ValueError, r"carry leaf 0 changes from \(2, 4\)"),
+            (lambda: hops.scan(lambda c, x: (c.double(), x), h, xs), ValueError, r"carry leaf 0 changes .* torch.float64"),
+            (lambda: hops.scan(lambda c, x: ((c, c), x), h, xs), ValueError, "carry changes structure"),
+            (lambda: hops.scan(lambda c, x: (c, x), h, (xs, xs[:3])), ValueError, "xs leaf 1 has length 3 but xs leaf 0 has 5"),
+            (lambda: hops.scan(lambda c, x: (c, x), h, None), ValueError, "no xs to scan over and no length"),
+            (lambda: hops.scan(lambda c, x: (c, 1.0), h, xs), TypeError, "returned float for y leaf 0"),
+            (lambda: hops.scan(lambda c, x: c, h, xs), TypeError, r"must return \(new_carry, y\)"),
+            (lambda: hops.scan(lambda c, x: (c if x.sum() > 0 else -c, x), h, xs), ValueError, "branches in Python on a tensor's value"),
+            (lambda: hops.scan(lambda c, x: (c, x), h, torch.tensor(1.0)), ValueError, "xs leaf 0 is a 0-d tensor"),
+            (lambda: hops.scan(lambda c, x: (c, x), [1.0], xs), TypeError, "init leaf 0 is a float"),
+            (lambda: hops.scan(lambda c, x: (c, x), h, xs, length=3), ValueError, "length=3 but xs have length 5"),
+            (lambda: hops.scan_hop(lambda c, x: (c, x), h, xs, "spec"), TypeError, "must be a hops.ScanSpec"),
+        ]
+        for call, error, message in cases:
+            with self.subTest(message=message), self.assertRaisesRegex(error, message):
+                call()
+
+    def test_body_mutating_its_input_is_refused(self):
+        def step(c, x):
+            c.add_(x)
+            return c * 1, x * 1
+
+        h, xs, _ = rnn_inputs()
+        with self.assertRaisesRegex(ValueError, "mutates its argument"):
+            make_fx(lambda h, xs: hops.scan(step, h, xs))(h, xs)
+
+
+def annotated_step(h, x, w):
+    h = hops.annotate_sharding(torch.tanh(h @ w + x), ROWS)
+    return h, h.sum(-1)
+
+
+class TestGraphs(TestCase):
+    def test_make_fx_real(self):
+        h, xs, w = rnn_inputs()
+        gm = make_fx(lambda h, xs, w: hops.scan(annotated_step, h, xs, additional_inputs=(w,)))(h, xs, w)
+        self.assertExpectedInline(readable(gm), """\
+class <lambda>(torch.nn.Module):
+    def forward(self, h_1: "f32[2, 4]", xs_1: "f32[5, 2, 4]", w_1: "f32[4, 4]"):
+        annotated_step_body_0 = self.annotated_step_body_0
+        hops_scan = torch.ops.higher_order.hops_scan(annotated_step_body_0, h_1, xs_1, w_1, hops.ScanSpec(num_carry=1, num_xs=1));  annotated_step_body_0 = h_1 = xs_1 = w_1 = None
+        getitem: "f32[2, 4]" = hops_scan[0]
+        getitem_1: "f32[5, 2]" = hops_scan[1];  hops_scan = None
+        return (getitem, getitem_1)
+    class annotated_step_body_0(torch.nn.Module):
+        def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[2, 4]", arg2_1: "f32[4, 4]"):
+            mm: "f32[2, 4]" = torch.ops.aten.mm.default(arg0_1, arg2_1);  arg0_1 = arg2_1 = None
+            add: "f32[2, 4]" = torch.ops.aten.add.Tensor(mm, arg1_1);  mm = arg1_1 = None
+            tanh: "f32[2, 4]" = torch.ops.aten.tanh.default(add);  add = None
+            hops_sharding_annotation: "f32[2, 4]" = torch.ops.higher_order.hops_sharding_annotation(tanh, hops.ShardingSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), placements=(hops.Shard(0), hops.Replicate())));  tanh = None
+            sum_1: "f32[2]" = torch.ops.aten.sum.dim_IntList(hops_sharding_annotation, [-1])
+            return (hops_sharding_annotation, sum_1)
+""")
+        self.assertEqual(gm(h, xs, w), python_loop(rnn_step, h, xs, w))
+
+    def test_make_fx_fake_and_functionalized(self):
+        h, xs, w = rnn_inputs()
+
+        def mutating_outside(h, xs, w):
+            h = h.clone()
+            h.mul_(2)
+            return hops.scan(annotated_step, h, xs, additional_inputs=(w,))
+
+        fake = make_fx(mutating_outside, tracing_mode="fake")(h, xs, w)
+        functional = make_fx(torch.func.functionalize(mutating_outside, remove="mutations_and_views"))(h, xs, w)
+        self.assertExpectedInline(readable(functional), """\
+class mutating_outside(torch.nn.Module):
+    def forward(self, h_1: "f32[2, 4]", xs_1: "f32[5, 2, 4]", w_1: "f32[4, 4]"):
+        clone: "f32[2, 4]" = torch.ops.aten.clone.default(h_1);  h_1 = None
+        mul: "f32[2, 4]" = torch.ops.aten.mul.Tensor(clone, 2);  clone = None
+        annotated_step_body_0 = self.annotated_step_body_0
+        hops_scan = torch.ops.higher_order.hops_scan(annotated_step_body_0, mul, xs_1, w_1, hops.ScanSpec(num_carry=1, num_xs=1));  annotated_step_body_0 = mul = xs_1 = w_1 = None
+        getitem: "f32[2, 4]" = hops_scan[0]
+        getitem_1: "f32[5, 2]" = hops_scan[1];  hops_scan = None
+        return (getitem, getitem_1)
+    class annotated_step_body_0(torch.nn.Module):
+        def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[2, 4]", arg2_1: "f32[4, 4]"):
+            mm: "f32[2, 4]" = torch.ops.aten.mm.default(arg0_1, arg2_1);  arg0_1 = arg2_1 = None
+            add: "f32[2, 4]" = torch.ops.aten.add.Tensor(mm, arg1_1);  mm = arg1_1 = None
+            tanh: "f32[2, 4]" = torch.ops.aten.tanh.default(add);  add = None
+            hops_sharding_annotation: "f32[2, 4]" = torch.ops.higher_order.hops_sharding_annotation(tanh, hops.ShardingSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), placements=(hops.Shard(0), hops.Replicate())));  tanh = None
+            sum_1: "f32[2]" = torch.ops.aten.sum.dim_IntList(hops_sharding_annotation, [-1])
+            return (hops_sharding_annotation, sum_1)
+""")
+        self.assertEqual(readable(fake).count("hops_scan("), 1)
+        self.assertEqual(functional(h, xs, w), mutating_outside(h, xs, w))
+
+    def test_aot_forward_and_backward_bodies_keep_the_annotation(self):
+        for remat in (False, True):
+            h, xs, w = rnn_inputs(requires_grad=True)
+            forward, backward = aot_graphs(
+                lambda h, xs, w: hops.scan(annotated_step, h, xs, additional_inputs=(w,), remat=remat), h, xs, w
+            )
+            for graph in (forward, backward):
+                body = next(m for name, m in graph.named_modules() if name.endswith("body_0"))
+                self.assertIn("torch.ops.higher_order.hops_sharding_annotation", body.code)
+            if remat:
+                self.assertExpectedInline(readable(backward), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_2: "f32[5, 2, 4]", primals_3: "f32[4, 4]", getitem_2: "f32[5, 2, 4]", tangents_1: "f32[2, 4]", tangents_2: "f32[5, 2]"):
+        zeros_like: "f32[4, 4]" = torch.ops.aten.zeros_like.default(primals_3, pin_memory = False)
+        annotated_step_bwd_body_0 = self.annotated_step_bwd_body_0
+        hops_scan_1 = torch.ops.higher_order.hops_scan(annotated_step_bwd_body_0, tangents_1, zeros_like, getitem_2, primals_2, tangents_2, primals_3, hops.ScanSpec(num_carry=2, num_xs=3, reverse=True));  annotated_step_bwd_body_0 = tangents_1 = zeros_like = getitem_2 = primals_2 = tangents_2 = primals_3 = None
+        getitem_3: "f32[2, 4]" = hops_scan_1[0]
+        getitem_4: "f32[4, 4]" = hops_scan_1[1]
+        getitem_5: "f32[5, 2, 4]" = hops_scan_1[2];  hops_scan_1 = None
+        return (getitem_3, getitem_5, getitem_4)
+    class annotated_step_bwd_body_0(torch.nn.Module):
+        def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[4, 4]", arg2_1: "f32[2, 4]", arg3_1: "f32[2, 4]", arg4_1: "f32[2]", arg5_1: "f32[4, 4]"):
+            mm: "f32[2, 4]" = torch.ops.aten.mm.default(arg2_1, arg5_1)
+            add: "f32[2, 4]" = torch.ops.aten.add.Tensor(mm, arg3_1);  mm = arg3_1 = None
+            tanh: "f32[2, 4]" = torch.ops.aten.tanh.default(add);  add = None
+            unsqueeze: "f32[2, 1]" = torch.ops.aten.unsqueeze.default(arg4_1, -1);  arg4_1 = None
+            expand: "f32[2, 4]" = torch.ops.aten.expand.default(unsqueeze, [2, 4]);  unsqueeze = None
+            add_1: "f32[2, 4]" = torch.ops.aten.add.Tensor(arg0_1, expand);  arg0_1 = expand = None
+            hops_sharding_annotation_1: "f32[2, 4]" = torch.ops.higher_order.hops_sharding_annotation(add_1, hops.ShardingSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), placements=(hops.Shard(0), hops.Replicate())));  add_1 = None
+            tanh_backward: "f32[2, 4]" = torch.ops.aten.tanh_backward.default(hops_sharding_annotation_1, tanh);  hops_sharding_annotation_1 = tanh = None
+            t: "f32[4, 2]" = torch.ops.aten.t.default(arg2_1);  arg2_1 = None
+            mm_1: "f32[4, 4]" = torch.ops.aten.mm.default(t, tanh_backward);  t = None
+            t_1: "f32[4, 4]" = torch.ops.aten.t.default(arg5_1);  arg5_1 = None
+            mm_2: "f32[2, 4]" = torch.ops.aten.mm.default(tanh_backward, t_1);  t_1 = None
+            add_2: "f32[4, 4]" = torch.ops.aten.add.Tensor(arg1_1, mm_1);  arg1_1 = mm_1 = None
+            return (mm_2, add_2, tanh_backward)
+""")
+            else:
+                self.assertExpectedInline(readable(forward), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[2, 4]", primals_2: "f32[5, 2, 4]", primals_3: "f32[4, 4]"):
+        annotated_step_body_0 = self.annotated_step_body_0
+        hops_scan = torch.ops.higher_order.hops_scan(annotated_step_body_0, primals_1, primals_2, primals_3, hops.ScanSpec(num_carry=1, num_xs=1));  annotated_step_body_0 = primals_1 = primals_2 = None
+        getitem: "f32[2, 4]" = hops_scan[0]
+        getitem_1: "f32[5, 2]" = hops_scan[1]
+        getitem_2: "f32[5, 2, 4]" = hops_scan[2]
+        getitem_3: "f32[5, 4, 2]" = hops_scan[3];  hops_scan = None
+        return (getitem, getitem_1, primals_3, getitem_2, getitem_3)
+    class annotated_step_body_0(torch.nn.Module):
+        def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[2, 4]", arg2_1: "f32[4, 4]"):
+            mm: "f32[2, 4]" = torch.ops.aten.mm.default(arg0_1, arg2_1);  arg2_1 = None
+            add: "f32[2, 4]" = torch.ops.aten.add.Tensor(mm, arg1_1);  mm = arg1_1 = None
+            tanh: "f32[2, 4]" = torch.ops.aten.tanh.default(add);  add = None
+            hops_sharding_annotation: "f32[2, 4]" = torch.ops.higher_order.hops_sharding_annotation(tanh, hops.ShardingSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), placements=(hops.Shard(0), hops.Replicate())))
+            sum_1: "f32[2]" = torch.ops.aten.sum.dim_IntList(hops_sharding_annotation, [-1])
+            t: "f32[4, 2]" = torch.ops.aten.t.default(arg0_1);  arg0_1 = None
+            clone: "f32[4, 2]" = torch.ops.aten.clone.default(t);  t = None
+            return (hops_sharding_annotation, sum_1, tanh, clone)
+""")
+
+    def test_local_map_region_in_the_body_survives_forward_and_backward(self):
+        def scale(h):
+            return h * 2
+
+        region = hops.local_map(scale, mesh=MESH, in_placements=((Shard(0), Replicate()),), out_placements=(Shard(0), Replicate()))
+
+        def step(h, x, w):
+            h = region(torch.tanh(h @ w + x))
+            return h, h.sum(-1)
+
+        h, xs, w = rnn_inputs(requires_grad=True)
+        forward, backward = aot_graphs(lambda h, xs, w: hops.scan(step, h, xs, additional_inputs=(w,)), h, xs, w)
+        self.assertIn("hops_local_map(scale_body", forward.step_body_0.code if hasattr(forward, "step_body_0") else next(m.code for n, m in forward.named_modules() if n.endswith("body_0")))
+        backward_body = next(m for n, m in backward.named_modules() if n.endswith("bwd_body_0"))
+        self.assertIn("torch.ops.higher_order.hops_local_map", backward_body.code)
+
+    def test_export_strict_and_non_strict(self):
+        class Rnn(torch.nn.Module):
+            def forward(self, h, xs, w):
+                return hops.scan(annotated_step, h, xs, additional_inputs=(w,))
+
+        h, xs, w = rnn_inputs()
+        for strict in (True, False):
+            ep = torch.export.export(Rnn(), (h, xs, w), strict=strict)
+            self.assertEqual(ep.module()(h, xs, w), python_loop(rnn_step, h, xs, w))
+            text = readable(ep.graph_module)
+            self.assertEqual(text.count("torch.ops.higher_order.hops_scan("), 1)
+            self.assertIn("hops.ScanSpec(num_carry=1, num_xs=1)", text)
+            self.assertIn("hops_sharding_annotation", text)
+
+    def test_dynamo_keeps_one_scan_with_the_annotation_in_its_body(self):
+        torch._dynamo.reset()
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm
+
+        h, xs, w = rnn_inputs()
+
+        def run(h, xs):
+            return hops.scan(lambda c, x: annotated_step(c, x, w), h, xs)
+
+        self.assertEqual(torch.compile(run, backend=backend, fullgraph=True)(h, xs), python_loop(rnn_step, h, xs, w))
+        self.assertExpectedInline(readable(graphs[0]), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 4]", L_xs_: "f32[5, 2, 4]", L_w_: "f32[4, 4]"):
+        l_h_ = L_h_
+        l_xs_ = L_xs_
+        l_w_ = L_w_
+        x: "f32[2, 4]" = l_xs_.select(0, 0)
+        matmul: "f32[2, 4]" = l_h_ @ l_w_
+        add: "f32[2, 4]" = matmul + x;  matmul = x = None
+        tanh: "f32[2, 4]" = torch.tanh(add);  add = None
+        h: "f32[2, 4]" = torch.ops.higher_order.hops_sharding_annotation(tanh, hops.ShardingSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), placements=(hops.Shard(0), hops.Replicate())));  tanh = None
+        sum_1: "f32[2]" = h.sum(-1);  h = sum_1 = None
+        step_body_0 = self.step_body_0
+        hops_scan = torch.ops.higher_order.hops_scan(step_body_0, l_h_, l_xs_, (l_w_,), hops.ScanSpec(num_carry=1, num_xs=1));  step_body_0 = l_h_ = l_xs_ = l_w_ = None
+        getitem: "f32[2, 4]" = hops_scan[0]
+        getitem_1: "f32[5, 2]" = hops_scan[1];  hops_scan = None
+        return (getitem, getitem_1)
+    class step_body_0(torch.nn.Module):
+        def forward(self, l_h_: "f32[2, 4]", l_xs_: "f32[2, 4]", l_w_: "f32[4, 4]"):
+            matmul: "f32[2, 4]" = l_h_ @ l_w_;  l_h_ = l_w_ = None
+            add: "f32[2, 4]" = matmul + l_xs_;  matmul = l_xs_ = None
+            tanh: "f32[2, 4]" = torch.tanh(add);  add = None
+            h: "f32[2, 4]" = torch.ops.higher_order.hops_sharding_annotation(tanh, hops.ShardingSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), placements=(hops.Shard(0), hops.Replicate())));  tanh = None
+            y: "f32[2]" = h.sum(-1)
+            return (h, y)
+""")
+
+    def test_meta_free_passes(self):
+        h, xs, w = rnn_inputs()
+        gm = make_fx(lambda h, xs, w: hops.scan(annotated_step, h, xs, additional_inputs=(w,)))(h, xs, w)
+        for run_pass in (passes.inline_hops,):
+            import copy
+
+            with_meta = run_pass(copy.deepcopy(gm))
+            stripped = copy.deepcopy(gm)
+            delete_meta(stripped)
+            self.assertEqual(run_pass(stripped).code, with_meta.code)
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])
