@@ -62,7 +62,8 @@ class ScanSpec(_FxLiteral):
     """The static part of a scan node: how its flat inputs split, and how it runs.
 
     ``num_carry`` / ``num_xs`` count the leading carry and xs inputs (the rest are
-    additional inputs, the same at every step); ``length`` is set when there are no xs;
+    additional inputs, the same at every step); ``length`` is the number of steps when it
+    is static (always when there are no xs; ``None`` for a symbolic length);
     ``reverse`` runs the steps from the last slice to the first (ys stay in slice order);
     ``remat`` makes the backward recompute each step instead of saving its residuals.
     """
@@ -296,7 +297,10 @@ def scan(
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"scan({name}): {what} leaf {i} is a {type(leaf).__name__}, not a tensor")
     _check_init_slices(name, xs_leaves)
-    spec = ScanSpec(len(init_leaves), len(xs_leaves), None if xs_leaves else length, reverse, remat)
+    static_length = length
+    if xs_leaves and isinstance(xs_leaves[0].shape[0], int):
+        static_length = xs_leaves[0].shape[0]
+    spec = ScanSpec(len(init_leaves), len(xs_leaves), static_length, reverse, remat)
     if xs_leaves and length is not None and length != xs_leaves[0].shape[0]:
         raise ValueError(f"scan({name}): length={length} but xs have length {xs_leaves[0].shape[0]}")
     # Under Dynamo the code-object rename cannot be traced: the body keeps the name "step".
@@ -669,7 +673,7 @@ class _ScanFunction(torch.autograd.Function):
         with disable_proxy_modes_tracing():
             examples = (*init, *_slice_examples(step_xs), *additional)
         step_body = _as_graph(backward_step, examples, f"{body_name(ctx.body)}_bwd", tracing)
-        backward_spec = ScanSpec(len(init), len(step_xs), _length(xs, spec) if not step_xs else None, not spec.reverse)
+        backward_spec = ScanSpec(len(init), len(step_xs), spec.length, not spec.reverse)
         outputs = scan_hop(step_body, *init, *step_xs, *additional, backward_spec)
         grad_init = outputs[: spec.num_carry]
         grad_additional = outputs[spec.num_carry : len(init)]

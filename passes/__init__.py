@@ -2,6 +2,7 @@
 
 - ``inline_hops``: HOPs -> plain ATen graph any backend runs.
 - ``lower_to_xla``: HOPs -> functional ``hops_xla`` ops whose XLA kernels emit sharding custom calls.
+- ``unroll_scan``: a scan -> ``length`` copies of its body (for backends without loops).
 - ``check_placements``: stated layouts (annotations, region outputs) agree with each local_map region.
 """
 
@@ -10,11 +11,14 @@ from passes.inline import INLINE_RULES, inline_hops, register_inline_rule
 from passes.xla import XLA_RULES, lower_to_xla, register_xla_rule
 from passes._infra import HopRulePass, PassError, graph_modules
 from passes.check import check_placements
+from passes.scan_rules import run_scan, unroll_scan
 
 __all__ = [
     "inline_hops",
     "lower_to_xla",
     "check_placements",
+    "unroll_scan",
+    "run_scan",
     "INLINE_RULES",
     "XLA_RULES",
     "register_inline_rule",

@@ -27,6 +27,22 @@ def graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
             yield module
 
 
+def _drop_unreferenced_subgraphs(module: fx.GraphModule) -> None:
+    """Delete child GraphModules no node of ``module`` refers to any more.
+
+    Not ``delete_all_unused_submodules``: it treats a ``get_attr`` as using only that path,
+    and would delete the bodies nested inside a still-referenced body.
+    """
+    used = {
+        str(node.target).split(".")[0]
+        for node in module.graph.nodes
+        if node.op in ("get_attr", "call_module")
+    }
+    for name, child in list(module.named_children()):
+        if isinstance(child, fx.GraphModule) and name not in used:
+            delattr(module, name)
+
+
 class PassError(ValueError):
     """A graph a pass cannot handle; the message names the node."""
 
@@ -37,6 +53,32 @@ def body_module(node: fx.Node) -> fx.GraphModule:
     if not (isinstance(body, fx.Node) and body.op == "get_attr"):
         raise PassError(f"{node.format_node()}: expected a get_attr of the body subgraph as first argument")
     return node.graph.owning_module.get_submodule(body.target)
+
+
+def copy_body_into(node: fx.Node, body: fx.GraphModule, inputs: list) -> list:
+    """Copy ``body``'s nodes before ``node``, fed ``inputs``; return its outputs (a list).
+
+    Subgraphs the body refers to (bodies of HOPs inside it) move along under fresh names
+    of the module that owns ``node``.
+    """
+    graph = node.graph
+    owner = graph.owning_module
+    with graph.inserting_before(node):
+        outputs = graph.graph_copy(body.graph, dict(zip(body.graph.find_nodes(op="placeholder"), inputs)))
+    renamed: dict[str, str] = {}
+    for copied in list(graph.nodes):
+        if copied.op == "get_attr" and not hasattr(owner, str(copied.target)) and hasattr(body, str(copied.target)):
+            target = str(copied.target)
+            if target not in renamed:
+                fresh = target
+                suffix = 0
+                while hasattr(owner, fresh):
+                    suffix += 1
+                    fresh = f"{target}_{suffix}"
+                owner.register_module(fresh, getattr(body, target))
+                renamed[target] = fresh
+            copied.target = renamed[target]
+    return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
 
 def replace_tuple_output(node: fx.Node, values: list[fx.Node]) -> None:
@@ -78,7 +120,7 @@ class HopRulePass(PassBase):
                         graph_changed = True
             if graph_changed:
                 module.graph.lint()
-                module.delete_all_unused_submodules()  # e.g. bodies of inlined regions
+                _drop_unreferenced_subgraphs(module)  # e.g. bodies of inlined regions
                 module.recompile()
                 modified = True
         return PassResult(graph_module, modified)

@@ -11,7 +11,7 @@ import torch.fx as fx
 from hops.local_map import local_map_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import LocalMapSpec, Replicate
-from passes._infra import HopRulePass, PassError, Rule, body_module, replace_tuple_output
+from passes._infra import HopRulePass, PassError, Rule, body_module, copy_body_into, replace_tuple_output
 
 INLINE_RULES: dict[object, Rule] = {}
 
@@ -34,11 +34,8 @@ def inline_sharding_annotation(node: fx.Node) -> None:
 
 def _inline_body(node: fx.Node) -> None:
     """Replace a HOP node by a copy of its body, fed the node's (non-spec) inputs."""
-    body = body_module(node)
     inputs = [a for a in node.args[1:] if not isinstance(a, LocalMapSpec)]
-    with node.graph.inserting_before(node):
-        outputs = node.graph.graph_copy(body.graph, dict(zip(body.graph.find_nodes(op="placeholder"), inputs)))
-    replace_tuple_output(node, list(outputs) if isinstance(outputs, (tuple, list)) else [outputs])
+    replace_tuple_output(node, copy_body_into(node, body_module(node), inputs))
 
 
 def _local_equals_global(spec: LocalMapSpec) -> bool:

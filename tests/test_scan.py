@@ -148,7 +148,7 @@ class TestGraphs(TestCase):
 class <lambda>(torch.nn.Module):
     def forward(self, h_1: "f32[2, 4]", xs_1: "f32[5, 2, 4]", w_1: "f32[4, 4]"):
         annotated_step_body_0 = self.annotated_step_body_0
-        hops_scan = torch.ops.higher_order.hops_scan(annotated_step_body_0, h_1, xs_1, w_1, hops.ScanSpec(num_carry=1, num_xs=1));  annotated_step_body_0 = h_1 = xs_1 = w_1 = None
+        hops_scan = torch.ops.higher_order.hops_scan(annotated_step_body_0, h_1, xs_1, w_1, hops.ScanSpec(num_carry=1, num_xs=1, length=5));  annotated_step_body_0 = h_1 = xs_1 = w_1 = None
         getitem: "f32[2, 4]" = hops_scan[0]
         getitem_1: "f32[5, 2]" = hops_scan[1];  hops_scan = None
         return (getitem, getitem_1)
@@ -179,7 +179,7 @@ class mutating_outside(torch.nn.Module):
         clone: "f32[2, 4]" = torch.ops.aten.clone.default(h_1);  h_1 = None
         mul: "f32[2, 4]" = torch.ops.aten.mul.Tensor(clone, 2);  clone = None
         annotated_step_body_0 = self.annotated_step_body_0
-        hops_scan = torch.ops.higher_order.hops_scan(annotated_step_body_0, mul, xs_1, w_1, hops.ScanSpec(num_carry=1, num_xs=1));  annotated_step_body_0 = mul = xs_1 = w_1 = None
+        hops_scan = torch.ops.higher_order.hops_scan(annotated_step_body_0, mul, xs_1, w_1, hops.ScanSpec(num_carry=1, num_xs=1, length=5));  annotated_step_body_0 = mul = xs_1 = w_1 = None
         getitem: "f32[2, 4]" = hops_scan[0]
         getitem_1: "f32[5, 2]" = hops_scan[1];  hops_scan = None
         return (getitem, getitem_1)
@@ -210,7 +210,7 @@ class GraphModule(torch.nn.Module):
     def forward(self, primals_2: "f32[5, 2, 4]", primals_3: "f32[4, 4]", getitem_2: "f32[5, 2, 4]", tangents_1: "f32[2, 4]", tangents_2: "f32[5, 2]"):
         zeros_like: "f32[4, 4]" = torch.ops.aten.zeros_like.default(primals_3, pin_memory = False)
         annotated_step_bwd_body_0 = self.annotated_step_bwd_body_0
-        hops_scan_1 = torch.ops.higher_order.hops_scan(annotated_step_bwd_body_0, tangents_1, zeros_like, getitem_2, primals_2, tangents_2, primals_3, hops.ScanSpec(num_carry=2, num_xs=3, reverse=True));  annotated_step_bwd_body_0 = tangents_1 = zeros_like = getitem_2 = primals_2 = tangents_2 = primals_3 = None
+        hops_scan_1 = torch.ops.higher_order.hops_scan(annotated_step_bwd_body_0, tangents_1, zeros_like, getitem_2, primals_2, tangents_2, primals_3, hops.ScanSpec(num_carry=2, num_xs=3, length=5, reverse=True));  annotated_step_bwd_body_0 = tangents_1 = zeros_like = getitem_2 = primals_2 = tangents_2 = primals_3 = None
         getitem_3: "f32[2, 4]" = hops_scan_1[0]
         getitem_4: "f32[4, 4]" = hops_scan_1[1]
         getitem_5: "f32[5, 2, 4]" = hops_scan_1[2];  hops_scan_1 = None
@@ -237,7 +237,7 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[2, 4]", primals_2: "f32[5, 2, 4]", primals_3: "f32[4, 4]"):
         annotated_step_body_0 = self.annotated_step_body_0
-        hops_scan = torch.ops.higher_order.hops_scan(annotated_step_body_0, primals_1, primals_2, primals_3, hops.ScanSpec(num_carry=1, num_xs=1));  annotated_step_body_0 = primals_1 = primals_2 = None
+        hops_scan = torch.ops.higher_order.hops_scan(annotated_step_body_0, primals_1, primals_2, primals_3, hops.ScanSpec(num_carry=1, num_xs=1, length=5));  annotated_step_body_0 = primals_1 = primals_2 = None
         getitem: "f32[2, 4]" = hops_scan[0]
         getitem_1: "f32[5, 2]" = hops_scan[1]
         getitem_2: "f32[5, 2, 4]" = hops_scan[2]
@@ -282,7 +282,7 @@ class GraphModule(torch.nn.Module):
             self.assertEqual(ep.module()(h, xs, w), python_loop(rnn_step, h, xs, w))
             text = readable(ep.graph_module)
             self.assertEqual(text.count("torch.ops.higher_order.hops_scan("), 1)
-            self.assertIn("hops.ScanSpec(num_carry=1, num_xs=1)", text)
+            self.assertIn("hops.ScanSpec(num_carry=1, num_xs=1, length=5)", text)
             self.assertIn("hops_sharding_annotation", text)
 
     def test_dynamo_keeps_one_scan_with_the_annotation_in_its_body(self):
@@ -312,7 +312,7 @@ class GraphModule(torch.nn.Module):
         h: "f32[2, 4]" = torch.ops.higher_order.hops_sharding_annotation(tanh, hops.ShardingSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), placements=(hops.Shard(0), hops.Replicate())));  tanh = None
         sum_1: "f32[2]" = h.sum(-1);  h = sum_1 = None
         step_body_0 = self.step_body_0
-        hops_scan = torch.ops.higher_order.hops_scan(step_body_0, l_h_, l_xs_, (l_w_,), hops.ScanSpec(num_carry=1, num_xs=1));  step_body_0 = l_h_ = l_xs_ = l_w_ = None
+        hops_scan = torch.ops.higher_order.hops_scan(step_body_0, l_h_, l_xs_, (l_w_,), hops.ScanSpec(num_carry=1, num_xs=1, length=5));  step_body_0 = l_h_ = l_xs_ = l_w_ = None
         getitem: "f32[2, 4]" = hops_scan[0]
         getitem_1: "f32[5, 2]" = hops_scan[1];  hops_scan = None
         return (getitem, getitem_1)
@@ -340,3 +340,30 @@ class GraphModule(torch.nn.Module):
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+class TestScanPasses(TestCase):
+    def test_unroll_scan_gives_a_loop_free_graph_with_the_same_values(self):
+        h, xs, w = rnn_inputs()
+        gm = make_fx(lambda h, xs, w: hops.scan(annotated_step, h, xs, additional_inputs=(w,)))(h, xs, w)
+        unrolled = passes.unroll_scan(gm)
+        code = unrolled.code
+        self.assertNotIn("hops_scan", code)
+        self.assertEqual(code.count("hops_sharding_annotation("), 5)  # one per step
+        self.assertEqual(unrolled(h, xs, w), python_loop(rnn_step, h, xs, w))
+        inlined = passes.inline_hops(unrolled)
+        self.assertNotIn("hops_", inlined.code)
+        self.assertEqual(inlined(h, xs, w), python_loop(rnn_step, h, xs, w))
+
+    def test_inline_hops_recurses_into_scan_bodies_and_keeps_the_scan(self):
+        h, xs, w = rnn_inputs()
+        gm = passes.inline_hops(make_fx(lambda h, xs, w: hops.scan(annotated_step, h, xs, additional_inputs=(w,)))(h, xs, w))
+        self.assertIn("hops_scan", gm.code)
+        self.assertNotIn("hops_sharding_annotation", gm.annotated_step_body_0.code)
+        self.assertEqual(gm(h, xs, w), python_loop(rnn_step, h, xs, w))
+
+    def test_lowered_scan_runs_off_xla_as_a_loop(self):
+        h, xs, w = rnn_inputs()
+        gm = passes.lower_to_xla(make_fx(lambda h, xs, w: hops.scan(annotated_step, h, xs, additional_inputs=(w,)))(h, xs, w))
+        self.assertIn("run_scan", gm.code)
+        self.assertEqual(gm(h, xs, w), python_loop(rnn_step, h, xs, w))
