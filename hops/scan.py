@@ -508,13 +508,17 @@ def _step_joint(body: Callable, num_inputs: int, num_outputs: int) -> Callable:
     return joint
 
 
-def _partition(joint: fx.GraphModule, num_primals: int, num_outputs: int, invariant: set[int]) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+def _partition(
+    joint: fx.GraphModule, num_primals: int, num_outputs: int, invariant: set[int], sliced: set[int]
+) -> tuple[fx.GraphModule, fx.GraphModule, int]:
     """Split a step's joint graph into forward and backward graphs.
 
     Backward nodes are those that depend on a cotangent. The forward graph returns the step
-    outputs then the residuals (forward values the backward reads, step-varying primals
-    included); the backward graph takes (*residuals, *cotangents, *invariant primals) and
-    returns one gradient per primal. Returns (forward, backward, number of residuals).
+    outputs then the residuals (forward values the backward reads); the backward graph
+    takes (*residuals, *cotangents, *sliced primals, *invariant primals) and returns one
+    gradient per primal. Sliced primals (xs slices) and invariant ones (additional inputs)
+    are not saved: the backward scan gets them from the xs and additional inputs.
+    Returns (forward, backward, number of residuals).
     """
     placeholders = joint.graph.find_nodes(op="placeholder")
     primals, cotangents = placeholders[:num_primals], placeholders[num_primals:]
@@ -526,6 +530,7 @@ def _partition(joint: fx.GraphModule, num_primals: int, num_outputs: int, invari
         if node.op == "call_function" and any(a in backward_nodes for a in node.all_input_nodes):
             backward_nodes.add(node)
     invariant_nodes = {primals[i] for i in invariant}
+    sliced_nodes = {primals[i] for i in sliced}
     # Forward values computed from loop-invariant inputs alone are recomputed by the
     # backward step instead of being saved once per step.
     for node in joint.graph.nodes:
@@ -546,6 +551,7 @@ def _partition(joint: fx.GraphModule, num_primals: int, num_outputs: int, invari
             and value not in backward_nodes
             and value not in seen
             and value not in invariant_nodes
+            and value not in sliced_nodes
         ):
             seen.add(value)
             residuals.append(value)
@@ -588,6 +594,8 @@ def _partition(joint: fx.GraphModule, num_primals: int, num_outputs: int, invari
         benv[value] = backward.placeholder(f"saved_{value.name}")
     for node in cotangents:
         benv[node] = backward.placeholder(node.name)
+    for i in sorted(sliced):
+        benv[primals[i]] = backward.placeholder(primals[i].name)
     for i in sorted(invariant):
         benv[primals[i]] = backward.placeholder(primals[i].name)
     for node in joint.graph.nodes:
@@ -733,7 +741,8 @@ def _autograd(body: Callable, *inputs_and_spec: Any):
 
             return backward_step, [*stacked, *xs, *grad_ys]
     else:
-        forward_graph, backward_graph, num_saved = _partition(joint, num_primals, num_outputs, invariant)
+        sliced = set(range(num_carry, num_carry + num_xs))
+        forward_graph, backward_graph, num_saved = _partition(joint, num_primals, num_outputs, invariant, sliced)
         forward_body = named(forward_graph, name)
 
         def backward_step_factory(carry, xs, additional, stacked, grad_ys):
@@ -741,12 +750,14 @@ def _autograd(body: Callable, *inputs_and_spec: Any):
                 grad_carry = values[:num_carry]
                 grad_additional = values[num_carry : num_carry + len(additional)]
                 rest = values[num_carry + len(additional) :]
-                residuals, grad_y_i = rest[:num_saved], rest[num_saved : num_saved + num_ys]
-                additional_values = rest[num_saved + num_ys :]
-                step_grads = backward_graph(*residuals, *grad_carry, *grad_y_i, *additional_values)
+                residuals = rest[:num_saved]
+                x_i = rest[num_saved : num_saved + num_xs]
+                grad_y_i = rest[num_saved + num_xs : num_saved + num_xs + num_ys]
+                additional_values = rest[num_saved + num_xs + num_ys :]
+                step_grads = backward_graph(*residuals, *grad_carry, *grad_y_i, *x_i, *additional_values)
                 return fresh(accumulate(grad_additional, step_grads), values)
 
-            return backward_step, [*stacked, *grad_ys]
+            return backward_step, [*stacked, *xs, *grad_ys]
 
     return _ScanFunction.apply(body, spec, forward_body, num_saved, backward_step_factory, *inputs)
 

@@ -237,12 +237,12 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[2, 4]", primals_2: "f32[5, 2, 4]", primals_3: "f32[4, 4]"):
         annotated_step_body_0 = self.annotated_step_body_0
-        hops_scan = torch.ops.higher_order.hops_scan(annotated_step_body_0, primals_1, primals_2, primals_3, hops.ScanSpec(num_carry=1, num_xs=1, length=5));  annotated_step_body_0 = primals_1 = primals_2 = None
+        hops_scan = torch.ops.higher_order.hops_scan(annotated_step_body_0, primals_1, primals_2, primals_3, hops.ScanSpec(num_carry=1, num_xs=1, length=5));  annotated_step_body_0 = primals_1 = None
         getitem: "f32[2, 4]" = hops_scan[0]
         getitem_1: "f32[5, 2]" = hops_scan[1]
         getitem_2: "f32[5, 2, 4]" = hops_scan[2]
         getitem_3: "f32[5, 4, 2]" = hops_scan[3];  hops_scan = None
-        return (getitem, getitem_1, primals_3, getitem_2, getitem_3)
+        return (getitem, getitem_1, primals_2, primals_3, getitem_2, getitem_3)
     class annotated_step_body_0(torch.nn.Module):
         def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[2, 4]", arg2_1: "f32[4, 4]"):
             mm: "f32[2, 4]" = torch.ops.aten.mm.default(arg0_1, arg2_1);  arg2_1 = None
