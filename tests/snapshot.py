@@ -48,3 +48,23 @@ class TestCase(expecttest.TestCase):
         else:
             super().assertEqual(actual, expected, msg)
 
+
+
+def aot_trace(fn, *args):
+    """AOTAutograd's forward and backward graphs of ``fn`` and its outputs, after one
+    backward of the sum of every output."""
+    import torch.utils._pytree as pytree
+    from functorch.compile import aot_function, make_boxed_func
+
+    graphs = {}
+
+    def keep(name):
+        def compile_graph(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm)
+
+        return compile_graph
+
+    outputs = aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(*args)
+    sum(o.sum() for o in pytree.tree_leaves(outputs)).backward()
+    return graphs["forward"], graphs["backward"], outputs

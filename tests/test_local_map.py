@@ -7,10 +7,9 @@ import pickle
 
 import pytest
 import torch
-from functorch.compile import aot_function, make_boxed_func
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from snapshot import TestCase, delete_meta, readable
+from snapshot import TestCase, delete_meta, readable, aot_trace
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -36,21 +35,7 @@ def requiring_grad(*tensors):
     return [t.detach().clone().requires_grad_() for t in tensors]
 
 
-def aot_graphs(fn, *args):
-    """Forward and backward graphs AOTAutograd records for ``fn``, and its outputs."""
-    graphs = {}
-
-    def compiler(name):
-        def compile_graph(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm)
-
-        return compile_graph
-
-    compiled = aot_function(fn, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
-    out = compiled(*args)
-    out.sum().backward()
-    return graphs["forward"], graphs["backward"], out
+aot_graphs = aot_trace  # (forward, backward, outputs)
 
 
 def local_map_nodes(gm):

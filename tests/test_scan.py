@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from functorch.compile import aot_function, make_boxed_func
-from snapshot import TestCase, delete_meta, readable
+from snapshot import TestCase, aot_trace, delete_meta, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -38,18 +37,8 @@ def rnn_inputs(dtype=torch.float32, requires_grad=False, small=False):
 
 
 def aot_graphs(fn, *args):
-    graphs = {}
-
-    def keep(name):
-        def compile_graph(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm)
-
-        return compile_graph
-
-    out = aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(*args)
-    sum(o.sum() for o in torch.utils._pytree.tree_leaves(out)).backward()
-    return graphs["forward"], graphs["backward"]
+    forward, backward, _ = aot_trace(fn, *args)
+    return forward, backward
 
 
 class TestSemantics(TestCase):

@@ -5,8 +5,8 @@ import pickle
 
 import pytest
 import torch
-from functorch.compile import aot_function, make_boxed_func
-from snapshot import TestCase, delete_meta, readable, strip_detach
+from functorch.compile import make_boxed_func
+from snapshot import TestCase, aot_trace, delete_meta, readable, strip_detach
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -32,19 +32,8 @@ class ScaledSin(torch.nn.Module):
 
 
 def aot_graphs(fn, *args):
-    """Forward and backward graphs AOTAutograd produces for ``fn``."""
-    graphs = {}
-
-    def compiler(name):
-        def compile_graph(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm)
-
-        return compile_graph
-
-    compiled = aot_function(fn, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
-    compiled(*args).sum().backward()
-    return graphs["forward"], graphs["backward"]
+    forward, backward, _ = aot_trace(fn, *args)
+    return forward, backward
 
 
 class TestSemantics(TestCase):

@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from functorch.compile import aot_function, make_boxed_func
+from snapshot import aot_trace
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -89,18 +89,8 @@ def test_annotation_of_a_graph_input_emits_a_custom_call():
 def test_aot_forward_and_backward_graphs_lower_and_match_eager():
     x = torch.randn(8, 4, requires_grad=True)
     w = torch.randn(4, 8, requires_grad=True)
-    graphs = {}
-
-    def keep(name):
-        def compile_graph(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm)
-
-        return compile_graph
-
-    aot_function(two_annotations, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(x, w).sum().backward()
-    forward = passes.lower_to_xla(graphs["forward"])
-    backward = passes.lower_to_xla(graphs["backward"])
+    forward, backward, _ = aot_trace(two_annotations, x, w)
+    forward, backward = passes.lower_to_xla(forward), passes.lower_to_xla(backward)
 
     device = xla_device()
     out, *saved = forward(x.detach().to(device), w.detach().to(device))
@@ -160,17 +150,8 @@ def test_lowered_op_refuses_a_spec_that_does_not_fit_the_tensor():
 
 def aot_lowered(fn, *args):
     """AOTAutograd's forward and backward graphs of ``fn``, lowered to XLA."""
-    graphs = {}
-
-    def keep(name):
-        def compile_graph(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm)
-
-        return compile_graph
-
-    aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(*args).sum().backward()
-    return passes.lower_to_xla(graphs["forward"]), passes.lower_to_xla(graphs["backward"])
+    forward, backward, _ = aot_trace(fn, *args)
+    return passes.lower_to_xla(forward), passes.lower_to_xla(backward)
 
 
 def custom_call_targets(hlo):

@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from functorch.compile import aot_function, make_boxed_func
+from snapshot import aot_trace
 
 import hops
 import passes
@@ -73,18 +73,9 @@ def inputs():
 
 
 def lowered_aot(fn, args):
-    graphs = {}
-
-    def keep(name):
-        def compile_graph(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm)
-
-        return compile_graph
-
-    reference = aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(*args)
-    reference_grads = torch.autograd.grad(reference, args)
-    return passes.lower_to_xla(graphs["forward"]), passes.lower_to_xla(graphs["backward"]), reference, reference_grads
+    forward, backward, reference = aot_trace(fn, *args)
+    reference_grads = torch.autograd.grad(fn(*args), args)
+    return passes.lower_to_xla(forward), passes.lower_to_xla(backward), reference, reference_grads
 
 
 def run_lowered(forward, backward, args):
@@ -129,36 +120,18 @@ def test_a_local_map_region_in_a_scan_body_is_refused_not_a_process_abort():
     # torch_xla 2.9 aborts the process on a manual region inside a While (see the next
     # test, in a subprocess); lowering refuses such a scan early and says what to do.
     args = inputs()
-    graphs = {}
-
-    def keep(name):
-        def compile_graph(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm)
-
-        return compile_graph
-
-    aot_function(region_loss, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(*args).backward()
-    for graph in (graphs["forward"], graphs["backward"]):
+    forward, backward, _ = aot_trace(region_loss, *args)
+    for graph in (forward, backward):
         with pytest.raises(passes.PassError, match="aborts on manual-sharding regions inside an XLA While"):
             passes.lower_to_xla(graph)
 
 
 def test_unrolled_scan_with_a_region_runs_forward_and_backward_on_xla():
     args = inputs()
-    graphs = {}
-
-    def keep(name):
-        def compile_graph(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm)
-
-        return compile_graph
-
-    reference = aot_function(region_loss, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(*args)
-    reference_grads = torch.autograd.grad(reference, args)
-    forward = passes.lower_to_xla(passes.unroll_scan(graphs["forward"]))
-    backward = passes.lower_to_xla(passes.unroll_scan(graphs["backward"]))
+    forward, backward, reference = aot_trace(region_loss, *args)
+    reference_grads = torch.autograd.grad(region_loss(*args), args)
+    forward = passes.lower_to_xla(passes.unroll_scan(forward))
+    backward = passes.lower_to_xla(passes.unroll_scan(backward))
     out, grads, forward_hlo, backward_hlo = run_lowered(forward, backward, args)
     assert " while(" not in forward_hlo and forward_hlo.count('"SPMDFullToShardShape"') == 6
     # The region doubles h at every step: float32 error grows over the 6 steps (~6e-4 seen).
