@@ -7,8 +7,9 @@ wrapped here, each with the reason it is needed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -88,3 +89,39 @@ def dynamo_speculate_subgraph(tx: Any, body: Any, body_inputs: list, hop: Any) -
         supports_aliasing=False,
     )
     return graph, lifted
+
+
+def registered_hop(name: str) -> Any:
+    """The HigherOrderOperator registered under ``name`` in torch's global HOP registry, or None.
+
+    The registry (``torch._ops._higher_order_ops``) is private, the same dict in 2.9 and 2.13;
+    a new HOP silently replaces an old one of the same name, so ``hops.kernel`` checks it first.
+    """
+    return torch._ops._higher_order_ops.get(name)
+
+
+@contextlib.contextmanager
+def xla_named_scope(name: str) -> Iterator[None]:
+    """Put the torch_xla IR nodes created inside into the op-name scope ``name``.
+
+    torch_xla's profiler scopes (``xp.Trace`` / ``xp.trace_me`` use the same private
+    ``torch_xla._XLAC.profiler.scope_pusher``) prefix each node's HLO ``op_name`` metadata with
+    ``name.<n>/`` (torch_xla numbers every scope it opens). torch_xla records that metadata
+    only while IR debug info is on (``XLA_HLO_DEBUG=1`` / ``XLA_IR_DEBUG=1`` or
+    ``torch_xla._XLAC._set_ir_debug(True)``), both when nodes are created and when HLO is
+    built; otherwise the scope is a no-op.
+    """
+    import torch_xla
+
+    pusher = torch_xla._XLAC.profiler.scope_pusher(name)
+    try:
+        yield
+    finally:
+        del pusher
+
+
+def xla_ir_debug() -> bool:
+    """Whether torch_xla records IR metadata (op-name scopes, source lines) right now."""
+    import torch_xla
+
+    return bool(torch_xla._XLAC._get_ir_debug())

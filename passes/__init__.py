@@ -11,6 +11,7 @@ from passes.inline import INLINE_RULES, inline_hops, register_inline_rule
 from passes.xla import XLA_RULES, lower_to_xla, register_xla_rule
 from passes._infra import HopRulePass, PassError, graph_modules
 from passes.check import check_placements
+from passes import kernel_rules  # noqa: F401,E402  (registers rules for kernels, einsum, named scopes)
 from passes.scan_rules import run_scan, unroll_scan
 
 __all__ = [

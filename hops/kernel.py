@@ -1,0 +1,501 @@
+"""``hops.kernel``: call a kernel that tracing must not look inside.
+
+A kernel is any Python function over tensors (a Pallas/Triton/JAX-style kernel, a C++
+extension, plain torch code) that graph capture should record as one opaque call instead
+of whatever it does inside::
+
+    @hops.kernel(abstract=attention_shapes, backward=attention_backward)
+    def flash_attention(q, k, v, *, block_size=128):
+        ...
+
+makes ``flash_attention`` a HOP of its own, registered as ``hops_kernel_flash_attention``
+(one HOP per kernel, so the kernel's name is the node's target and shows in generated
+code). Tensors go positionally, parameters by keyword; ``flash_attention(q, k, v)`` emits::
+
+    hops_kernel_flash_attention(q, k, v, hops.KernelParams.of(block_size=128))
+
+``KernelParams`` holds every parameter (defaults filled in) as a sorted tuple of
+``(name, value)`` pairs; values are typed, hashable constants checked at the call.
+
+Rules: eager runs the kernel (``xla=`` replaces it on XLA tensors); fake runs ``abstract``;
+functionalization unwraps and redispatches (a kernel must not mutate its inputs);
+proxy emits the one node; autograd calls ``backward`` (itself kernels or plain torch code,
+so backward graphs carry what it calls); Dynamo traces the call under ``fullgraph=True``.
+``passes.lower_to_xla`` rewrites the node into a call of the XLA implementation (else the
+kernel itself, run on XLA tensors); ``passes.inline_hops`` into a call of the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch._C import DispatchKey
+from torch._ops import HigherOrderOperator
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import (
+    ProxyTorchDispatchMode,
+    disable_proxy_modes_tracing,
+    track_tensor_tree,
+)
+
+from hops import _compat, _dynamo
+from hops._joint import is_tracing
+from hops.specs import _FxLiteral
+
+__all__ = ["kernel", "Kernel", "KernelParams", "on_kernel_defined"]
+
+# --------------------------------------------------------------------------- params
+
+_PRIMITIVE_PARAMS = (type(None), bool, int, float, str, torch.dtype)
+
+
+def _param_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be a kernel parameter (None if it can)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"is symbolic ({value!r}); kernel params are compile-time constants"
+    if isinstance(value, (torch.Tensor, torch.fx.Proxy)):
+        return "is a Tensor: pass tensors positionally"
+    if isinstance(value, _PRIMITIVE_PARAMS):
+        return None
+    if type(value) is tuple:
+        for item in value:
+            problem = _param_problem(item)
+            if problem is not None:
+                return f"has an entry that {problem}"
+        return None
+    if isinstance(value, _FxLiteral) and dataclasses.is_dataclass(value):
+        return None
+    if isinstance(value, (list, set, dict, bytearray)):
+        return f"is a {type(value).__name__} ({value!r}), which is not hashable; pass a tuple"
+    return (
+        f"is a {type(value).__name__} ({value!r}); kernel params must be None, bool, int, "
+        "float, str, torch.dtype, tuples of these, or hops spec values (e.g. hops.ShardingSpec)"
+    )
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class KernelParams(_FxLiteral):
+    """The non-tensor arguments of one kernel call: ``(name, value)`` pairs sorted by name.
+
+    Build with ``KernelParams.of(block_size=128)``. Values are None, bool, int, float, str,
+    ``torch.dtype``, tuples of these, or spec values of this package (frozen, hashable,
+    printable as Python), so the whole value is hashable, compares by value, and Dynamo
+    guards it field by field.
+    """
+
+    items: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if type(self.items) is not tuple:
+            raise TypeError(f"KernelParams(items=...) must be a tuple of (name, value) pairs, got {self.items!r}")
+        for pair in self.items:
+            if type(pair) is not tuple or len(pair) != 2 or not isinstance(pair[0], str) or not pair[0].isidentifier():
+                raise TypeError(f"KernelParams(items=...) entries must be (name, value) pairs, got {pair!r}")
+            problem = _param_problem(pair[1])
+            if problem is not None:
+                raise TypeError(f"KernelParams: param {pair[0]} {problem}")
+        names = [name for name, _ in self.items]
+        if len(set(names)) != len(names):
+            raise ValueError(f"KernelParams: duplicate param names in {names}")
+        object.__setattr__(self, "items", tuple(sorted(self.items, key=lambda pair: pair[0])))
+
+    @classmethod
+    def of(cls, /, **params: Any) -> KernelParams:
+        return cls(tuple(params.items()))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.items)
+
+    def __repr__(self) -> str:
+        return "hops.KernelParams.of(" + ", ".join(f"{name}={value!r}" for name, value in self.items) + ")"
+
+
+# --------------------------------------------------------------------------- the HOP
+
+_KERNELS: dict[str, Kernel] = {}
+_DEFINITION_HOOKS: list[Callable[[Kernel], None]] = []
+
+
+def on_kernel_defined(hook: Callable[[Kernel], None]) -> None:
+    """Call ``hook(kernel)`` for every kernel defined so far and every one defined later.
+
+    Pass rule tables (``passes.kernel_rules``) register each kernel's rules this way:
+    kernels are defined by user code, after the passes are imported.
+    """
+    for defined in list(_KERNELS.values()):
+        hook(defined)
+    _DEFINITION_HOOKS.append(hook)
+
+
+def _origin(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+class Kernel(HigherOrderOperator):
+    """HOP ``hops_kernel_<name>(*tensors, params)`` calling one user kernel opaquely."""
+
+    def __init__(
+        self,
+        implementation: Callable,
+        *,
+        name: str,
+        abstract: Callable,
+        backward: Callable | None,
+        xla: Callable | None,
+    ) -> None:
+        super().__init__(f"hops_kernel_{name}")
+        self.kernel_name = name
+        self.implementation = implementation
+        self.abstract_rule = abstract
+        self.backward_rule = backward
+        self.xla_implementation = xla
+        self.origin = _origin(implementation)
+        self.__doc__ = implementation.__doc__
+        self._signature = inspect.signature(implementation)
+        positional_kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        parameters = list(self._signature.parameters.values())
+        self._positional_names = [p.name for p in parameters if p.kind in positional_kinds]
+        self._variadic_name = next(
+            (p.name for p in parameters if p.kind is inspect.Parameter.VAR_POSITIONAL), None
+        )
+        self._backward_takes_mask = backward is not None and _accepts_keyword(backward, "needs_input_grad")
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        proxy = next((a for a in args if isinstance(a, torch.fx.Proxy)), None)
+        if proxy is not None:
+            # torch.fx symbolic tracing (also how torch 2.9 rebuilds a pickled GraphModule).
+            return proxy.tracer.create_proxy("call_function", self, self.node_args(*args, **kwargs), {})
+        return super().__call__(*self.node_args(*args, **kwargs))
+
+    def node_args(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """The canonical node args ``(*tensors, KernelParams)``, from a user call
+        ``(*tensors, **params)`` or from node args themselves. Raises ``TypeError`` naming the
+        kernel and the argument for anything else."""
+        if args and isinstance(args[-1], KernelParams) and not kwargs:
+            tensors, params = args[:-1], args[-1]
+            self._check_tensors(tensors)
+            return (*tensors, params)
+        self._check_tensors(args)
+        for key, value in kwargs.items():
+            problem = _param_problem(value)
+            if problem is not None:
+                raise TypeError(f"{self.describe()}: param {key} {problem}")
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self.describe()}: {e} (signature {self.kernel_name}{self._signature})") from None
+        bound.apply_defaults()
+        positional = set(self._positional_names[: len(args)])
+        params: dict[str, Any] = {}
+        for key, value in bound.arguments.items():
+            kind = self._signature.parameters[key].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL or key in positional:
+                continue
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                params.update(value)
+                continue
+            problem = _param_problem(value)
+            if problem is not None:
+                raise TypeError(f"{self.describe()}: param {key} (default) {problem}")
+            params[key] = value
+        return (*args, KernelParams.of(**params))
+
+    def _check_tensors(self, tensors: Sequence[Any]) -> None:
+        for i, t in enumerate(tensors):
+            if not isinstance(t, (torch.Tensor, torch.fx.Proxy)):
+                raise TypeError(
+                    f"{self.describe()}: positional argument {self.input_name(i)} must be a Tensor, "
+                    f"got {type(t).__name__} {t!r}; pass non-tensor parameters by keyword"
+                )
+
+    def describe(self) -> str:
+        return f"kernel {self.kernel_name}"
+
+    def input_name(self, index: int) -> str:
+        """The name of the ``index``-th tensor input, from the kernel's signature."""
+        if index < len(self._positional_names):
+            return self._positional_names[index]
+        if self._variadic_name is not None:
+            return f"{self._variadic_name}[{index - len(self._positional_names)}]"
+        return f"#{index}"
+
+    def run_backward(
+        self,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+        grad_outputs: Sequence[torch.Tensor],
+        params: KernelParams,
+        needs_input_grad: Sequence[bool],
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Call ``backward`` and check that it returns one gradient (or None) per input."""
+        wanted = [self.input_name(i) for i, need in enumerate(needs_input_grad) if need]
+        if self.backward_rule is None:
+            raise RuntimeError(
+                f"{self.describe()} has no backward, but a gradient is needed for {', '.join(wanted)}: "
+                f"pass backward= to hops.kernel (called as backward(*inputs, *outputs, *grad_outputs, "
+                "**params), returning one gradient or None per tensor input)"
+            )
+        kwargs = params.as_dict()
+        if self._backward_takes_mask:
+            kwargs["needs_input_grad"] = tuple(needs_input_grad)
+        grads = self.backward_rule(*inputs, *outputs, *grad_outputs, **kwargs)
+        if isinstance(grads, torch.Tensor) or grads is None:
+            grads = (grads,)
+        if not isinstance(grads, (tuple, list)):
+            raise TypeError(
+                f"{self.describe()}: backward returned {type(grads).__name__}, expected a tuple with one "
+                f"gradient (Tensor or None) per tensor input"
+            )
+        names = [self.input_name(i) for i in range(len(inputs))]
+        if len(grads) != len(inputs):
+            raise ValueError(
+                f"{self.describe()}: backward returned {len(grads)} gradients, expected {len(inputs)} "
+                f"(one per tensor input: {', '.join(names)})"
+            )
+        checked = []
+        for name, grad, value, need in zip(names, grads, inputs, needs_input_grad):
+            if grad is not None and not isinstance(grad, torch.Tensor):
+                raise TypeError(
+                    f"{self.describe()}: backward returned a {type(grad).__name__} as the gradient of "
+                    f"{name}, expected a Tensor or None"
+                )
+            if grad is not None and need and grad.shape != value.shape:
+                raise ValueError(
+                    f"{self.describe()}: backward returned a gradient of shape {tuple(grad.shape)} for "
+                    f"{name}, whose shape is {tuple(value.shape)}"
+                )
+            checked.append(grad if need else None)
+        return tuple(checked)
+
+
+def _accepts_keyword(fn: Callable, keyword: str) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return keyword in parameters and parameters[keyword].kind in (
+        inspect.Parameter.KEYWORD_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    )
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def kernel(
+    implementation: Callable | None = None,
+    /,
+    *,
+    abstract: Callable | None = None,
+    backward: Callable | None = None,
+    xla: Callable | None = None,
+    name: str | None = None,
+) -> Any:
+    """Decorator: make ``implementation`` an opaque kernel call that every tracer keeps whole.
+
+    - ``abstract(*tensors, **params)``: called with fake tensors, returns fake outputs of the
+      right shapes and dtypes (a Tensor or a tuple of Tensors), like
+      ``torch.library.register_fake``; build them from the inputs (``q.new_empty(...)``).
+    - ``backward(*inputs, *outputs, *grad_outputs, **params)``: returns one gradient (or
+      None) per tensor input; it may call kernels or plain torch code. If it accepts a keyword
+      ``needs_input_grad`` it also gets a tuple of bools, one per input. Without ``backward``
+      a gradient through the kernel raises ``RuntimeError`` naming it.
+    - ``xla(*tensors, **params)``: the implementation for XLA tensors (e.g. built with
+      torch_xla's builder or a custom call); default: ``implementation`` on XLA tensors.
+    - ``name``: the kernel's name (default ``implementation.__name__``); the HOP is
+      registered as ``hops_kernel_<name>``. Defining a different kernel under a taken name
+      is a ``ValueError``; redefining the same function (a module reload) replaces it.
+
+    Call the result with tensors positionally and parameters by keyword. Parameters must
+    be hashable typed constants; anything else raises ``TypeError`` naming the kernel and
+    the parameter.
+    """
+    if abstract is None:
+        raise TypeError(
+            "hops.kernel(abstract=...) is required: a function of the kernel's arguments (fake "
+            "tensors) that returns fake outputs of the right shapes and dtypes"
+        )
+    for argument, value in (("abstract", abstract), ("backward", backward), ("xla", xla)):
+        if value is not None and not callable(value):
+            raise TypeError(f"hops.kernel({argument}=...) must be callable, got {type(value).__name__} {value!r}")
+    if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+        raise ValueError(f"hops.kernel(name=...) must be a Python identifier, got {name!r}")
+
+    def define(fn: Callable) -> Kernel:
+        if not callable(fn):
+            raise TypeError(f"hops.kernel must decorate a callable, got {type(fn).__name__}")
+        kernel_name = name if name is not None else getattr(fn, "__name__", "")
+        if not isinstance(kernel_name, str) or not kernel_name.isidentifier():
+            raise ValueError(
+                f"hops.kernel: {_origin(fn)} has no usable name ({kernel_name!r}); pass name=... "
+                "(a Python identifier)"
+            )
+        existing = _compat.registered_hop(f"hops_kernel_{kernel_name}")
+        if existing is not None and not (isinstance(existing, Kernel) and existing.origin == _origin(fn)):
+            where = existing.origin if isinstance(existing, Kernel) else type(existing).__name__
+            raise ValueError(
+                f"hops.kernel: a kernel named {kernel_name!r} is already defined (by {where}); "
+                f"{_origin(fn)} needs another name: pass name=..."
+            )
+        defined = Kernel(fn, name=kernel_name, abstract=abstract, backward=backward, xla=xla)
+        _register_rules(defined)
+        _KERNELS[kernel_name] = defined
+        for hook in _DEFINITION_HOOKS:
+            hook(defined)
+        return defined
+
+    return define if implementation is None else define(implementation)
+
+
+def _register_rules(kernel_hop: Kernel) -> None:
+    """One rule per dispatch key (defined below, in key order), bound to this kernel."""
+    kernel_hop.py_impl(DispatchKey.CompositeExplicitAutograd)(functools.partial(_eager, kernel_hop))
+    if kernel_hop.xla_implementation is not None:
+        kernel_hop.py_impl(DispatchKey.XLA)(functools.partial(_xla, kernel_hop))
+    kernel_hop.py_impl(FakeTensorMode)(functools.partial(_fake, kernel_hop))
+    kernel_hop.py_functionalize_impl(functools.partial(_functionalize, kernel_hop))
+    kernel_hop.py_impl(ProxyTorchDispatchMode)(functools.partial(_proxy, kernel_hop))
+    kernel_hop.py_autograd_impl(functools.partial(_autograd, kernel_hop))
+    _dynamo.register_plain_hop(kernel_hop)
+
+
+def _split(tensors_and_params: Sequence[Any]) -> tuple[tuple[torch.Tensor, ...], KernelParams]:
+    return tuple(tensors_and_params[:-1]), tensors_and_params[-1]
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage (real or fake tensors)."""
+    try:
+        # _cdata identifies the StorageImpl (what StorageWeakRef compares), at a sixth of the cost.
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):  # tensors without accessible storage (XLA)
+        return a is b
+
+
+def _check_outputs(
+    kernel_hop: Kernel, outputs: Any, what: str, inputs: Sequence[torch.Tensor]
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``outputs`` as a Tensor or a tuple of Tensors, none aliasing an input; else an error
+    naming the kernel and ``what`` produced them."""
+    flat = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+    if not isinstance(flat, (tuple, list)) or not flat or not all(isinstance(o, torch.Tensor) for o in flat):
+        shown = pytree.tree_map(lambda o: type(o).__name__, outputs) if isinstance(outputs, (tuple, list)) else type(outputs).__name__
+        raise TypeError(
+            f"{kernel_hop.describe()}: {what} returned {shown}, expected a Tensor or a non-empty "
+            "tuple of Tensors"
+        )
+    for j, output in enumerate(flat):
+        for i, value in enumerate(inputs):
+            if _shares_storage(output, value):
+                raise ValueError(
+                    f"{kernel_hop.describe()}: {what} returned output {j}, which aliases input "
+                    f"{kernel_hop.input_name(i)}; return a new tensor (e.g. .clone())"
+                )
+    return outputs if isinstance(outputs, torch.Tensor) else tuple(outputs)
+
+
+# --------------------------------------------------------------------------- eager
+
+
+def _eager(kernel_hop: Kernel, *tensors_and_params: Any):
+    tensors, params = _split(tensors_and_params)
+    versions = [t._version for t in tensors]
+    outputs = kernel_hop.implementation(*tensors, **params.as_dict())
+    for i, (t, version) in enumerate(zip(tensors, versions)):
+        if t._version != version:
+            raise ValueError(
+                f"{kernel_hop.describe()} wrote into its input {kernel_hop.input_name(i)} in place; "
+                "a kernel must be functional (return new tensors)"
+            )
+    return _check_outputs(kernel_hop, outputs, "the kernel", tensors)
+
+
+def _xla(kernel_hop: Kernel, *tensors_and_params: Any):
+    # XLA tensors: the kernel's XLA implementation (registered only when one was given).
+    tensors, params = _split(tensors_and_params)
+    outputs = kernel_hop.xla_implementation(*tensors, **params.as_dict())
+    return _check_outputs(kernel_hop, outputs, "its xla implementation", tensors)
+
+
+# --------------------------------------------------------------------------- fake
+
+
+def _fake(kernel_hop: Kernel, mode: FakeTensorMode, *tensors_and_params: Any):
+    tensors, params = _split(tensors_and_params)
+    with mode:
+        outputs = kernel_hop.abstract_rule(*tensors, **params.as_dict())
+    outputs = _check_outputs(kernel_hop, outputs, "abstract", tensors)
+    for j, output in enumerate((outputs,) if isinstance(outputs, torch.Tensor) else outputs):
+        if not isinstance(output, FakeTensor):
+            raise TypeError(
+                f"{kernel_hop.describe()}: abstract returned a real tensor as output {j}; build "
+                "outputs from the (fake) inputs, e.g. x.new_empty(shape)"
+            )
+    return outputs
+
+
+# --------------------------------------------------------------------------- functionalize
+
+
+def _functionalize(kernel_hop: Kernel, ctx: Any, *tensors_and_params: Any):
+    tensors, params = _split(tensors_and_params)
+    unwrapped = ctx.unwrap_tensors(tensors)
+    with ctx.redispatch_to_next():
+        outputs = kernel_hop(*unwrapped, params)
+    return ctx.wrap_tensors(outputs)
+
+
+# --------------------------------------------------------------------------- proxy
+
+
+def _proxy(kernel_hop: Kernel, mode: ProxyTorchDispatchMode, *tensors_and_params: Any):
+    with disable_proxy_modes_tracing():
+        outputs = kernel_hop(*tensors_and_params)
+    node_args = pytree.tree_map(mode.tracer.unwrap_proxy, tuple(tensors_and_params))
+    out_proxy = mode.tracer.create_proxy("call_function", kernel_hop, node_args, {})
+    return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+class _KernelFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, kernel_hop: Kernel, params: KernelParams, *inputs: torch.Tensor):
+        with torch._C._AutoDispatchBelowAutograd():
+            result = kernel_hop(*inputs, params)
+        outputs = (result,) if isinstance(result, torch.Tensor) else tuple(result)
+        ctx.kernel_hop, ctx.params = kernel_hop, params
+        if is_tracing(inputs):
+            # The backward is traced in the same trace: hold the outputs as they are. Saved
+            # with save_for_backward, they would gain detach nodes (in the forward graph on
+            # torch 2.13, in the backward graph on 2.9).
+            ctx.save_for_backward(*inputs)
+            ctx.traced_outputs = outputs
+        else:
+            ctx.save_for_backward(*inputs, *outputs)
+            ctx.traced_outputs = None
+        not_differentiable = [o for o in outputs if not (o.is_floating_point() or o.is_complex())]
+        if not_differentiable:
+            ctx.mark_non_differentiable(*not_differentiable)
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor):
+        saved = ctx.saved_tensors
+        if ctx.traced_outputs is None:
+            inputs, outputs = saved[: len(saved) - len(grad_outputs)], saved[len(saved) - len(grad_outputs) :]
+        else:
+            inputs, outputs = saved, ctx.traced_outputs
+        grads = ctx.kernel_hop.run_backward(inputs, outputs, grad_outputs, ctx.params, ctx.needs_input_grad[2:])
+        return (None, None, *grads)
+
+
+def _autograd(kernel_hop: Kernel, *tensors_and_params: Any):
+    tensors, params = _split(tensors_and_params)
+    return _KernelFunction.apply(kernel_hop, params, *tensors)
