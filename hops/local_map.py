@@ -41,6 +41,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 
 from hops import _dynamo, _layout
+from hops._joint import is_tracing
 from hops._subgraph import (
     body_name,
     check_body_is_functional,
@@ -415,17 +416,6 @@ def _backward_body(body: Callable, n_inputs: int, needs_grad: Sequence[bool], ha
     return backward
 
 
-def _is_tracing(values: Sequence[Any]) -> bool:
-    """Whether a tracer (make_fx, AOTAutograd, export) is recording this backward."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return bool(_get_current_dispatch_mode_stack()) or any(
-        isinstance(v, FakeTensor) or (isinstance(v, torch.Tensor) and torch._is_functional_tensor(v))
-        for v in values
-    )
-
-
 class _LocalMapFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, body: Callable, spec: LocalMapSpec, *tensors: torch.Tensor):
@@ -449,7 +439,7 @@ class _LocalMapFunction(torch.autograd.Function):
         cotangents = tuple(c for c in cotangents if c is not None)
         backward_spec = ctx.spec.backward_spec(needs_grad, has_cotangent)
         backward_body = _backward_body(ctx.body, len(tensors), needs_grad, has_cotangent)
-        if _is_tracing((*tensors, *cotangents)):
+        if is_tracing((*tensors, *cotangents)):
             # Trace the vjp here, where autograd is live; traced inside the proxy rule it
             # would run below autograd and produce no gradients.
             with disable_proxy_modes_tracing():

@@ -38,9 +38,10 @@ from torch.fx.experimental.proxy_tensor import (
     ProxyTorchDispatchMode,
     disable_proxy_modes_tracing,
 )
-from torch.overrides import TorchFunctionMode
 
 from hops import _dynamo
+from hops._closure import _ReadsOutsideInputs, _SubstituteTensors
+from hops._joint import is_tracing
 from hops._subgraph import (
     _is_view,
     body_name,
@@ -190,40 +191,6 @@ def _check_step(name: str, outputs: Any, carry: Sequence[torch.Tensor], leaf_nam
 # --------------------------------------------------------------------------- public API
 
 
-class _ReadsOutsideInputs(TorchFunctionMode):
-    """Records tensors that torch calls read but that are neither inputs nor results."""
-
-    def __init__(self, inputs: Sequence[Any]) -> None:
-        super().__init__()
-        self.known = {id(t) for t in inputs if isinstance(t, torch.Tensor)}
-        self.outside: dict[int, torch.Tensor] = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for value in pytree.tree_leaves((args, kwargs)):
-            if isinstance(value, torch.Tensor) and id(value) not in self.known:
-                self.outside.setdefault(id(value), value)
-        result = func(*args, **kwargs)
-        for value in pytree.tree_leaves(result):
-            if isinstance(value, torch.Tensor):
-                self.known.add(id(value))
-        return result
-
-
-class _SubstituteTensors(TorchFunctionMode):
-    """Replaces tensors read from the closure by the lifted inputs that stand for them."""
-
-    def __init__(self, replacements: dict[int, torch.Tensor]) -> None:
-        super().__init__()
-        self.replacements = replacements
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        args, kwargs = pytree.tree_map_only(
-            torch.Tensor, lambda t: self.replacements.get(id(t), t), (args, kwargs or {})
-        )
-        return func(*args, **kwargs)
-
-
 def _find_closed_over_tensors(
     fn: Callable,
     example_inputs: Sequence[Any],
@@ -241,7 +208,7 @@ def _find_closed_over_tensors(
     from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    tracing = _is_tracing(example_inputs)
+    tracing = is_tracing(example_inputs)
     with disable_proxy_modes_tracing(), torch.no_grad():
         if tracing:
             inputs = list(example_inputs)
@@ -323,7 +290,8 @@ def scan(
             additional += closed
     flat = scan_hop(step, *init_leaves, *xs_leaves, *additional, spec)
     carry_out, ys = flat[: len(init_leaves)], flat[len(init_leaves):]
-    return pytree.tree_unflatten(list(carry_out), carry_treespec), pytree.tree_unflatten(list(ys), ys_treespec)
+    ys = None if ys_treespec is None else pytree.tree_unflatten(list(ys), ys_treespec)
+    return pytree.tree_unflatten(list(carry_out), carry_treespec), ys
 
 
 def _ys_structure(fn: Callable, leaves: Sequence[Any], carry_treespec: Any, xs_treespec: Any, num_additional: int) -> Any:
@@ -335,7 +303,7 @@ def _ys_structure(fn: Callable, leaves: Sequence[Any], carry_treespec: Any, xs_t
     result = fn(carry, x, *leaves[num_carry + num_xs : num_carry + num_xs + num_additional])
     if not isinstance(result, tuple) or len(result) != 2:
         raise TypeError(f"scan({body_name(fn)}): fn must return (new_carry, y), got {type(result).__name__}")
-    return pytree.tree_structure(result[1])
+    return None if result[1] is None else pytree.tree_structure(result[1])
 
 
 def _check_init_slices(name: str, xs_leaves: Sequence[torch.Tensor]) -> None:
@@ -388,7 +356,7 @@ def _make_step(
             raise ValueError(
                 f"scan({name}): the carry changes structure in one step: {carry_treespec} -> {new_treespec}"
             )
-        y_leaves = pytree.tree_leaves(y)
+        y_leaves = [] if y is None else pytree.tree_leaves(y)  # y=None: no ys (as in jax)
         # Returning an input unchanged (``return c, x``) is fine in a scan; the region's
         # outputs must not alias its inputs, so such outputs are copies.
         return tuple(
@@ -623,20 +591,6 @@ def _step_outputs(body: Callable, examples: Sequence[Any]) -> list[torch.Tensor]
             return list(body(*(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in examples)))
 
 
-def _is_tracing(values: Sequence[Any]) -> bool:
-    """Whether a tracer (make_fx, AOTAutograd, export) is recording: a dispatch mode is
-    active, or the values are fake or functional tensors."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return bool(_get_current_dispatch_mode_stack()) or any(
-        isinstance(v, (FakeTensor, FunctionalTensor))
-        or (isinstance(v, torch.Tensor) and torch._is_functional_tensor(v))
-        for v in values
-    )
-
-
 def _as_graph(fn: Callable, examples: Sequence[Any], name: str, tracing: bool) -> Callable:
     """``fn`` as a traced graph while tracing (a subgraph for the node), else as is."""
     if tracing:
@@ -676,7 +630,7 @@ class _ScanFunction(torch.autograd.Function):
         grad_ys = [torch.zeros_like(g) if g is None else g for g in grad_ys]
         num_inputs = len(inputs)
         backward_step, step_xs = ctx.backward_step(carry, xs, additional, stacked, grad_ys)
-        tracing = _is_tracing((*inputs, *cotangents))
+        tracing = is_tracing((*inputs, *cotangents))
         init = (*grad_carry, *(torch.zeros_like(a) for a in additional))
         with disable_proxy_modes_tracing():
             examples = (*init, *_slice_examples(step_xs), *additional)

@@ -69,6 +69,14 @@ class TestSemantics(TestCase):
 
         self.assertTrue(torch.autograd.gradcheck(lambda h, xs, w: hops.scan(step, h, xs), (h, xs, w)))
 
+    def test_a_step_may_return_no_y(self):
+        h, xs, w = rnn_inputs(torch.double, requires_grad=True, small=True)
+        last, ys = hops.scan(lambda c, x: (rnn_step(c, x, w)[0], None), h, xs)
+        self.assertIsNone(ys)
+        self.assertEqual(last, python_loop(rnn_step, h, xs, w)[0])
+        last.sum().backward()
+        self.assertEqual(w.grad.shape, w.shape)
+
     def test_length_without_xs_and_length_zero(self):
         carry, ys = hops.scan(lambda c, x: (c * 2, c), torch.ones(3), None, length=4)
         self.assertEqual(carry, torch.full((3,), 16.0))
@@ -303,8 +311,8 @@ class GraphModule(torch.nn.Module):
         step_body_0 = self.step_body_0
         hops_scan = torch.ops.higher_order.hops_scan(step_body_0, l_h_, l_xs_, (l_w_,), hops.ScanSpec(num_carry=1, num_xs=1, length=5));  step_body_0 = l_h_ = l_xs_ = l_w_ = None
         getitem: "f32[2, 4]" = hops_scan[0]
-        getitem_1: "f32[5, 2]" = hops_scan[1];  hops_scan = None
-        return (getitem, getitem_1)
+        ys: "f32[5, 2]" = hops_scan[1];  hops_scan = None
+        return (getitem, ys)
     class step_body_0(torch.nn.Module):
         def forward(self, l_h_: "f32[2, 4]", l_xs_: "f32[2, 4]", l_w_: "f32[4, 4]"):
             matmul: "f32[2, 4]" = l_h_ @ l_w_;  l_h_ = l_w_ = None
