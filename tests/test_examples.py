@@ -40,3 +40,15 @@ def test_local_map_attention_example():
     # Keys and values are replicated over "context": their gradients are summed over it.
     assert backward.count("all-reduce(") == 2 and "replica_groups={{0,1},{2,3}}" in backward
     assert "gradients of x, wq, wk, wv, wo match single-device eager" in backward
+
+
+@pytest.mark.xla
+def test_scan_layers_example():
+    stdout = run_example("scan_layers.py")
+    graph, hlo = stdout.split("# forward HLO")
+    assert graph.count("torch.ops.higher_order.hops_scan(") == 1  # the block once, not per layer
+    assert "hops_kernel_einsum" in graph and "hops_sharding_annotation" in graph and "hops_named_scope" in graph
+    forward, backward = hlo.split("# backward HLO")
+    for part in (forward, backward):
+        assert part.count(" while(") == 1 and part.count('custom_call_target="Sharding"') == 1
+    assert "gradients of x, w_in, w_out match the unrolled model" in backward
