@@ -182,6 +182,29 @@ def emit_body_node(mode: Any, hop: Any, body: Callable, examples: Sequence[Any],
     return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
 
 
+def functionalize_body_call(
+    ctx: Any, hop: Any, body: Callable, inputs: Sequence[Any], trailing: Sequence[Any], examples_of: Callable
+) -> Any:
+    """The functionalization rule of a HOP ``hop(body, *inputs, *trailing)``.
+
+    The body is refused if it writes into or returns its inputs (functionalizing it would
+    silently drop the writes): it is traced once on ``examples_of(unwrapped inputs)``, what
+    it really sees. Then the functionalized body (under the user function's name) runs
+    one level down.
+    """
+    from torch._higher_order_ops.utils import _maybe_run_with_interpreter, materialize_as_graph
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    unwrapped = ctx.unwrap_tensors(list(inputs))
+    with disable_proxy_modes_tracing():
+        examples = tuple(examples_of(unwrapped))
+    check_body_is_functional(materialize_as_graph(body, examples), body_name(body))
+    with ctx.redispatch_to_next():
+        functional_body = named(ctx.functionalize(_maybe_run_with_interpreter(body)), body_name(body))
+        outputs = hop(functional_body, *unwrapped, *trailing)
+    return ctx.wrap_tensors(outputs)
+
+
 def symbolic_trace_call(hop: Any, args: Sequence[Any]) -> Any:
     """``hop(*args)`` under torch.fx symbolic tracing (how a pickled GraphModule is rebuilt):
     one node, or ``None`` when no argument is an ``fx.Proxy``."""

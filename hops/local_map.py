@@ -28,25 +28,22 @@ import torch
 import torch.utils._pytree as pytree
 from torch._C import DispatchKey
 from torch._higher_order_ops.utils import (
-    _maybe_run_with_interpreter,
     materialize_as_graph,
-    reenter_make_fx,
 )
 from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import (
     ProxyTorchDispatchMode,
     disable_proxy_modes_tracing,
-    track_tensor_tree,
 )
 
 from hops import _dynamo, _layout
 from hops._joint import is_tracing
 from hops._subgraph import (
     body_name,
-    check_body_is_functional,
     copy_if_aliases,
     emit_body_node,
+    functionalize_body_call,
     named,
     rename_inner_function,
     strip_detach,
@@ -356,15 +353,9 @@ def _fake(mode: FakeTensorMode, body: Callable, *tensors_and_spec: Any):
 @local_map_hop.py_functionalize_impl
 def _functionalize(ctx: Any, body: Callable, *tensors_and_spec: Any):
     tensors, spec = _split(tensors_and_spec)
-    unwrapped = ctx.unwrap_tensors(tensors)
-    with disable_proxy_modes_tracing():
-        examples = _local_examples(unwrapped, spec)
-    # Functionalizing a body that writes into its inputs would silently drop the writes.
-    check_body_is_functional(materialize_as_graph(body, tuple(examples)), body_name(body))
-    with ctx.redispatch_to_next():
-        functional_body = named(ctx.functionalize(_maybe_run_with_interpreter(body)), body_name(body))
-        outputs = local_map_hop(functional_body, *unwrapped, spec)
-    return ctx.wrap_tensors(outputs)
+    return functionalize_body_call(
+        ctx, local_map_hop, body, tensors, (spec,), lambda unwrapped: _local_examples(unwrapped, spec)
+    )
 
 
 # --------------------------------------------------------------------------- proxy
@@ -373,7 +364,6 @@ def _functionalize(ctx: Any, body: Callable, *tensors_and_spec: Any):
 @local_map_hop.py_impl(ProxyTorchDispatchMode)
 def _proxy(mode: ProxyTorchDispatchMode, body: Callable, *tensors_and_spec: Any):
     tensors, spec = _split(tensors_and_spec)
-    name = body_name(body)
     with disable_proxy_modes_tracing():
         outputs = local_map_hop(body, *tensors, spec)
         examples = _local_examples(tensors, spec)

@@ -33,23 +33,23 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 from torch._C import DispatchKey
-from torch._higher_order_ops.utils import (
-    _maybe_run_with_interpreter,
-    materialize_as_graph,
-    reenter_make_fx,
-)
 from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import (
     ProxyTorchDispatchMode,
     disable_proxy_modes_tracing,
-    track_tensor_tree,
 )
 
 from hops import _compat, _dynamo
 from hops._closure import closed_over_tensors, lift_closure
 from hops._joint import is_tracing, split_joint, trace_joint
-from hops._subgraph import body_name, check_body_is_functional, named, rename_inner_function
+from hops._subgraph import (
+    body_name,
+    emit_body_node,
+    functionalize_body_call,
+    named,
+    rename_inner_function,
+)
 from hops.kernel import _shares_storage
 from hops.specs import _FxLiteral
 
@@ -266,13 +266,7 @@ def _fake(mode: FakeTensorMode, body: Callable, *inputs_and_spec: Any):
 @named_scope_hop.py_functionalize_impl
 def _functionalize(ctx: Any, body: Callable, *inputs_and_spec: Any):
     inputs, spec = _split(inputs_and_spec)
-    unwrapped = ctx.unwrap_tensors(inputs)
-    # Functionalizing a body that writes into its inputs would silently drop the writes.
-    check_body_is_functional(materialize_as_graph(body, tuple(unwrapped)), body_name(body))
-    with ctx.redispatch_to_next():
-        functional_body = named(ctx.functionalize(_maybe_run_with_interpreter(body)), body_name(body))
-        outputs = named_scope_hop(functional_body, *unwrapped, spec)
-    return ctx.wrap_tensors(outputs)
+    return functionalize_body_call(ctx, named_scope_hop, body, inputs, (spec,), lambda unwrapped: unwrapped)
 
 
 # --------------------------------------------------------------------------- proxy
@@ -281,16 +275,9 @@ def _functionalize(ctx: Any, body: Callable, *inputs_and_spec: Any):
 @named_scope_hop.py_impl(ProxyTorchDispatchMode)
 def _proxy(mode: ProxyTorchDispatchMode, body: Callable, *inputs_and_spec: Any):
     inputs, spec = _split(inputs_and_spec)
-    name = body_name(body)
     with disable_proxy_modes_tracing():
         outputs = named_scope_hop(body, *inputs, spec)
-    body_graph = reenter_make_fx(body)(*inputs)
-    check_body_is_functional(body_graph, name)
-    qualname = mode.tracer.get_fresh_qualname(f"{name}_body_")
-    mode.tracer.root.register_module(qualname, body_graph)
-    node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (body_graph, *inputs, spec))
-    out_proxy = mode.tracer.create_proxy("call_function", named_scope_hop, node_args, {})
-    return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
+    return emit_body_node(mode, named_scope_hop, body, inputs, (*inputs, spec), outputs)
 
 
 # --------------------------------------------------------------------------- autograd

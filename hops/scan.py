@@ -29,7 +29,6 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._C import DispatchKey
 from torch._higher_order_ops.utils import (
-    _maybe_run_with_interpreter,
     materialize_as_graph,
 )
 from torch._ops import HigherOrderOperator
@@ -45,9 +44,9 @@ from hops._joint import is_tracing
 from hops._subgraph import (
     _is_view,
     body_name,
-    check_body_is_functional,
     copy_if_aliases,
     emit_body_node,
+    functionalize_body_call,
     named,
     rename_inner_function,
     strip_detach,
@@ -153,14 +152,7 @@ def _check_inputs(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> None
         raise ValueError(f"scan {name}: no xs to scan over and no length: pass length=")
     if any(isinstance(x, torch.fx.Proxy) for x in xs):
         return
-    for i, x in enumerate(xs):
-        if x.dim() == 0:
-            raise ValueError(f"scan {name}: xs leaf {i} is a 0-d tensor; xs are sliced along dim 0")
-        if x.shape[0] != xs[0].shape[0]:
-            raise ValueError(
-                f"scan {name}: xs leaf {i} has length {x.shape[0]} but xs leaf 0 has {xs[0].shape[0]}; "
-                "every xs leaf is sliced along dim 0 and needs the same length"
-            )
+    _check_xs(f"scan {name}", xs)
     if xs and spec.length is not None and spec.length != xs[0].shape[0]:
         raise ValueError(f"scan {name}: length={spec.length} but the xs have length {xs[0].shape[0]}")
 
@@ -263,7 +255,7 @@ def scan(
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"scan({name}): {what} leaf {i} is a {type(leaf).__name__}, not a tensor")
-    _check_init_slices(name, xs_leaves)
+    _check_xs(f"scan({name})", xs_leaves)
     static_length = length
     if xs_leaves and isinstance(xs_leaves[0].shape[0], int):
         static_length = xs_leaves[0].shape[0]
@@ -281,7 +273,7 @@ def scan(
     else:
         with disable_proxy_modes_tracing():
             examples = [*init_leaves, *_slice_examples(xs_leaves), *additional]
-        _check_init_slices(name, xs_leaves)
+        _check_xs(f"scan({name})", xs_leaves)
         closed, ys_treespec = _find_closed_over_tensors(fn, examples, name, carry_treespec, xs_treespec, len(additional))
         if closed:
             # The body reads these from its closure: make them inputs, so they can be traced
@@ -306,13 +298,15 @@ def _ys_structure(fn: Callable, leaves: Sequence[Any], carry_treespec: Any, xs_t
     return None if result[1] is None else pytree.tree_structure(result[1])
 
 
-def _check_init_slices(name: str, xs_leaves: Sequence[torch.Tensor]) -> None:
-    for i, x in enumerate(xs_leaves):
+def _check_xs(where: str, xs: Sequence[torch.Tensor]) -> None:
+    """Every xs leaf has a dim 0, and all have the same length."""
+    for i, x in enumerate(xs):
         if x.dim() == 0:
-            raise ValueError(f"scan({name}): xs leaf {i} is a 0-d tensor; xs are sliced along dim 0")
-        if x.shape[0] != xs_leaves[0].shape[0]:
+            raise ValueError(f"{where}: xs leaf {i} is a 0-d tensor; xs are sliced along dim 0")
+        if x.shape[0] != xs[0].shape[0]:
             raise ValueError(
-                f"scan({name}): xs leaf {i} has length {x.shape[0]} but xs leaf 0 has {xs_leaves[0].shape[0]}"
+                f"{where}: xs leaf {i} has length {x.shape[0]} but xs leaf 0 has {xs[0].shape[0]}; "
+                "every xs leaf is sliced along dim 0 and needs the same length"
             )
 
 
@@ -416,15 +410,12 @@ def _fake(mode: FakeTensorMode, body: Callable, *inputs_and_spec: Any):
 @scan_hop.py_functionalize_impl
 def _functionalize(ctx: Any, body: Callable, *inputs_and_spec: Any):
     *inputs, spec = inputs_and_spec
-    unwrapped = ctx.unwrap_tensors(inputs)
-    carry, xs, additional = _split(unwrapped, spec)
-    with disable_proxy_modes_tracing():
-        examples = (*carry, *_slice_examples(xs), *additional)
-    check_body_is_functional(materialize_as_graph(body, tuple(examples)), body_name(body))
-    with ctx.redispatch_to_next():
-        functional_body = named(ctx.functionalize(_maybe_run_with_interpreter(body)), body_name(body))
-        outputs = scan_hop(functional_body, *unwrapped, spec)
-    return ctx.wrap_tensors(outputs)
+
+    def examples_of(unwrapped: Sequence[Any]) -> tuple:
+        carry, xs, additional = _split(unwrapped, spec)
+        return (*carry, *_slice_examples(xs), *additional)
+
+    return functionalize_body_call(ctx, scan_hop, body, inputs, (spec,), examples_of)
 
 
 # --------------------------------------------------------------------------- proxy
@@ -628,7 +619,6 @@ class _ScanFunction(torch.autograd.Function):
         carry, xs, additional = _split(inputs, spec)
         grad_carry, grad_ys = cotangents[: spec.num_carry], cotangents[spec.num_carry :]
         grad_ys = [torch.zeros_like(g) if g is None else g for g in grad_ys]
-        num_inputs = len(inputs)
         backward_step, step_xs = ctx.backward_step(carry, xs, additional, stacked, grad_ys)
         tracing = is_tracing((*inputs, *cotangents))
         init = (*grad_carry, *(torch.zeros_like(a) for a in additional))

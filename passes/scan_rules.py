@@ -15,7 +15,6 @@ import torch.fx as fx
 
 from hops.scan import ScanSpec, _run_steps, _split, scan_hop
 from passes._infra import HopRulePass, PassError, body_module, copy_body_into, replace_tuple_output
-from passes.inline import register_inline_rule  # noqa: F401  (scan stays a node under inline_hops)
 from passes.xla import register_xla_rule
 
 

@@ -377,14 +377,14 @@ class GraphModule(torch.nn.Module):
         def forward(self, arg0_1: "f32[5, 4]", arg1_1: "f32[3, 4]", arg2_1: "f32[3, 5]", arg3_1: "f32[3, 5]"):
             sum_1: "f32[]" = torch.ops.aten.sum.default(arg3_1)
             expand: "f32[3, 4]" = torch.ops.aten.expand.default(sum_1, [3, 4]);  sum_1 = None
-            lambda_body_0 = self.lambda_body_0
-            hops_named_scope = torch.ops.higher_order.hops_named_scope(lambda_body_0, arg1_1, arg0_1, arg2_1, arg3_1, hops.ScopeSpec('mlp/bwd'));  lambda_body_0 = arg1_1 = arg0_1 = arg2_1 = arg3_1 = None
+            lambda_bwd_body_0 = self.lambda_bwd_body_0
+            hops_named_scope = torch.ops.higher_order.hops_named_scope(lambda_bwd_body_0, arg1_1, arg0_1, arg2_1, arg3_1, hops.ScopeSpec('mlp/bwd'));  lambda_bwd_body_0 = arg1_1 = arg0_1 = arg2_1 = arg3_1 = None
             getitem: "f32[3, 4]" = hops_named_scope[0]
             getitem_1: "f32[5, 4]" = hops_named_scope[1];  hops_named_scope = None
             mul: "f32[3, 4]" = torch.ops.aten.mul.Tensor(getitem, 2);  getitem = None
             add: "f32[3, 4]" = torch.ops.aten.add.Tensor(expand, mul);  expand = mul = None
             return (add, getitem_1)
-        class lambda_body_0(torch.nn.Module):
+        class lambda_bwd_body_0(torch.nn.Module):
             def forward(self, arg0_1: "f32[3, 4]", arg1_1: "f32[5, 4]", arg2_1: "f32[3, 5]", arg3_1: "f32[3, 5]"):
                 tanh_backward: "f32[3, 5]" = torch.ops.aten.tanh_backward.default(arg3_1, arg2_1);  arg3_1 = arg2_1 = None
                 hops_kernel_einsum: "f32[3, 4]" = torch.ops.higher_order.hops_kernel_einsum(tanh_backward, arg1_1, hops.KernelParams.of(equation='bo,oi->bi'));  arg1_1 = None

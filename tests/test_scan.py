@@ -7,7 +7,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
-from hops import Mesh, Replicate, ScanSpec, Shard, ShardingSpec
+from hops import Mesh, Replicate, Shard, ShardingSpec
 
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
