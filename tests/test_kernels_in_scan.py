@@ -3,7 +3,7 @@ backward bodies keep them (their rules are the standard dispatch keys, so any su
 tracer records them), and gradients match the unrolled loop."""
 
 import torch
-from snapshot import TestCase
+from snapshot import TestCase, readable
 from test_kernel import aot_graphs, scaled_tanh
 
 import hops
@@ -70,3 +70,96 @@ class TestInsideScan(TestCase):
         inlined = passes.inline_hops(make_fx(recurrent)(*args))
         self.assertEqual(hops_in(inlined), [])
         self.assertEqual(inlined(*args), unrolled(*args))
+
+
+class TestInsideScanSnapshots(TestCase):
+    def test_make_fx_graph(self):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        torch.manual_seed(0)
+        args = [torch.randn(2, 4), torch.randn(3, 2, 4), torch.randn(4, 4)]
+        self.assertExpectedInline(readable(make_fx(recurrent)(*args)), """\
+class recurrent(torch.nn.Module):
+    def forward(self, h0_1: "f32[2, 4]", xs_1: "f32[3, 2, 4]", w_1: "f32[4, 4]"):
+        lambda_body_0 = self.lambda_body_0
+        hops_scan = torch.ops.higher_order.hops_scan(lambda_body_0, h0_1, xs_1, w_1, hops.ScanSpec(num_carry=1, num_xs=1, length=3));  lambda_body_0 = h0_1 = xs_1 = w_1 = None
+        getitem: "f32[2, 4]" = hops_scan[0]
+        getitem_1: "f32[3, 2, 4]" = hops_scan[1];  hops_scan = None
+        sum_1: "f32[2, 4]" = torch.ops.aten.sum.dim_IntList(getitem_1, [0]);  getitem_1 = None
+        add: "f32[2, 4]" = torch.ops.aten.add.Tensor(sum_1, getitem);  sum_1 = getitem = None
+        return add
+    class lambda_body_0(torch.nn.Module):
+        def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[2, 4]", arg2_1: "f32[4, 4]"):
+            cell_body_0 = self.cell_body_0
+            hops_named_scope: "f32[2, 4]" = torch.ops.higher_order.hops_named_scope(cell_body_0, arg0_1, arg1_1, arg2_1, hops.ScopeSpec('cell'));  cell_body_0 = arg0_1 = arg1_1 = arg2_1 = None
+            return (hops_named_scope, hops_named_scope)
+        class cell_body_0(torch.nn.Module):
+            def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[2, 4]", arg2_1: "f32[4, 4]"):
+                hops_kernel_einsum: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_einsum(arg0_1, arg2_1, hops.KernelParams.of(equation='bi,oi->bo'));  arg0_1 = arg2_1 = None
+                add: "f32[2, 4]" = torch.ops.aten.add.Tensor(hops_kernel_einsum, arg1_1);  hops_kernel_einsum = arg1_1 = None
+                hops_kernel_scaled_tanh: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_scaled_tanh(add, hops.KernelParams.of(scale=0.5));  add = None
+                return hops_kernel_scaled_tanh
+""")
+
+    def test_aot_forward_and_backward_graphs(self):
+        torch.manual_seed(0)
+        args = [torch.randn(2, 4, requires_grad=True), torch.randn(3, 2, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)]
+        forward, backward = aot_graphs(recurrent, *args)
+        self.assertExpectedInline(readable(forward), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[2, 4]", primals_2: "f32[3, 2, 4]", primals_3: "f32[4, 4]"):
+        lambda_body_0 = self.lambda_body_0
+        hops_scan = torch.ops.higher_order.hops_scan(lambda_body_0, primals_1, primals_2, primals_3, hops.ScanSpec(num_carry=1, num_xs=1, length=3));  lambda_body_0 = primals_1 = None
+        getitem: "f32[2, 4]" = hops_scan[0]
+        getitem_1: "f32[3, 2, 4]" = hops_scan[1]
+        getitem_2: "f32[3, 2, 4]" = hops_scan[2]
+        getitem_3: "f32[3, 2, 4]" = hops_scan[3];  hops_scan = None
+        sum_1: "f32[2, 4]" = torch.ops.aten.sum.dim_IntList(getitem_1, [0]);  getitem_1 = None
+        add: "f32[2, 4]" = torch.ops.aten.add.Tensor(sum_1, getitem);  sum_1 = getitem = None
+        return (add, primals_2, primals_3, getitem_2, getitem_3)
+    class lambda_body_0(torch.nn.Module):
+        def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[2, 4]", arg2_1: "f32[4, 4]"):
+            cell_body_0 = self.cell_body_0
+            hops_named_scope = torch.ops.higher_order.hops_named_scope(cell_body_0, arg0_1, arg1_1, arg2_1, hops.ScopeSpec('cell'));  cell_body_0 = arg1_1 = arg2_1 = None
+            getitem_1: "f32[2, 4]" = hops_named_scope[1];  hops_named_scope = None
+            clone: "f32[2, 4]" = torch.ops.aten.clone.default(arg0_1);  arg0_1 = None
+            return (getitem_1, getitem_1, clone, getitem_1)
+        class cell_body_0(torch.nn.Module):
+            def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[2, 4]", arg2_1: "f32[4, 4]"):
+                hops_kernel_einsum: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_einsum(arg0_1, arg2_1, hops.KernelParams.of(equation='bi,oi->bo'));  arg0_1 = arg2_1 = None
+                add: "f32[2, 4]" = torch.ops.aten.add.Tensor(hops_kernel_einsum, arg1_1);  hops_kernel_einsum = arg1_1 = None
+                hops_kernel_scaled_tanh: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_scaled_tanh(add, hops.KernelParams.of(scale=0.5));  add = None
+                return (hops_kernel_scaled_tanh, hops_kernel_scaled_tanh)
+""")
+        self.assertExpectedInline(readable(backward), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_2: "f32[3, 2, 4]", primals_3: "f32[4, 4]", getitem_2: "f32[3, 2, 4]", getitem_3: "f32[3, 2, 4]", tangents_1: "f32[2, 4]"):
+        unsqueeze: "f32[1, 2, 4]" = torch.ops.aten.unsqueeze.default(tangents_1, 0)
+        expand: "f32[3, 2, 4]" = torch.ops.aten.expand.default(unsqueeze, [3, 2, 4]);  unsqueeze = None
+        zeros_like: "f32[4, 4]" = torch.ops.aten.zeros_like.default(primals_3, pin_memory = False)
+        lambda_bwd_body_0 = self.lambda_bwd_body_0
+        hops_scan_1 = torch.ops.higher_order.hops_scan(lambda_bwd_body_0, tangents_1, zeros_like, getitem_2, getitem_3, primals_2, expand, primals_3, hops.ScanSpec(num_carry=2, num_xs=4, length=3, reverse=True));  lambda_bwd_body_0 = tangents_1 = zeros_like = getitem_2 = getitem_3 = primals_2 = expand = primals_3 = None
+        getitem_4: "f32[2, 4]" = hops_scan_1[0]
+        getitem_5: "f32[4, 4]" = hops_scan_1[1]
+        getitem_6: "f32[3, 2, 4]" = hops_scan_1[2];  hops_scan_1 = None
+        return (getitem_4, getitem_6, getitem_5)
+    class lambda_bwd_body_0(torch.nn.Module):
+        def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[4, 4]", arg2_1: "f32[2, 4]", arg3_1: "f32[2, 4]", arg4_1: "f32[2, 4]", arg5_1: "f32[2, 4]", arg6_1: "f32[4, 4]"):
+            add: "f32[2, 4]" = torch.ops.aten.add.Tensor(arg0_1, arg5_1);  arg0_1 = arg5_1 = None
+            cell_bwd_body_0 = self.cell_bwd_body_0
+            hops_named_scope = torch.ops.higher_order.hops_named_scope(cell_bwd_body_0, arg2_1, arg6_1, arg3_1, add, hops.ScopeSpec('cell/bwd'));  cell_bwd_body_0 = arg2_1 = arg6_1 = arg3_1 = add = None
+            getitem: "f32[2, 4]" = hops_named_scope[0]
+            getitem_1: "f32[2, 4]" = hops_named_scope[1]
+            getitem_2: "f32[4, 4]" = hops_named_scope[2];  hops_named_scope = None
+            add_1: "f32[4, 4]" = torch.ops.aten.add.Tensor(arg1_1, getitem_2);  arg1_1 = getitem_2 = None
+            return (getitem, add_1, getitem_1)
+        class cell_bwd_body_0(torch.nn.Module):
+            def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[4, 4]", arg2_1: "f32[2, 4]", arg3_1: "f32[2, 4]"):
+                mul: "f32[2, 4]" = torch.ops.aten.mul.Tensor(arg3_1, 0.5);  arg3_1 = None
+                mul_1: "f32[2, 4]" = torch.ops.aten.mul.Tensor(arg2_1, arg2_1);  arg2_1 = None
+                rsub: "f32[2, 4]" = torch.ops.aten.rsub.Scalar(mul_1, 1);  mul_1 = None
+                mul_2: "f32[2, 4]" = torch.ops.aten.mul.Tensor(mul, rsub);  mul = rsub = None
+                hops_kernel_einsum: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_einsum(mul_2, arg1_1, hops.KernelParams.of(equation='bo,oi->bi'));  arg1_1 = None
+                hops_kernel_einsum_1: "f32[4, 4]" = torch.ops.higher_order.hops_kernel_einsum(mul_2, arg0_1, hops.KernelParams.of(equation='bo,bi->oi'));  arg0_1 = None
+                return (hops_kernel_einsum, mul_2, hops_kernel_einsum_1)
+""")
