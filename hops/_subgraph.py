@@ -124,10 +124,16 @@ def find_input_mutation_and_aliasing(gm: fx.GraphModule) -> tuple[list[int], lis
 
 
 def check_body_is_functional(
-    gm: fx.GraphModule, function: str, input_names: Sequence[str] | None = None
+    gm: fx.GraphModule, function: str, input_names: Sequence[str] | None = None, num_outputs: int | None = None
 ) -> None:
-    """``ValueError`` naming the function and argument if the body mutates or aliases an input."""
+    """``ValueError`` naming the function and argument if the body mutates or aliases an input.
+
+    ``num_outputs`` limits the aliasing check to the first outputs (a joint graph's step
+    outputs; its gradients may be a cotangent unchanged).
+    """
     mutated, aliased = find_input_mutation_and_aliasing(gm)
+    if num_outputs is not None:
+        aliased = [(output, source) for output, source in aliased if output < num_outputs]
 
     def name(i: int) -> str:
         return input_names[i] if input_names is not None and i < len(input_names) else f"input {i}"
@@ -182,6 +188,13 @@ def emit_body_node(mode: Any, hop: Any, body: Callable, examples: Sequence[Any],
     return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
 
 
+def known_functional(body: Callable) -> Callable:
+    """Mark a body this package built from graphs already checked to be functional (e.g. a
+    split joint): its functionalization rule need not trace it again to check it."""
+    body.hops_known_functional = True
+    return body
+
+
 def functionalize_body_call(
     ctx: Any, hop: Any, body: Callable, inputs: Sequence[Any], trailing: Sequence[Any], examples_of: Callable
 ) -> Any:
@@ -196,9 +209,10 @@ def functionalize_body_call(
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
     unwrapped = ctx.unwrap_tensors(list(inputs))
-    with disable_proxy_modes_tracing():
-        examples = tuple(examples_of(unwrapped))
-    check_body_is_functional(materialize_as_graph(body, examples), body_name(body))
+    if not getattr(body, "hops_known_functional", False):
+        with disable_proxy_modes_tracing():
+            examples = tuple(examples_of(unwrapped))
+        check_body_is_functional(materialize_as_graph(body, examples), body_name(body))
     with ctx.redispatch_to_next():
         functional_body = named(ctx.functionalize(_maybe_run_with_interpreter(body)), body_name(body))
         outputs = hop(functional_body, *unwrapped, *trailing)

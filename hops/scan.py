@@ -44,9 +44,11 @@ from hops._joint import is_tracing
 from hops._subgraph import (
     _is_view,
     body_name,
+    check_body_is_functional,
     copy_if_aliases,
     emit_body_node,
     functionalize_body_call,
+    known_functional,
     named,
     rename_inner_function,
     strip_detach,
@@ -624,7 +626,7 @@ class _ScanFunction(torch.autograd.Function):
         init = (*grad_carry, *(torch.zeros_like(a) for a in additional))
         with disable_proxy_modes_tracing():
             examples = (*init, *_slice_examples(step_xs), *additional)
-        step_body = _as_graph(backward_step, examples, f"{body_name(ctx.body)}_bwd", tracing)
+        step_body = known_functional(_as_graph(backward_step, examples, f"{body_name(ctx.body)}_bwd", tracing))
         backward_spec = ScanSpec(len(init), len(step_xs), spec.length, not spec.reverse)
         outputs = scan_hop(step_body, *init, *step_xs, *additional, backward_spec)
         grad_init = outputs[: spec.num_carry]
@@ -649,9 +651,21 @@ def _autograd(body: Callable, *inputs_and_spec: Any):
     with disable_proxy_modes_tracing():
         joint_examples = (*examples, *(torch.zeros(o.shape, dtype=o.dtype, device=o.device) for o in outputs))
         joint_examples = tuple(e.detach() if isinstance(e, torch.Tensor) else e for e in joint_examples)
-    joint = strip_detach(
-        materialize_as_graph(_step_joint(body, num_primals, num_outputs), joint_examples, force_enable_grad=True)
-    )
+    try:
+        joint = strip_detach(
+            materialize_as_graph(_step_joint(body, num_primals, num_outputs), joint_examples, force_enable_grad=True)
+        )
+    except RuntimeError as e:
+        if "in-place operation" not in str(e):
+            raise
+        # Autograd refuses the write before our check can name it.
+        raise ValueError(
+            f"{name} mutates its argument in place; a scan body must be functional "
+            "(return a new tensor instead of writing into an input)"
+        ) from None
+    # The user's step is checked once, on its joint; bodies built from the joint are then
+    # known to be functional.
+    check_body_is_functional(joint, name, num_outputs=num_outputs)
     num_ys = num_outputs - num_carry
 
     def accumulate(grad_additional: Sequence[torch.Tensor], step_grads: Sequence[torch.Tensor]) -> tuple:
@@ -670,7 +684,7 @@ def _autograd(body: Callable, *inputs_and_spec: Any):
         def forward_with_carries(*leaves: Any) -> tuple:
             return (*body(*leaves), *(c.clone() for c in leaves[:num_carry]))
 
-        forward_body = named(forward_with_carries, name)
+        forward_body = known_functional(named(forward_with_carries, name))
         num_saved = num_carry
 
         def backward_step_factory(carry, xs, additional, stacked, grad_ys):
@@ -687,7 +701,7 @@ def _autograd(body: Callable, *inputs_and_spec: Any):
     else:
         sliced = set(range(num_carry, num_carry + num_xs))
         forward_graph, backward_graph, num_saved = _partition(joint, num_primals, num_outputs, invariant, sliced)
-        forward_body = named(forward_graph, name)
+        forward_body = known_functional(named(forward_graph, name))
 
         def backward_step_factory(carry, xs, additional, stacked, grad_ys):
             def backward_step(*values: Any) -> tuple:

@@ -130,6 +130,10 @@ class TestBadCalls(TestCase):
         h, xs, _ = rnn_inputs()
         with self.assertRaisesRegex(ValueError, "mutates its argument"):
             make_fx(lambda h, xs: hops.scan(step, h, xs))(h, xs)
+        # Under autograd the step is checked on its traced joint.
+        h, xs, _ = rnn_inputs(requires_grad=True)
+        with self.assertRaisesRegex(ValueError, "mutates its argument"):
+            aot_trace(lambda h, xs: hops.scan(step, h * 1, xs), h, xs)
 
 
 def annotated_step(h, x, w):
