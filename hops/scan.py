@@ -572,6 +572,15 @@ def _partition(
     return forward_gm, backward_gm, len(residuals)
 
 
+def _take(values: Sequence[Any], *counts: int) -> list:
+    """``values`` cut into consecutive parts of ``counts``, and the rest."""
+    parts, start = [], 0
+    for count in counts:
+        parts.append(values[start : start + count])
+        start += count
+    return [*parts, values[start:]]
+
+
 def _step_outputs(body: Callable, examples: Sequence[Any]) -> list[torch.Tensor]:
     """Fake stand-ins of one step's outputs (for cotangent examples)."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -668,17 +677,6 @@ def _autograd(body: Callable, *inputs_and_spec: Any):
     check_body_is_functional(joint, name, num_outputs=num_outputs)
     num_ys = num_outputs - num_carry
 
-    def accumulate(grad_additional: Sequence[torch.Tensor], step_grads: Sequence[torch.Tensor]) -> tuple:
-        step_grad_carry = step_grads[:num_carry]
-        step_grad_x = step_grads[num_carry : num_carry + num_xs]
-        step_grad_additional = step_grads[num_carry + num_xs :]
-        summed = [a + g for a, g in zip(grad_additional, step_grad_additional)]
-        return (*step_grad_carry, *summed, *step_grad_x)
-
-    def fresh(outputs: Sequence[torch.Tensor], inputs: Sequence[Any]) -> tuple:
-        # A step's gradient may be its cotangent unchanged (e.g. for c + x).
-        return copy_if_aliases(outputs, inputs)
-
     if spec.remat:
         # Save the carry entering each step; the backward recomputes the step from it.
         def forward_with_carries(*leaves: Any) -> tuple:
@@ -687,35 +685,34 @@ def _autograd(body: Callable, *inputs_and_spec: Any):
         forward_body = known_functional(named(forward_with_carries, name))
         num_saved = num_carry
 
-        def backward_step_factory(carry, xs, additional, stacked, grad_ys):
-            def backward_step(*values: Any) -> tuple:
-                grad_carry = values[:num_carry]
-                grad_additional = values[num_carry : num_carry + len(additional)]
-                rest = values[num_carry + len(additional) :]
-                carry_i, x_i, grad_y_i = rest[:num_carry], rest[num_carry : num_carry + num_xs], rest[num_carry + num_xs : num_carry + num_xs + num_ys]
-                additional_values = rest[num_carry + num_xs + num_ys :]
-                step_grads = joint(*carry_i, *x_i, *additional_values, *grad_carry, *grad_y_i)[num_outputs:]
-                return fresh(accumulate(grad_additional, step_grads), values)
+        def step_grads(saved, x, grad_carry, grad_y, additional_values):
+            return joint(*saved, *x, *additional_values, *grad_carry, *grad_y)[num_outputs:]
 
-            return backward_step, [*stacked, *xs, *grad_ys]
     else:
         sliced = set(range(num_carry, num_carry + num_xs))
         forward_graph, backward_graph, num_saved = _partition(joint, num_primals, num_outputs, invariant, sliced)
         forward_body = known_functional(named(forward_graph, name))
 
-        def backward_step_factory(carry, xs, additional, stacked, grad_ys):
-            def backward_step(*values: Any) -> tuple:
-                grad_carry = values[:num_carry]
-                grad_additional = values[num_carry : num_carry + len(additional)]
-                rest = values[num_carry + len(additional) :]
-                residuals = rest[:num_saved]
-                x_i = rest[num_saved : num_saved + num_xs]
-                grad_y_i = rest[num_saved + num_xs : num_saved + num_xs + num_ys]
-                additional_values = rest[num_saved + num_xs + num_ys :]
-                step_grads = backward_graph(*residuals, *grad_carry, *grad_y_i, *x_i, *additional_values)
-                return fresh(accumulate(grad_additional, step_grads), values)
+        def step_grads(saved, x, grad_carry, grad_y, additional_values):
+            return backward_graph(*saved, *grad_carry, *grad_y, *x, *additional_values)
 
-            return backward_step, [*stacked, *xs, *grad_ys]
+    def backward_step_factory(carry, xs, additional, stacked, grad_ys):
+        """One step of the reverse scan: carries (grad_carry, grad_additional summed so
+        far), slices (saved values, x, grad_y), additional inputs."""
+        num_additional = len(additional)
+
+        def backward_step(*values: Any) -> tuple:
+            grad_carry = values[:num_carry]
+            grad_additional = values[num_carry : num_carry + num_additional]
+            saved, x, grad_y, additional_values = _take(
+                values[num_carry + num_additional :], num_saved, num_xs, num_ys
+            )
+            grads = step_grads(saved, x, grad_carry, grad_y, additional_values)
+            summed = [a + g for a, g in zip(grad_additional, grads[num_carry + num_xs :])]
+            # A step's gradient may be its cotangent unchanged (e.g. for c + x): copy it.
+            return copy_if_aliases((*grads[:num_carry], *summed, *grads[num_carry : num_carry + num_xs]), values)
+
+        return backward_step, [*stacked, *xs, *grad_ys]
 
     return _ScanFunction.apply(body, spec, forward_body, num_saved, backward_step_factory, *inputs)
 
