@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import types
 from typing import Any, Callable, Sequence
 
@@ -16,12 +15,22 @@ def body_name(body: Any) -> str:
     Functions keep their ``__name__``; a GraphModule traced from one carries it as its class
     name (``make_fx`` names the class after the function), so re-tracing keeps the name.
     """
+    # No regular expressions: this runs inside Dynamo-traced wrappers, and Dynamo 2.9 fails
+    # tracing ``re`` when a pattern is not in its compile cache.
     name = getattr(body, "__name__", None)
     if not isinstance(name, str) or name in ("GraphModule", "forward"):
         name = type(body).__name__
-    name = re.sub(r"\W+", "_", name).strip("_") or "body"
+    characters: list[str] = []
+    for character in name:  # each run of non-word characters becomes one "_"
+        if character.isalnum() or character == "_":
+            characters.append(character)
+        elif not characters or characters[-1] != "\0":
+            characters.append("\0")
+    name = "".join(characters).replace("\0", "_").strip("_") or "body"
     # A subgraph registered as "<fn>_body_<n>" and traced again keeps "<fn>".
-    name = re.sub(r"_body(_?\d+)?$", "", name) or "body"
+    head, found, tail = name.rpartition("_body")
+    if found and head and (tail == "" or tail.lstrip("_").isdigit() and not tail.startswith("__")):
+        name = head
     if name == "GraphModule":
         name = "body"
     return name if not name[0].isdigit() else f"body_{name}"

@@ -368,3 +368,26 @@ class TestScanPasses(TestCase):
         gm = passes.lower_to_xla(make_fx(lambda h, xs, w: hops.scan(annotated_step, h, xs, additional_inputs=(w,)))(h, xs, w))
         self.assertIn("run_scan", gm.code)
         self.assertEqual(gm(h, xs, w), python_loop(rnn_step, h, xs, w))
+
+
+COMPILE_A_SCAN_IN_A_FRESH_PROCESS = """
+import torch, hops
+def layer(h, x):
+    return h + x, h.sum()
+compiled = torch.compile(lambda h, xs: hops.scan(layer, h, xs), backend="eager", fullgraph=True)
+print(compiled(torch.zeros(3), torch.ones(2, 3))[0].tolist())
+"""
+
+
+def test_torch_compile_of_a_scan_in_a_fresh_process():
+    # Regression: naming the body used `re`, which Dynamo 2.9 fails to trace when the
+    # pattern is not yet in re's cache (a fresh process), so whether it worked depended on
+    # what ran before.
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_A_SCAN_IN_A_FRESH_PROCESS], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[2.0, 2.0, 2.0]"
