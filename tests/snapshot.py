@@ -68,3 +68,28 @@ def aot_trace(fn, *args):
     outputs = aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(*args)
     sum(o.sum() for o in pytree.tree_leaves(outputs)).backward()
     return graphs["forward"], graphs["backward"], outputs
+
+
+def compile_trace(fn, *args):
+    """The graphs ``torch.compile(fn, fullgraph=True)`` produces ("dynamo", "forward",
+    "backward") and its outputs, after one backward of the sum of every output."""
+    import torch.utils._pytree as pytree
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def keep(name):
+        def compile_graph(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm)
+
+        return compile_graph
+
+    def backend(gm, example_inputs):
+        graphs["dynamo"] = gm
+        return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))(gm, example_inputs)
+
+    outputs = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    sum(o.sum() for o in pytree.tree_leaves(outputs)).backward()
+    return graphs, outputs

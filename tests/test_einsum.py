@@ -6,8 +6,7 @@ import re
 
 import pytest
 import torch
-from functorch.compile import aot_function, make_boxed_func
-from snapshot import TestCase, delete_meta, readable
+from snapshot import TestCase, aot_trace, compile_trace, delete_meta, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -31,18 +30,8 @@ def patched_mlp():
 
 
 def aot_graphs(fn, *args):
-    graphs = {}
-
-    def compiler(name):
-        def compile_graph(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm)
-
-        return compile_graph
-
-    compiled = aot_function(fn, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
-    compiled(*args).sum().backward()
-    return graphs["forward"], graphs["backward"]
+    forward, backward, _ = aot_trace(fn, *args)
+    return forward, backward
 
 
 def functional_mlp(module):
@@ -292,24 +281,8 @@ class TestDynamo(TestCase):
         torch._dynamo.reset()
 
     def test_dynamo_and_aot_graphs_under_torch_compile(self):
-        from torch._dynamo.backends.common import aot_autograd
-
-        graphs = {}
-
-        def compiler(name):
-            def compile_graph(gm, example_inputs):
-                graphs[name] = gm
-                return make_boxed_func(gm)
-
-            return compile_graph
-
-        def dynamo_backend(gm, example_inputs):
-            graphs["dynamo"] = gm
-            return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))(gm, example_inputs)
-
         x, w = torch.randn(2, 3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
-        compiled = torch.compile(bsd, backend=dynamo_backend, fullgraph=True)
-        compiled(x, w).sum().backward()
+        graphs, _ = compile_trace(bsd, x, w)
         self.assertExpectedInline(readable(graphs["dynamo"]), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_x_: "f32[2, 3, 4]", L_w_: "f32[5, 4]"):

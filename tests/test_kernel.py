@@ -5,8 +5,7 @@ import pickle
 
 import pytest
 import torch
-from functorch.compile import aot_function, make_boxed_func
-from snapshot import TestCase, delete_meta, readable
+from snapshot import TestCase, aot_trace, compile_trace, delete_meta, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -87,18 +86,8 @@ class ScaledSin(torch.nn.Module):
 
 
 def aot_graphs(fn, *args):
-    graphs = {}
-
-    def compiler(name):
-        def compile_graph(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm)
-
-        return compile_graph
-
-    compiled = aot_function(fn, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
-    compiled(*args).sum().backward()
-    return graphs["forward"], graphs["backward"]
+    forward, backward, _ = aot_trace(fn, *args)
+    return forward, backward
 
 
 def reference_two_outputs(x):
@@ -498,21 +487,8 @@ class GraphModule(torch.nn.Module):
 """)
 
     def test_aot_graphs_under_torch_compile(self):
-        from torch._dynamo.backends.common import aot_autograd
-
-        graphs = {}
-
-        def compiler(name):
-            def compile_graph(gm, example_inputs):
-                graphs[name] = gm
-                return make_boxed_func(gm)
-
-            return compile_graph
-
-        backend = aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
         x = torch.randn(4, 4, requires_grad=True)
-        compiled = torch.compile(scaled_sin, backend=backend, fullgraph=True)
-        compiled(x).sum().backward()
+        graphs, _ = compile_trace(scaled_sin, x)
         reference = x.detach().clone().requires_grad_()
         scaled_sin(reference).sum().backward()
         self.assertEqual(x.grad, reference.grad)

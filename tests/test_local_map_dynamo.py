@@ -1,8 +1,7 @@
 """local_map under torch.compile(fullgraph=True) and strict torch.export."""
 
 import torch
-from functorch.compile import make_boxed_func
-from snapshot import TestCase, readable
+from snapshot import TestCase, compile_trace, readable
 
 import hops
 from hops import LocalMapSpec, Mesh, Partial, Replicate, Shard
@@ -91,20 +90,8 @@ class GraphModule(torch.nn.Module):
         self.assertEqual(len(node.args[-2]), 1)  # the lifted tuple: BIAS
 
     def test_aot_graphs_under_torch_compile_and_gradients(self):
-        from torch._dynamo.backends.common import aot_autograd
-
-        graphs = {}
-
-        def keep(name):
-            def compile_graph(gm, example_inputs):
-                graphs[name] = gm
-                return make_boxed_func(gm)
-
-            return compile_graph
-
         x, w = torch.randn(8, 6, requires_grad=True), torch.randn(6, 4, requires_grad=True)
-        backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
-        torch.compile(block, backend=backend, fullgraph=True)(x, w).sum().backward()
+        graphs, _ = compile_trace(block, x, w)
         reference_x, reference_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
         ((reference_x @ reference_w) * 2).sum().backward()
         self.assertEqual(x.grad, reference_x.grad)

@@ -7,8 +7,7 @@ import re
 
 import pytest
 import torch
-from functorch.compile import aot_function, make_boxed_func
-from snapshot import TestCase, delete_meta, readable
+from snapshot import TestCase, aot_trace, compile_trace, delete_meta, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -52,19 +51,8 @@ def qkv(requires_grad=False, dtype=torch.float32):
 
 
 def aot_graphs(fn, *args):
-    graphs = {}
-
-    def compiler(name):
-        def compile_graph(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm)
-
-        return compile_graph
-
-    compiled = aot_function(fn, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
-    out = compiled(*args)
-    (out if isinstance(out, torch.Tensor) else sum(o.sum() for o in out)).sum().backward()
-    return graphs["forward"], graphs["backward"]
+    forward, backward, _ = aot_trace(fn, *args)
+    return forward, backward
 
 
 def scope_nodes(gm):
@@ -439,21 +427,6 @@ class TestDynamo(TestCase):
         torch._dynamo.reset()
 
     def test_dynamo_and_aot_graphs_under_torch_compile(self):
-        from torch._dynamo.backends.common import aot_autograd
-
-        graphs = {}
-
-        def compiler(name):
-            def compile_graph(gm, example_inputs):
-                graphs[name] = gm
-                return make_boxed_func(gm)
-
-            return compile_graph
-
-        def dynamo_backend(gm, example_inputs):
-            graphs["dynamo"] = gm
-            return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))(gm, example_inputs)
-
         scale = torch.randn(4)
 
         @hops.named_scope("scaled")
@@ -464,8 +437,7 @@ class TestDynamo(TestCase):
             return scaled(x) + 1
 
         x = torch.randn(3, 4, requires_grad=True)
-        compiled = torch.compile(fn, backend=dynamo_backend, fullgraph=True)
-        compiled(x).sum().backward()
+        graphs, _ = compile_trace(fn, x)
         self.assertExpectedInline(readable(graphs["dynamo"]), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_x_: "f32[3, 4]", L_scaled_closure_0_cell_contents_closure_0_cell_contents: "f32[4]"):

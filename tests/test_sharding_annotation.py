@@ -5,8 +5,7 @@ import pickle
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from snapshot import TestCase, aot_trace, delete_meta, readable, strip_detach
+from snapshot import TestCase, aot_trace, compile_trace, delete_meta, readable, strip_detach
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -259,21 +258,8 @@ class GraphModule(torch.nn.Module):
 """)
 
     def test_aot_graphs_under_torch_compile(self):
-        from torch._dynamo.backends.common import aot_autograd
-
-        graphs = {}
-
-        def compiler(name):
-            def compile_graph(gm, example_inputs):
-                graphs[name] = gm
-                return make_boxed_func(gm)
-
-            return compile_graph
-
-        backend = aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
         x = torch.randn(4, 4, requires_grad=True)
-        compiled = torch.compile(with_grad_spec, backend=backend, fullgraph=True)
-        compiled(x).sum().backward()
+        graphs, _ = compile_trace(with_grad_spec, x)
         reference = x.detach().clone().requires_grad_()
         with_grad_spec(reference).sum().backward()
         self.assertEqual(x.grad, reference.grad)
