@@ -178,11 +178,12 @@ def copy_if_aliases(outputs: Sequence[Any], inputs: Sequence[Any]) -> tuple:
 def emit_body_node(mode: Any, hop: Any, body: Callable, examples: Sequence[Any], args: Sequence[Any], outputs: Any) -> Any:
     """The proxy rule of a HOP with a body: trace ``body`` on ``examples`` into a subgraph
     named after the user function, refuse it if it mutates or aliases its inputs, and emit
-    one node ``hop(subgraph, *args)`` whose result is ``outputs`` (computed by the caller
-    with proxy tracing off)."""
+    one node ``hop(subgraph, *args)`` whose result is ``outputs``: values computed by the
+    caller with proxy tracing off, or a function of the traced subgraph that computes them
+    (with proxy tracing off)."""
     import torch.utils._pytree as pytree
     from torch._higher_order_ops.utils import reenter_make_fx
-    from torch.fx.experimental.proxy_tensor import track_tensor_tree
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
     name = body_name(body)
     body_graph = reenter_make_fx(body)(*examples)
@@ -192,6 +193,9 @@ def emit_body_node(mode: Any, hop: Any, body: Callable, examples: Sequence[Any],
     type(body_graph).__name__ = name
     qualname = mode.tracer.get_fresh_qualname(f"{name}_body_")
     mode.tracer.root.register_module(qualname, body_graph)
+    if callable(outputs):
+        with disable_proxy_modes_tracing():
+            outputs = outputs(body_graph)
     node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (body_graph, *args))
     out_proxy = mode.tracer.create_proxy("call_function", hop, node_args, {})
     return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)

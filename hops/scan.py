@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,7 +33,7 @@ from torch._higher_order_ops.utils import (
     materialize_as_graph,
 )
 from torch._ops import HigherOrderOperator
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import (
     ProxyTorchDispatchMode,
     disable_proxy_modes_tracing,
@@ -160,8 +161,21 @@ def _check_inputs(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> None
 
 
 def _slice_examples(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """One step's slice of each xs leaf (shape without dim 0), valid even for length 0."""
-    return [x.select(0, 0) if x.shape[0] > 0 else x.new_empty(x.shape[1:]) for x in xs]
+    """One step's slice of each xs leaf (shape without dim 0), valid even for length 0.
+
+    Tracers only read a stand-in's metadata: fake and functional xs get a new tensor with
+    the slice's sizes and strides (a functional ``select`` costs a view replay per call);
+    real xs (``make_fx`` in real mode runs the body) get their first slice.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return [
+        x.new_empty_strided(x.shape[1:], x.stride()[1:])
+        if isinstance(x, (FakeTensor, FunctionalTensor)) or x.shape[0] == 0
+        else x.select(0, 0)
+        for x in xs
+    ]
 
 
 def _check_step(name: str, outputs: Any, carry: Sequence[torch.Tensor], leaf_names: Sequence[str] | None = None) -> tuple:
@@ -266,7 +280,8 @@ def scan(
         raise ValueError(f"scan({name}): length={length} but xs have length {xs_leaves[0].shape[0]}")
     # Under Dynamo the code-object rename cannot be traced: the body keeps the name "step".
     make_step = _make_step if torch.compiler.is_compiling() else _named_step_factories(name)
-    step = make_step(fn, carry_treespec, xs_treespec, len(additional), {}, name)
+    lifted: dict[int, int] = {}
+    step = make_step(fn, carry_treespec, xs_treespec, len(additional), lifted, name)
     if torch.compiler.is_compiling():
         # Dynamo lifts closures itself; the ys structure comes from one structural call of
         # fn (Dynamo records its ops unused; AOTAutograd prunes them).
@@ -280,8 +295,13 @@ def scan(
         if closed:
             # The body reads these from its closure: make them inputs, so they can be traced
             # as placeholders and receive gradients; the step maps them back when it runs.
-            step = make_step(fn, carry_treespec, xs_treespec, len(additional), {id(t): i for i, t in enumerate(closed)}, name)
+            lifted = {id(t): i for i, t in enumerate(closed)}
+            step = make_step(fn, carry_treespec, xs_treespec, len(additional), lifted, name)
             additional += closed
+    if not torch.compiler.is_compiling():
+        # Equal keys run the same fn on the same structure: AOTAutograd's two passes over
+        # one program then trace this step's joint once (see _trace_step).
+        step.hops_trace_key = (fn, carry_treespec, xs_treespec, len(additional_inputs), tuple(sorted(lifted.items())))
     flat = scan_hop(step, *init_leaves, *xs_leaves, *additional, spec)
     carry_out, ys = flat[: len(init_leaves)], flat[len(init_leaves):]
     ys = None if ys_treespec is None else pytree.tree_unflatten(list(ys), ys_treespec)
@@ -398,12 +418,17 @@ def _fake(mode: FakeTensorMode, body: Callable, *inputs_and_spec: Any):
     *inputs, spec = inputs_and_spec
     carry, xs, additional = _split(inputs, spec)
     with mode:
-        outputs = _check_step(body_name(body), body(*carry, *_slice_examples(xs), *additional), carry)
-        length = _length(xs, spec)
-        return (
-            *(c.clone() for c in carry),
-            *(y.new_empty((length, *y.shape)) for y in outputs[spec.num_carry :]),
-        )
+        return _fake_outputs(body_name(body), body(*carry, *_slice_examples(xs), *additional), carry, xs, spec)
+
+
+def _fake_outputs(name: str, step_outputs: Any, carry: Sequence[Any], xs: Sequence[Any], spec: ScanSpec) -> tuple:
+    """The scan's outputs from one step's (fake) outputs: the carries, and each y stacked."""
+    step_outputs = _check_step(name, step_outputs, carry)
+    length = _length(xs, spec)
+    return (
+        *(c.clone() for c in carry),
+        *(y.new_empty((length, *y.shape)) for y in step_outputs[spec.num_carry :]),
+    )
 
 
 # --------------------------------------------------------------------------- functionalize
@@ -426,10 +451,22 @@ def _functionalize(ctx: Any, body: Callable, *inputs_and_spec: Any):
 @scan_hop.py_impl(ProxyTorchDispatchMode)
 def _proxy(mode: ProxyTorchDispatchMode, body: Callable, *inputs_and_spec: Any):
     *inputs, spec = inputs_and_spec
+    carry, xs, additional = _split(inputs, spec)
     with disable_proxy_modes_tracing():
-        outputs = scan_hop(body, *inputs, spec)
-        carry, xs, additional = _split(inputs, spec)
         examples = (*carry, *_slice_examples(xs), *additional)
+
+    def outputs(body_graph: fx.GraphModule) -> tuple:
+        # Tracing on fake tensors already computed one step's outputs: stack them instead
+        # of running the body once more. (Real-mode make_fx runs the scan.)
+        from torch._guards import detect_fake_mode
+
+        (output,) = body_graph.graph.find_nodes(op="output")
+        step = [value.meta.get("val") for value in output.args[0]]
+        inputs_mode = detect_fake_mode(inputs)
+        if inputs_mode is None or not all(isinstance(v, FakeTensor) and v.fake_mode is inputs_mode for v in step):
+            return scan_hop(body, *inputs, spec)
+        return _fake_outputs(body_name(body), step, carry, xs, spec)
+
     return emit_body_node(mode, scan_hop, body, examples, (*inputs, spec), outputs)
 
 
@@ -469,6 +506,9 @@ def _step_joint(body: Callable, num_inputs: int, num_outputs: int) -> Callable:
     return joint
 
 
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def _partition(
     joint: fx.GraphModule, num_primals: int, num_outputs: int, invariant: set[int], sliced: set[int]
 ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
@@ -503,6 +543,7 @@ def _partition(
         ):
             invariant_nodes.add(node)
     residuals: list[fx.Node] = []
+    recomputed: set[fx.Node] = set()
     seen: set[fx.Node] = set()
 
     def needs(value: Any) -> None:
@@ -515,7 +556,13 @@ def _partition(
             and value not in sliced_nodes
         ):
             seen.add(value)
-            residuals.append(value)
+            if value.op == "call_function" and isinstance(value.meta.get("val"), _SYMBOLIC):
+                # A symbolic size cannot be stacked per step: recompute it from what it reads.
+                recomputed.add(value)
+                for source in value.all_input_nodes:
+                    needs(source)
+            else:
+                residuals.append(value)
 
     for node in joint.graph.nodes:
         if node in backward_nodes and node.op == "call_function":
@@ -560,7 +607,7 @@ def _partition(
     for i in sorted(invariant):
         benv[primals[i]] = backward.placeholder(primals[i].name)
     for node in joint.graph.nodes:
-        if node.op == "call_function" and (node in backward_nodes or node in invariant_nodes):
+        if node.op == "call_function" and (node in backward_nodes or node in invariant_nodes or node in recomputed):
             benv[node] = backward.node_copy(node, blookup)
     backward.output(tuple(benv[g] if isinstance(g, fx.Node) else g for g in grads))
     owner = joint
@@ -593,15 +640,6 @@ def _step_outputs(body: Callable, examples: Sequence[Any]) -> list[torch.Tensor]
             return list(body(*(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in examples)))
 
 
-def _as_graph(fn: Callable, examples: Sequence[Any], name: str, tracing: bool) -> Callable:
-    """``fn`` as a traced graph while tracing (a subgraph for the node), else as is."""
-    if tracing:
-        with disable_proxy_modes_tracing():
-            examples = [e.detach() if isinstance(e, torch.Tensor) else e for e in examples]
-        fn = strip_detach(materialize_as_graph(fn, tuple(examples)))
-    return named(fn, name)
-
-
 class _ScanFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -631,11 +669,10 @@ class _ScanFunction(torch.autograd.Function):
         grad_carry, grad_ys = cotangents[: spec.num_carry], cotangents[spec.num_carry :]
         grad_ys = [torch.zeros_like(g) if g is None else g for g in grad_ys]
         backward_step, step_xs = ctx.backward_step(carry, xs, additional, stacked, grad_ys)
-        tracing = is_tracing((*inputs, *cotangents))
         init = (*grad_carry, *(torch.zeros_like(a) for a in additional))
-        with disable_proxy_modes_tracing():
-            examples = (*init, *_slice_examples(step_xs), *additional)
-        step_body = known_functional(_as_graph(backward_step, examples, f"{body_name(ctx.body)}_bwd", tracing))
+        # The step calls only traced graphs (the split backward, or the joint under remat),
+        # so it needs no live autograd: the proxy rule traces it like any body.
+        step_body = known_functional(named(backward_step, f"{body_name(ctx.body)}_bwd"))
         backward_spec = ScanSpec(len(init), len(step_xs), spec.length, not spec.reverse)
         outputs = scan_hop(step_body, *init, *step_xs, *additional, backward_spec)
         grad_init = outputs[: spec.num_carry]
@@ -645,13 +682,45 @@ class _ScanFunction(torch.autograd.Function):
         return (None,) * 5 + tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[5:]))
 
 
-@scan_hop.py_autograd_impl
-def _autograd(body: Callable, *inputs_and_spec: Any):
-    *inputs, spec = inputs_and_spec
-    carry, xs, additional = _split(inputs, spec)
+@dataclasses.dataclass(frozen=True)
+class _StepTrace:
+    """One step's joint, traced and split: what the forward scan runs and what each
+    backward step computes."""
+
+    forward_body: Callable  # (*carry, *x, *additional) -> (*new_carry, *y, *saved)
+    num_saved: int
+    num_ys: int
+    # (saved, x, grad_carry, grad_y, additional) -> (*grad_carry, *grad_x, *grad_additional)
+    step_grads: Callable
+
+
+# fake mode -> {(step, example metadata, spec): _StepTrace}. AOTAutograd runs a function
+# twice in one fake mode (metadata, then the joint); the step is traced and split once.
+_STEP_TRACES: "weakref.WeakKeyDictionary[Any, dict[tuple, _StepTrace]]" = weakref.WeakKeyDictionary()
+
+
+def _step_trace_cache(body: Callable, examples: Sequence[Any], spec: ScanSpec) -> tuple[dict | None, tuple | None]:
+    """The cache of the fake mode tracing ``examples`` and the key of this step in it, or
+    ``(None, None)`` where a trace must not be reused (not tracing, symbolic shapes)."""
+    from torch._guards import detect_fake_mode
+
+    metadata = []
+    for e in examples:
+        if not isinstance(e, torch.Tensor) or not all(isinstance(size, int) for size in e.shape):
+            return None, None
+        metadata.append((tuple(e.shape), e.dtype, e.device))
+    mode = detect_fake_mode(examples)
+    if mode is None:
+        return None, None
+    # ``hops.scan`` makes a new step per call; its key says which (fn, structure) it runs.
+    return _STEP_TRACES.setdefault(mode, {}), (getattr(body, "hops_trace_key", body), tuple(metadata), spec)
+
+
+def _trace_step(body: Callable, examples: Sequence[Any], spec: ScanSpec) -> _StepTrace:
+    cache, key = _step_trace_cache(body, examples, spec)
+    if cache is not None and key in cache:
+        return cache[key]
     name = body_name(body)
-    with disable_proxy_modes_tracing():
-        examples = (*carry, *_slice_examples(xs), *additional)
     outputs = _step_outputs(body, examples)
     num_outputs = len(outputs)
     num_primals = len(examples)
@@ -675,7 +744,6 @@ def _autograd(body: Callable, *inputs_and_spec: Any):
     # The user's step is checked once, on its joint; bodies built from the joint are then
     # known to be functional.
     check_body_is_functional(joint, name, num_outputs=num_outputs)
-    num_ys = num_outputs - num_carry
 
     if spec.remat:
         # Save the carry entering each step; the backward recomputes the step from it.
@@ -696,6 +764,21 @@ def _autograd(body: Callable, *inputs_and_spec: Any):
         def step_grads(saved, x, grad_carry, grad_y, additional_values):
             return backward_graph(*saved, *grad_carry, *grad_y, *x, *additional_values)
 
+    trace = _StepTrace(forward_body, num_saved, num_outputs - num_carry, step_grads)
+    if cache is not None:
+        cache[key] = trace
+    return trace
+
+
+@scan_hop.py_autograd_impl
+def _autograd(body: Callable, *inputs_and_spec: Any):
+    *inputs, spec = inputs_and_spec
+    carry, xs, additional = _split(inputs, spec)
+    with disable_proxy_modes_tracing():
+        examples = (*carry, *_slice_examples(xs), *additional)
+    trace = _trace_step(body, examples, spec)
+    num_carry, num_xs, num_ys, num_saved = spec.num_carry, spec.num_xs, trace.num_ys, trace.num_saved
+
     def backward_step_factory(carry, xs, additional, stacked, grad_ys):
         """One step of the reverse scan: carries (grad_carry, grad_additional summed so
         far), slices (saved values, x, grad_y), additional inputs."""
@@ -707,14 +790,14 @@ def _autograd(body: Callable, *inputs_and_spec: Any):
             saved, x, grad_y, additional_values = _take(
                 values[num_carry + num_additional :], num_saved, num_xs, num_ys
             )
-            grads = step_grads(saved, x, grad_carry, grad_y, additional_values)
+            grads = trace.step_grads(saved, x, grad_carry, grad_y, additional_values)
             summed = [a + g for a, g in zip(grad_additional, grads[num_carry + num_xs :])]
             # A step's gradient may be its cotangent unchanged (e.g. for c + x): copy it.
             return copy_if_aliases((*grads[:num_carry], *summed, *grads[num_carry : num_carry + num_xs]), values)
 
         return backward_step, [*stacked, *xs, *grad_ys]
 
-    return _ScanFunction.apply(body, spec, forward_body, num_saved, backward_step_factory, *inputs)
+    return _ScanFunction.apply(body, spec, trace.forward_body, num_saved, backward_step_factory, *inputs)
 
 
 # --------------------------------------------------------------------------- dynamo

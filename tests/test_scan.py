@@ -101,6 +101,78 @@ class TestSemantics(TestCase):
                 self.assertEqual(got, expected)
 
 
+class TestTraceReuse(TestCase):
+    """AOTAutograd runs a program twice in one fake mode; a step's joint is traced once."""
+
+    def count_joint_traces(self, monkeypatch):
+        import sys
+
+        scan_module = sys.modules["hops.scan"]
+        traced = []
+        original = scan_module._step_joint
+
+        def counting(*args):
+            traced.append(args[0])
+            return original(*args)
+
+        monkeypatch.setattr(scan_module, "_step_joint", counting)
+        return traced
+
+    @pytest.fixture(autouse=True)
+    def _monkeypatch(self, monkeypatch):
+        self.monkeypatch = monkeypatch
+
+    def test_both_aot_passes_share_one_trace_of_the_step(self):
+        traced = self.count_joint_traces(self.monkeypatch)
+        h, xs, w = rnn_inputs(requires_grad=True)
+        aot_trace(lambda h, xs, w: hops.scan(rnn_step, h, xs, additional_inputs=(w,))[0].sum(), h, xs, w)
+        self.assertEqual(len(traced), 1)
+
+    def test_equal_steps_share_a_trace_and_other_steps_do_not(self):
+        traced = self.count_joint_traces(self.monkeypatch)
+
+        def other_step(h, x, w):  # same shapes, other function
+            h = torch.sin(h @ w - x)
+            return h, h.sum(-1)
+
+        def program(h, xs, w):
+            first, _ = hops.scan(rnn_step, h, xs, additional_inputs=(w,))
+            second, _ = hops.scan(rnn_step, first, xs, additional_inputs=(w,))
+            third, _ = hops.scan(other_step, second, xs, additional_inputs=(w,))
+            return third.sum()
+
+        def reference(h, xs, w):
+            first, _ = python_loop(rnn_step, h, xs, w)
+            second, _ = python_loop(rnn_step, first, xs, w)
+            return python_loop(other_step, second, xs, w)[0].sum()
+
+        args = rnn_inputs(requires_grad=True)
+        _, _, out = aot_trace(program, *args)
+        self.assertEqual(len(traced), 2)  # rnn_step once for both scans, other_step once
+        self.assertEqual(out, reference(*args))
+        expected = torch.autograd.grad(reference(*args), args)
+        self.assertEqual(torch.autograd.grad(program(*args), args), expected)
+        # A fresh trace (a new fake mode) traces again rather than reusing.
+        traced.clear()
+        aot_trace(program, *args)
+        self.assertEqual(len(traced), 2)
+
+    def test_gradients_traced_with_symbolic_shapes_run_at_other_sizes(self):
+        # Symbolic sizes in the step are recomputed by the backward step, not saved per step;
+        # and a trace with symbolic shapes is never reused.
+        traced = self.count_joint_traces(self.monkeypatch)
+
+        def program(h, xs, w):
+            return hops.scan(rnn_step, h, xs, additional_inputs=(w,))[0].sum()
+
+        gm = make_fx(lambda *a: torch.autograd.grad(program(*a), a), tracing_mode="symbolic")(*rnn_inputs(requires_grad=True))
+        self.assertEqual(len(traced), 1)
+        h, xs, w = rnn_inputs(requires_grad=True)
+        h, xs = h.detach().repeat(3, 1).requires_grad_(), xs.detach().repeat(1, 3, 1).requires_grad_()  # batch 2 -> 6
+        expected = torch.autograd.grad(python_loop(rnn_step, h, xs, w)[0].sum(), (h, xs, w))
+        self.assertEqual(gm(h, xs, w), expected)
+
+
 class TestBadCalls(TestCase):
     def test_errors_name_the_leaf(self):
         h, xs, w = rnn_inputs()
