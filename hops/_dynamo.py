@@ -12,7 +12,9 @@ the body closes over become explicit inputs of that GraphModule and of the node.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import types
 from typing import Any
 
 import torch
@@ -180,7 +182,7 @@ def register_subgraph_hop(hop: Any) -> None:
         # may be given either one.
         body_graph, lifted_freevars = _compat.dynamo_speculate_subgraph(tx, body, body_inputs, hop)
         body_gm = torch.fx.GraphModule(tx.output.nn_modules, body_graph)
-        body_name = tx.output.install_subgraph(_subgraph_name(body), body_gm)
+        body_name = tx.output.install_subgraph(_subgraph_name(tx, body), body_gm)
         node_args = (
             make_attr(tx, body_name),
             *(vt.as_proxy() for vt in tensor_args),
@@ -241,12 +243,36 @@ def _graph_free_tensor_variable(name: str, example: Any) -> Any:
     return TensorVariable(torch.fx.Proxy(node), **props)
 
 
-def _subgraph_name(body: Any) -> str:
-    """``<function name>_body``: a subgraph is named after the function it came from
-    (its code name: wrappers compile their body under the user function's name)."""
+def _subgraph_name(tx: Any, body: Any) -> str:
+    """``<function name>_body``: a subgraph is named after the user function it came from.
+
+    A body this package wraps around the user's function inside compiled code (scan's
+    ``step``, which closes over it as ``fn``) is named after that function: the code-object
+    rename that names wrappers elsewhere cannot be traced."""
+    body = _wrapped_user_function(tx, body) or body
     try:
         name = body.get_name()
     except Exception:  # not a plain function (a module, a partial): no reliable name
         name = ""
     name = re.sub(r"\W+", "_", name).strip("_")
     return f"{name}_body" if name else "body"
+
+
+_PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__))
+
+
+def _wrapped_user_function(tx: Any, body: Any) -> Any:
+    """The variable of ``fn`` in the closure of a nested function defined in this package."""
+    code = getattr(getattr(body, "code", None), "value", None)
+    closure = getattr(body, "closure", None)
+    if (
+        not isinstance(code, types.CodeType)
+        or closure is None
+        or "fn" not in code.co_freevars
+        or os.path.dirname(os.path.abspath(code.co_filename)) != _PACKAGE_DIRECTORY
+    ):
+        return None
+    try:
+        return tx.output.side_effects.load_cell(closure.items[code.co_freevars.index("fn")])
+    except Exception:  # a closure Dynamo keeps in another form: keep the wrapper's name
+        return None

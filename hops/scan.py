@@ -278,7 +278,8 @@ def scan(
     spec = ScanSpec(len(init_leaves), len(xs_leaves), static_length, reverse, remat)
     if xs_leaves and length is not None and length != xs_leaves[0].shape[0]:
         raise ValueError(f"scan({name}): length={length} but xs have length {xs_leaves[0].shape[0]}")
-    # Under Dynamo the code-object rename cannot be traced: the body keeps the name "step".
+    # Under Dynamo the code-object rename cannot be traced; hops/_dynamo.py names the
+    # subgraph after the step's closure variable fn instead.
     make_step = _make_step if torch.compiler.is_compiling() else _named_step_factories(name)
     lifted: dict[int, int] = {}
     step = make_step(fn, carry_treespec, xs_treespec, len(additional), lifted, name)

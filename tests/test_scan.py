@@ -384,12 +384,12 @@ class GraphModule(torch.nn.Module):
         tanh: "f32[2, 4]" = torch.tanh(add);  add = None
         h: "f32[2, 4]" = torch.ops.higher_order.hops_sharding_annotation(tanh, hops.ShardingSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), placements=(hops.Shard(0), hops.Replicate())));  tanh = None
         sum_1: "f32[2]" = h.sum(-1);  h = sum_1 = None
-        step_body_0 = self.step_body_0
-        hops_scan = torch.ops.higher_order.hops_scan(step_body_0, l_h_, l_xs_, (l_w_,), hops.ScanSpec(num_carry=1, num_xs=1, length=5));  step_body_0 = l_h_ = l_xs_ = l_w_ = None
+        lambda_body_0 = self.lambda_body_0
+        hops_scan = torch.ops.higher_order.hops_scan(lambda_body_0, l_h_, l_xs_, (l_w_,), hops.ScanSpec(num_carry=1, num_xs=1, length=5));  lambda_body_0 = l_h_ = l_xs_ = l_w_ = None
         getitem: "f32[2, 4]" = hops_scan[0]
         ys: "f32[5, 2]" = hops_scan[1];  hops_scan = None
         return (getitem, ys)
-    class step_body_0(torch.nn.Module):
+    class lambda_body_0(torch.nn.Module):
         def forward(self, l_h_: "f32[2, 4]", l_xs_: "f32[2, 4]", l_w_: "f32[4, 4]"):
             matmul: "f32[2, 4]" = l_h_ @ l_w_;  l_h_ = l_w_ = None
             add: "f32[2, 4]" = matmul + l_xs_;  matmul = l_xs_ = None
@@ -398,6 +398,19 @@ class GraphModule(torch.nn.Module):
             y: "f32[2]" = h.sum(-1)
             return (h, y)
 """)
+
+    def test_dynamo_names_the_body_after_the_users_step(self):
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        h, xs, w = rnn_inputs()
+        compiled = torch.compile(lambda h, xs, w: hops.scan(rnn_step, h, xs, additional_inputs=(w,)), backend=backend, fullgraph=True)
+        self.assertEqual(compiled(h, xs, w), python_loop(rnn_step, h, xs, w))
+        self.assertEqual([name for name, _ in graphs[0].named_children()], ["rnn_step_body_0"])
 
     def test_meta_free_passes(self):
         h, xs, w = rnn_inputs()
@@ -410,9 +423,6 @@ class GraphModule(torch.nn.Module):
             delete_meta(stripped)
             self.assertEqual(run_pass(stripped).code, with_meta.code)
 
-
-if __name__ == "__main__":
-    pytest.main([__file__])
 
 
 class TestScanPasses(TestCase):
@@ -463,3 +473,7 @@ def test_torch_compile_of_a_scan_in_a_fresh_process():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[2.0, 2.0, 2.0]"
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])
