@@ -151,6 +151,11 @@ def _check_inputs(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> None
     for i, value in enumerate([*carry, *xs]):
         if not isinstance(value, (torch.Tensor, torch.fx.Proxy)):
             raise TypeError(f"scan {name}: input {i} must be a tensor, got {type(value).__name__}")
+    devices = [value.device.type for value in inputs if isinstance(value, torch.Tensor)]
+    if "xla" in devices and any(device != "xla" for device in devices):
+        # One While runs the scan on XLA: every input must be an operand of it.
+        i = next(i for i, device in enumerate(devices) if device != "xla")
+        raise ValueError(f"scan {name}: input {i} is a {devices[i]} tensor; a scan on XLA tensors needs every input on the XLA device")
     if not xs and spec.length is None:
         raise ValueError(f"scan {name}: no xs to scan over and no length: pass length=")
     if any(isinstance(x, torch.fx.Proxy) for x in xs):
@@ -409,6 +414,15 @@ def _run_steps(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> tuple[t
 def _eager(body: Callable, *inputs_and_spec: Any):
     *inputs, spec = inputs_and_spec
     return _run_steps(body, inputs, spec)
+
+
+@scan_hop.py_impl(DispatchKey.XLA)
+def _xla(body: Callable, *inputs_and_spec: Any):
+    # A Python loop over XLA tensors is traced lazily into ``length`` copies of the body, and
+    # XLA's compile time grows with them: run one While, the one lower_to_xla makes.
+    from passes.scan_rules import run_scan_on_xla  # passes imports hops: import on first use
+
+    return run_scan_on_xla(body, *inputs_and_spec)
 
 
 # --------------------------------------------------------------------------- fake

@@ -5,6 +5,10 @@ subgraph (lowered in turn, so its annotations and regions become custom calls in
 loop). On XLA tensors ``run_scan`` is ``passes.xla_while``: the body staged once per input
 layout into an XLA computation called from a ``While`` loop; elsewhere it runs the steps
 eagerly.
+
+``run_scan_on_xla`` is the scan's eager rule on XLA tensors (``hops.scan`` called on them,
+forward and backward): the body is traced, lowered like a subgraph, and run by the same
+``While``.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from hops.scan import ScanSpec, _length, _run_steps, _split, scan_hop
+from hops._subgraph import body_name
+from hops.local_map import local_map_hop
+from hops.scan import ScanSpec, _length, _run_steps, _slice_examples, _split, scan_hop
 from passes._infra import HopRulePass, PassError, body_module, copy_body_into, replace_tuple_output
 from passes.xla import register_xla_rule
 from passes.xla_while import xla_while
@@ -27,6 +33,38 @@ def run_scan(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor, ...]:
     if not any(t.device.type == "xla" for t in inputs if isinstance(t, torch.Tensor)):
         return _run_steps(body, inputs, spec)
     return xla_while(body, carry, xs, additional, length=_length(xs, spec), reverse=spec.reverse)
+
+
+def run_scan_on_xla(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor, ...]:
+    """A scan called eagerly on XLA tensors, as one XLA ``While``.
+
+    ``body`` is traced on fake tensors (the HOPs it calls stay nodes), lowered by
+    ``lower_to_xla`` under SPMD, and run by ``xla_while``. Without SPMD there is no sharding
+    to lower: the HOPs run their eager rules inside the loop, except a ``local_map`` region,
+    whose eager SPMD simulation compares device results by value, which a staged step has
+    not got: it is refused. The body is traced on every call: it may
+    read Python state that changes between calls, and XLA's own cache skips recompiling an
+    unchanged loop.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch_xla import runtime
+
+    from passes.xla import lower_to_xla
+
+    *inputs, spec = inputs_and_spec
+    carry, xs, additional = _split(inputs, spec)
+    length = _length(xs, spec)
+    if length == 0:  # nothing to loop over: the eager rule makes the empty ys
+        return _run_steps(body, inputs, spec)
+    step = make_fx(body, tracing_mode="fake")(*carry, *_slice_examples(xs), *additional)
+    if runtime.is_spmd():
+        lower_to_xla(step)
+    elif any(node.target is local_map_hop for module in step.modules() if isinstance(module, fx.GraphModule) for node in module.graph.nodes):
+        raise RuntimeError(
+            f"scan({body_name(body)}): a local_map region in a scan on XLA tensors runs as a manual-sharding "
+            "region, which needs SPMD: call torch_xla.runtime.use_spmd() first"
+        )
+    return xla_while(step, carry, xs, additional, length=length, reverse=spec.reverse)
 
 
 @register_xla_rule(scan_hop)

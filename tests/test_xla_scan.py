@@ -99,6 +99,95 @@ def test_scan_is_one_while_with_the_annotation_in_its_body_forward_and_backward(
         torch.testing.assert_close(grad.cpu(), expected, rtol=1e-4, atol=1e-4)
 
 
+
+def test_scan_called_on_xla_tensors_is_one_while_forward_and_backward():
+    """hops.scan called eagerly on XLA tensors (as torch_xla's scan is) runs the While that
+    lower_to_xla makes, with the annotation inside it, not a Python loop XLA would unroll."""
+    args = inputs()
+    reference = scan_loss(*args)
+    reference_grads = torch.autograd.grad(reference, args)
+    on_xla = [a.detach().to(device()).requires_grad_() for a in args]
+    out = scan_loss(*on_xla)
+    forward_hlo = hlo_text(out)
+    grads = torch.autograd.grad(out, on_xla)
+    assert loop_body_calls(forward_hlo) == (1, ["Sharding"])
+    assert forward_hlo.count('custom_call_target="Sharding"') == 1 and forward_hlo.count(" tanh(") == 1
+    # The gradients' graph holds the forward loop (its saved values) and the reverse loop.
+    assert loop_body_calls(hlo_text(*grads)) == (2, ["Sharding", "Sharding"])
+    torch.testing.assert_close(out.cpu(), reference.detach(), rtol=1e-4, atol=1e-4)
+    for grad, expected in zip(grads, reference_grads):
+        torch.testing.assert_close(grad.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_region_in_a_scan_called_on_xla_tensors_runs_forward_and_backward():
+    args = inputs()
+    reference = region_loss(*args)
+    reference_grads = torch.autograd.grad(reference, args)
+    on_xla = [a.detach().to(device()).requires_grad_() for a in args]
+    out = region_loss(*on_xla)
+    assert loop_body_calls(hlo_text(out)) == (1, ["SPMDFullToShardShape", "SPMDShardToFullShape", "Sharding", "Sharding"])
+    grads = torch.autograd.grad(out, on_xla)
+    torch.testing.assert_close(out.cpu(), reference.detach(), rtol=1e-3, atol=1e-3)
+    for grad, expected in zip(grads, reference_grads):
+        torch.testing.assert_close(grad.cpu(), expected, rtol=1e-3, atol=1e-3)
+
+
+def test_a_scan_on_xla_tensors_follows_its_inputs_and_refuses_mixed_devices():
+    from hops.scan import ScanSpec
+
+    def step(c, x):
+        return c * 0.5 + x, c.sum()
+
+    for n, reverse in ((4, False), (8, True)):
+        spec = ScanSpec(num_carry=1, num_xs=1, length=3, reverse=reverse)
+        c, xs = torch.randn(n), torch.randn(3, n)
+        expected_last, expected_ys = hops.scan_hop(step, c, xs, spec)  # CPU: the Python loop
+        last, ys = hops.scan_hop(step, c.to(device()), xs.to(device()), spec)
+        assert loop_body_calls(hlo_text(last, ys))[0] == 1
+        torch.testing.assert_close(last.cpu(), expected_last)
+        torch.testing.assert_close(ys.cpu(), expected_ys)
+    with pytest.raises(ValueError, match=r"scan step: input 1 is a cpu tensor; a scan on XLA tensors needs every input on the XLA device"):
+        hops.scan_hop(step, torch.zeros(4, device=device()), torch.zeros(3, 4), spec)
+
+
+SCAN_ON_XLA_WITHOUT_SPMD = """
+import torch, torch_xla, hops
+mesh = hops.Mesh((2, 2), ("data", "model"))
+rows = hops.ShardingSpec(mesh, (hops.Shard(0), hops.Replicate()))
+region = hops.local_map(lambda h: h * 2, mesh=mesh, in_placements=(rows.placements,), out_placements=rows.placements)
+def annotated(h, x):
+    h = hops.annotate_sharding(torch.tanh(h + x), rows)
+    return h, h.sum(-1)
+def with_region(h, x):
+    return region(h + x), None
+h, xs = torch.randn(4, 8), torch.randn(3, 4, 8)
+last, ys = hops.scan(annotated, h.to("xla"), xs.to("xla"))
+hlo = torch_xla._XLAC._get_xla_tensors_hlo([last, ys])
+expected_last, expected_ys = hops.scan(annotated, h, xs)
+print(" while(" in hlo, "Sharding" in hlo, torch.allclose(last.cpu(), expected_last), torch.allclose(ys.cpu(), expected_ys))
+try:
+    hops.scan(with_region, h.to("xla"), xs.to("xla"))
+except RuntimeError as e:
+    print(e)
+"""
+
+
+def test_without_spmd_a_scan_on_xla_tensors_is_a_while_and_a_region_in_it_is_refused():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_USE_SPMD"}
+    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
+    result = subprocess.run([sys.executable, "-c", SCAN_ON_XLA_WITHOUT_SPMD], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    # The annotation has no sharding to state without SPMD: it is the identity in the loop.
+    assert result.stdout.splitlines()[-2:] == [
+        "True False True True",
+        "scan(with_region): a local_map region in a scan on XLA tensors runs as a manual-sharding region, "
+        "which needs SPMD: call torch_xla.runtime.use_spmd() first",
+    ]
+
 def scale(h):
     return h * 2
 
