@@ -218,23 +218,26 @@ def prepare_unrolled(n, batch, variant):
     return run
 
 
-def prepare_txla(n, batch, variant):
-    from torch_xla.experimental.scan import scan as xla_scan
-
-    dev = xla.device
-    h, w1, w2 = (t.to(dev) for t in weights(n, batch))
+def stacked_on_device(n, batch):
+    """h and the stacked weights on the device (weights requiring grad), materialized."""
+    h, w1, w2 = (t.to(xla.device) for t in weights(n, batch))
     w1.requires_grad_()
     w2.requires_grad_()
     materialize()
-    annotate = xla_annotation(variant)
+    return h, w1, w2
+
+
+def prepare_eager_scan(scan, annotate, y, backward_context, n, batch):
+    """A scan called on XLA tensors over stacked weights, then loss.backward()."""
+    h, w1, w2 = stacked_on_device(n, batch)
 
     def run():
         def step(carry, ws):  # a new function each call: no trace cache
-            return block(carry, ws[0], ws[1], annotate), None
+            return block(carry, ws[0], ws[1], annotate), y
 
         t0 = time.perf_counter()
-        last, _ = xla_scan(step, h, (w1, w2))
-        with no_spmd_check():
+        last, _ = scan(step, h, (w1, w2))
+        with backward_context():
             last.sum().backward()
         t1 = time.perf_counter()
         materialize()
@@ -244,29 +247,17 @@ def prepare_txla(n, batch, variant):
     return run
 
 
+def prepare_txla(n, batch, variant):
+    from torch_xla.experimental.scan import scan
+
+    return prepare_eager_scan(scan, xla_annotation(variant), None, no_spmd_check, n, batch)
+
+
 def prepare_hops_xla(n, batch, variant):
     import hops
 
-    dev = xla.device
-    h, w1, w2 = (t.to(dev) for t in weights(n, batch))
-    w1.requires_grad_()
-    w2.requires_grad_()
-    materialize()
-    annotate = hops_annotation(variant)
-
-    def run():
-        def step(h, ws):
-            return block(h, ws[0], ws[1], annotate), ()
-
-        t0 = time.perf_counter()
-        last, _ = hops.scan(step, h, (w1, w2))
-        last.sum().backward()
-        t1 = time.perf_counter()
-        materialize()
-        t2 = time.perf_counter()
-        return {"host": t1 - t0, "total": t2 - t0}, w1.grad
-
-    return run
+    # y is (): see trace_hops.
+    return prepare_eager_scan(hops.scan, hops_annotation(variant), (), contextlib.nullcontext, n, batch)
 
 
 def prepare_layers(n, batch, variant):
@@ -386,11 +377,7 @@ def txla_trace_time(n, batch, variant):
     """Time of torch_xla scan's AOTAutograd capture (value_and_grad_partitioned) on the body."""
     from torch_xla.experimental.scan import value_and_grad_partitioned
 
-    dev = xla.device
-    h, w1, w2 = (t.to(dev) for t in weights(n, batch))
-    w1.requires_grad_()
-    w2.requires_grad_()
-    materialize()
+    h, w1, w2 = stacked_on_device(n, batch)
     annotate = xla_annotation(variant)
 
     def step(carry, ws):

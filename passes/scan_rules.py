@@ -21,7 +21,7 @@ import torch.fx as fx
 from hops._subgraph import body_name
 from hops.local_map import local_map_hop
 from hops.scan import ScanSpec, _length, _run_steps, _slice_examples, _split, scan_hop
-from passes._infra import HopRulePass, PassError, body_module, copy_body_into, replace_tuple_output
+from passes._infra import HopRulePass, PassError, body_module, copy_body_into, graph_modules, replace_tuple_output
 from passes.xla import register_xla_rule
 from passes.xla_while import xla_while
 
@@ -42,9 +42,8 @@ def run_scan_on_xla(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor
     ``lower_to_xla`` under SPMD, and run by ``xla_while``. Without SPMD there is no sharding
     to lower: the HOPs run their eager rules inside the loop, except a ``local_map`` region,
     whose eager SPMD simulation compares device results by value, which a staged step has
-    not got: it is refused. The body is traced on every call: it may
-    read Python state that changes between calls, and XLA's own cache skips recompiling an
-    unchanged loop.
+    not got: it is refused. The body is traced on every call: it may read Python state that
+    changes between calls, and XLA's own cache skips recompiling an unchanged loop.
     """
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch_xla import runtime
@@ -59,7 +58,7 @@ def run_scan_on_xla(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor
     step = make_fx(body, tracing_mode="fake")(*carry, *_slice_examples(xs), *additional)
     if runtime.is_spmd():
         lower_to_xla(step)
-    elif any(node.target is local_map_hop for module in step.modules() if isinstance(module, fx.GraphModule) for node in module.graph.nodes):
+    elif any(node.target is local_map_hop for module in graph_modules(step) for node in module.graph.nodes):
         raise RuntimeError(
             f"scan({body_name(body)}): a local_map region in a scan on XLA tensors runs as a manual-sharding "
             "region, which needs SPMD: call torch_xla.runtime.use_spmd() first"
