@@ -64,19 +64,20 @@ def dynamo_graph_break(gb_type: str, context: str, explanation: str) -> None:
 def dynamo_speculate_subgraph(tx: Any, body: Any, body_inputs: list, hop: Any) -> tuple:
     """Trace ``body`` (a VariableTracker) into a subgraph with Dynamo's own machinery.
 
-    Returns ``(graph, lifted)``: the graph takes one input per ``body_inputs`` entry (each
-    a TensorVariable whose node's ``example_value`` gives the input's metadata), then the
-    lifted closure values; ``lifted`` maps each outer proxy to its inner placeholder, in
-    input order. Its output is ``body``'s, unflattened. Mutating or aliasing an input,
-    or aliasing between outputs, is a graph break.
+    Returns ``(graph, lifted, treespec)``: the graph takes one input per ``body_inputs`` entry
+    (each a TensorVariable whose node's ``example_value`` gives the input's metadata), then
+    the lifted closure values; ``lifted`` maps each outer proxy to its inner placeholder, in
+    input order. The graph returns the flat leaves of what ``body`` returns, whose structure
+    is ``treespec``. Mutating or aliasing an input, or aliasing between outputs, is a graph
+    break.
 
-    ``speculate_subgraph`` is private but has these arguments in 2.9 and 2.13; 2.13 calls
-    it the legacy path (newer torch HOPs use ``speculate_subgraph_with_auto_output_flattening``,
+    ``speculate_subgraph`` is private but has these arguments from 2.9 to 2.15 (2.13 calls it
+    the legacy path; newer torch HOPs use ``speculate_subgraph_with_auto_output_flattening``,
     absent in 2.9), so it may move.
     """
     from torch._dynamo.variables.higher_order_ops import speculate_subgraph
 
-    (_output, _output_spec), graph, lifted = speculate_subgraph(
+    (_output, output_spec), graph, lifted = speculate_subgraph(
         tx,
         body,
         body_inputs,
@@ -84,11 +85,44 @@ def dynamo_speculate_subgraph(tx: Any, body: Any, body_inputs: list, hop: Any) -
         hop.__name__,
         source_target=hop,
         set_subgraph_inputs="manual",
-        should_flatten_outputs=False,
+        should_flatten_outputs=True,
+        remove_consts_from_outputs=False,
         supports_input_mutation=False,
         supports_aliasing=False,
     )
-    return graph, lifted
+    return graph, lifted, output_spec.treespec
+
+
+def dynamo_unflatten(tx: Any, flat_variable: Any, treespec: Any) -> Any:
+    """``pytree.tree_unflatten(list(flat_variable), treespec)`` inside Dynamo's trace, the way
+    Dynamo's own HOP variables return structured results (private helpers, same in 2.9-2.15)."""
+    import torch.utils._pytree as pytree
+    from torch._dynamo.variables.builder import SourcelessBuilder
+    from torch._dynamo.variables.higher_order_ops import _make_inlined
+
+    flat_list = SourcelessBuilder.create(tx, list).call_function(tx, [flat_variable], {})
+    return _make_inlined(tx, pytree.tree_unflatten)(flat_list, treespec)
+
+
+def current_dispatch_mode() -> Any:
+    """The innermost active TorchDispatchMode, or None (private, the same in 2.9 to 2.15)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+def redirect_checkpoint_modes(hop: Any) -> None:
+    """Selective activation checkpointing's dispatch modes treat ``hop`` as one op: cached
+    whole in the forward, replayed or recomputed whole in the backward, as torch does for
+    its own HOPs (``redirect_to_mode``; the modes are private in ``torch.utils.checkpoint``)."""
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    for mode_type in (_CachingTorchDispatchMode, _CachedTorchDispatchMode):
+
+        def redirect(mode: Any, *args: Any, **kwargs: Any) -> Any:
+            return mode.__torch_dispatch__(hop, [], args, kwargs)
+
+        hop.py_impl(mode_type)(redirect)
 
 
 def registered_hop(name: str) -> Any:
@@ -118,6 +152,18 @@ def xla_named_scope(name: str) -> Iterator[None]:
         yield
     finally:
         del pusher
+
+
+@contextlib.contextmanager
+def eager_stance() -> Iterator[None]:
+    """``torch.compile``d functions run as plain Python inside (``set_stance("force_eager")``,
+    public since 2.6): this package's inspection and tracing of a body run its Python on fake
+    tensors, where a compiled step must mean what its code says."""
+    if torch.compiler.is_compiling():
+        yield
+        return
+    with torch.compiler.set_stance("force_eager"):
+        yield
 
 
 def xla_ir_debug() -> bool:

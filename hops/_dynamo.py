@@ -127,15 +127,16 @@ def register_subgraph_hop(hop: Any) -> None:
 
         hop(body_gm, *tensor_args, lifted, *specs)
 
-    ``body_gm`` (a ``get_attr``) returns what ``body`` returns (same structure) and takes
-    ``(*tensor_args, *lifted)``. ``lifted`` is always a tuple, possibly empty: the tensors
+    ``body_gm`` (a ``get_attr``) returns the flat leaves of what ``body`` returns and takes
+    ``(*tensor_args, *lifted)``; the call returns the HOP's flat results in the structure
+    ``body`` returned (public functions use them as they are under Dynamo). ``lifted`` is always a tuple, possibly empty: the tensors
     (and symbolic ints) the body reads from its closure or globals, in the order of the
     body's trailing inputs. The HOP's rules must accept this node form as well as the user
     form without ``lifted``.
 
-    Optional hook ``hop.body_example_args(args, specs) -> tuple`` (``args``: one fake tensor
-    per tensor arg) returns the inputs the body really sees (e.g. local shards): the body
-    is speculated on their shapes. Default: the tensor args themselves. The node's output
+    ``hop.body_inputs(args, spec)`` (``args``: one fake tensor per tensor arg; see
+    ``hops._base.BodyHOP``) returns the inputs the body really sees (e.g. local shards): the
+    body is speculated on their shapes. The node's output
     metadata comes from the HOP's own FakeTensorMode rule, run on the node, never from the
     body's outputs.
     """
@@ -178,9 +179,7 @@ def register_subgraph_hop(hop: Any) -> None:
             _graph_free_tensor_variable(vt.as_proxy().node.name, example)
             for vt, example in zip(tensor_args, example_args)
         ]
-        # Outputs stay unflattened: body_gm returns what body returns, so the HOP's rules
-        # may be given either one.
-        body_graph, lifted_freevars = _compat.dynamo_speculate_subgraph(tx, body, body_inputs, hop)
+        body_graph, lifted_freevars, treespec = _compat.dynamo_speculate_subgraph(tx, body, body_inputs, hop)
         body_gm = torch.fx.GraphModule(tx.output.nn_modules, body_graph)
         body_name = tx.output.install_subgraph(_subgraph_name(tx, body), body_gm)
         node_args = (
@@ -191,8 +190,9 @@ def register_subgraph_hop(hop: Any) -> None:
         )
         proxy = tx.output.create_proxy("call_function", hop, node_args, {})
         # No example value given: Dynamo runs the node under its FakeTensorMode, i.e. the
-        # HOP's own fake rule decides the output shapes.
-        return wrap_fx_proxy(tx=tx, proxy=proxy)
+        # HOP's own fake rule decides the output shapes. The flat results come back in the
+        # structure the body returned.
+        return _compat.dynamo_unflatten(tx, wrap_fx_proxy(tx=tx, proxy=proxy), treespec)
 
     variable_cls = type(
         f"{type(hop).__name__}Variable",
@@ -209,14 +209,13 @@ def register_subgraph_hop(hop: Any) -> None:
 def _body_example_args(tx: Any, hop: Any, tensor_args: list[Any], specs: tuple) -> tuple:
     """Fresh fake tensors shaped like what the body receives (``hop.body_example_args``)."""
     fake_args = tuple(vt.as_proxy().node.meta["example_value"] for vt in tensor_args)
-    hook = getattr(hop, "body_example_args", None)
     with tx.fake_mode:
-        examples = fake_args if hook is None else tuple(hook(fake_args, specs))
+        examples = tuple(hop.body_inputs(fake_args, specs[-1])) if hasattr(hop, "body_inputs") else fake_args
         if len(examples) != len(fake_args) or not all(
             isinstance(t, torch.Tensor) for t in examples
         ):
             raise TypeError(
-                f"{hop.__name__}.body_example_args must return one tensor per tensor "
+                f"{hop.__name__}.body_inputs must return one tensor per tensor "
                 f"argument ({len(fake_args)}), got {examples!r}"
             )
         # Fresh storage: a shard view of an arg must not look like aliasing the arg itself

@@ -1,49 +1,88 @@
-"""The joint graph of a region body and its split into a forward and a backward graph.
+"""A body's joint graph, and its split into the graphs a HOP's forward and backward run.
 
-A HOP whose backward is a second region (``named_scope``) traces its body's joint once,
-where autograd is live::
+Every HOP with a body differentiates it the same way. Its joint is traced once, where
+autograd is live::
 
-    joint(*primals, *cotangents) -> (*outputs, *grads of the primals that need them)
+    joint(*primals, *cotangents) -> (*outputs, *grads of the primals that need one)
 
-and splits it so that no forward work is repeated in the backward:
-- forward: the nodes the outputs need; it returns the outputs, then the residuals (forward
-  values the backward reads);
-- backward: every other node; it takes the primals it reads, the residuals and the
-  cotangents, and returns the gradients.
-Values that are cheap to recompute and must not cross the boundary are recomputed in the
-backward instead of saved: symbolic ints (a HOP returns tensors) and views (a view of a
-primal returned by the forward region would alias the region's input).
+and ``split_joint`` cuts it in two:
+
+- forward: ``(*primals) -> (*outputs, *residuals)``, the nodes the outputs need;
+- backward: ``(*primals it may read, *residuals, *cotangents) -> grads``, every other node.
+
+What the backward needs from the forward is read directly where the HOP hands the backward
+that primal (``available``), recomputed where that is free or asked for, and saved as a
+residual otherwise:
+
+- views and symbolic ints are recomputed from their inputs (a view of a primal saved as a
+  residual would alias the region's input; a symbolic int is not a tensor);
+- values computed only from ``invariant`` primals (a scan's additional inputs: the same at
+  every step) are recomputed rather than saved once per step;
+- with ``remat`` every value is recomputed from primals, and a primal the backward is not
+  handed (a scan's carry) is saved itself;
+- random values are never recomputed: a recomputation would draw new numbers, so they are
+  saved whatever the policy (the forward's draws are the ones the backward differentiates).
+  Opaque kernel calls are treated the same way (their code may draw numbers).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch._higher_order_ops.utils import materialize_as_graph
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+import torch.utils._pytree as pytree
 
 from hops._subgraph import _is_view, strip_detach
 
+__all__ = [
+    "is_tracing",
+    "is_differentiable",
+    "joint_function",
+    "trace_joint",
+    "body_output_examples",
+    "SplitJoint",
+    "split_joint",
+    "trace_graph",
+]
+
 
 def is_tracing(values: Sequence[Any]) -> bool:
-    """Whether a tracer (make_fx, AOTAutograd, export) is recording: a dispatch mode is
-    active, or the values are fake or functionalized tensors (``torch.func.functionalize``;
-    not XLA tensors, which torch_xla wraps for functionalization even in eager mode)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
+    """Whether a tracer records: make_fx / AOTAutograd / export (a proxy, fake or
+    functional-tensor mode is active, or the values are fake or functionalized tensors).
+
+    Other dispatch modes (activation checkpointing's, a FLOP counter, a user's mode) are not
+    tracers: under them a HOP runs its eager semantics, whose ops those modes then see.
+    XLA tensors are functionalized by torch_xla even in eager mode and do not count.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return bool(_get_current_dispatch_mode_stack()) or any(
-        isinstance(v, (FakeTensor, FunctionalTensor))  # AOTAutograd's functional tensors
+    tracer_modes = (ProxyTorchDispatchMode, FakeTensorMode, FunctionalTensorMode)
+    if any(isinstance(mode, tracer_modes) for mode in _get_current_dispatch_mode_stack()):
+        return True
+    return any(
+        isinstance(v, (FakeTensor, FunctionalTensor))
         or (isinstance(v, torch.Tensor) and torch._is_functional_tensor(v) and v.device.type != "xla")
         for v in values
     )
 
 
-def _joint_function(body: Callable, needs_grad: Sequence[bool]) -> Callable:
+def is_differentiable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
+def joint_function(body: Callable, needs_grad: Sequence[bool]) -> Callable:
+    """``joint(*primals, *cotangents) -> (*outputs, *grads)``: ``body``'s flat outputs, then
+    one gradient per primal with ``needs_grad`` (zeros where no output depends on it).
+    There is one cotangent per differentiable (floating or complex) output, in order.
+
+    The vjp is taken with ``create_graph=True``: run on tensors that require grad, the
+    gradients are themselves differentiable (double backward through a traced body)."""
     num_primals = len(needs_grad)
 
     def joint(*primals_and_cotangents: Any) -> tuple[Any, ...]:
@@ -53,60 +92,133 @@ def _joint_function(body: Callable, needs_grad: Sequence[bool]) -> Callable:
         ]
         cotangents = primals_and_cotangents[num_primals:]
         with torch.enable_grad():
-            result = body(*primals)
-        outputs = (result,) if isinstance(result, torch.Tensor) else tuple(result)
-        pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
+            outputs = pytree.tree_leaves(body(*primals))
+        differentiable = [o for o in outputs if is_differentiable(o)]
+        pairs = [(o, c) for o, c in zip(differentiable, cotangents) if o.requires_grad]
         wanted = [p for p, need in zip(primals, needs_grad) if need]
         grads = (
-            torch.autograd.grad([o for o, _ in pairs], wanted, [c for _, c in pairs], allow_unused=True)
+            torch.autograd.grad(
+                [o for o, _ in pairs], wanted, [c for _, c in pairs], allow_unused=True, create_graph=True
+            )
             if pairs and wanted
             else [None] * len(wanted)
         )
         return (
-            *(o.detach() for o in outputs),
+            *(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs),
             *(torch.zeros_like(p) if g is None else g for g, p in zip(grads, wanted)),
         )
 
     return joint
 
 
-def trace_joint(
-    body: Callable, primals: Sequence[Any], cotangents: Sequence[torch.Tensor], needs_grad: Sequence[bool]
-) -> fx.GraphModule:
-    """Trace ``body``'s joint on ``primals`` and example ``cotangents`` (one per output)."""
-    with disable_proxy_modes_tracing():
-        examples = tuple(p.detach() if isinstance(p, torch.Tensor) else p for p in (*primals, *cotangents))
-    return strip_detach(materialize_as_graph(_joint_function(body, needs_grad), examples, force_enable_grad=True))
+def trace_graph(fn: Callable, examples: Sequence[Any], *, enable_grad: bool = False) -> fx.GraphModule:
+    """``fn`` traced on ``examples`` into a GraphModule of ATen ops and this package's HOPs:
+    inside the current tracer when one records, else on fake copies of ``examples``."""
+    from torch._higher_order_ops.utils import materialize_as_graph
+
+    from hops._compat import eager_stance
+
+    with eager_stance():
+        return strip_detach(materialize_as_graph(fn, tuple(examples), force_enable_grad=enable_grad))
 
 
-@dataclasses.dataclass
+def trace_joint(body: Callable, primals: Sequence[Any], outputs: Sequence[Any], needs_grad: Sequence[bool]) -> fx.GraphModule:
+    """``body``'s joint traced on fake copies of ``primals``, with a cotangent like each
+    differentiable one of ``outputs`` (fake example outputs of ``body``)."""
+    from hops._body import fake_run_context, inspection_mode, stand_in
+
+    mode = inspection_mode(primals)
+    with fake_run_context():
+        examples = [stand_in(p, mode) if isinstance(p, torch.Tensor) else p for p in primals]
+        cotangents = [stand_in(o, mode) for o in outputs if is_differentiable(o)]
+        examples = [p.detach() if isinstance(p, torch.Tensor) else p for p in examples]
+    with mode:
+        return trace_graph(joint_function(body, needs_grad), [*examples, *cotangents], enable_grad=True)
+
+
+def body_output_examples(body: Callable, inputs: Sequence[Any]) -> list[Any]:
+    """Fake stand-ins of ``body``'s flat outputs on ``inputs`` (its ops run on fake copies)."""
+    from hops._body import fake_run_context, inspection_mode, stand_in
+
+    mode = inspection_mode(inputs)
+    with fake_run_context():
+        stand_ins = [stand_in(v, mode) if isinstance(v, torch.Tensor) else v for v in inputs]
+        with mode:
+            return pytree.tree_leaves(body(*stand_ins))
+
+
+# --------------------------------------------------------------------------- the split
+
+
+@dataclasses.dataclass(frozen=True)
 class SplitJoint:
-    """A joint graph split in two. ``forward(*primals) -> (*outputs, *residuals)`` (an output
-    the backward reads is returned again as a residual: AOTAutograd then saves the region's
-    result without adding ``detach`` nodes);
-    ``backward(*(primals[i] for i in primals_for_backward), *residuals, *cotangents) -> grads``."""
+    """A joint graph cut in two (see the module docstring).
+
+    ``forward(*primals) -> (*outputs, *residuals)``;
+    ``backward(*(primals[i] for i in primals_in_backward), *residuals, *cotangents) -> grads``.
+    """
 
     forward: fx.GraphModule
     backward: fx.GraphModule
     num_outputs: int
-    primals_for_backward: tuple[int, ...]
+    num_residuals: int
+    primals_in_backward: tuple[int, ...]
 
 
-def _aliases_placeholder(value: fx.Node) -> bool:
-    while _is_view(value):
-        value = value.args[0]
-    return value.op == "placeholder"
+def _subgraphs(node: fx.Node) -> list[fx.GraphModule]:
+    owner = node.graph.owning_module
+    modules = []
+    for value in node.args:
+        if isinstance(value, fx.Node) and value.op == "get_attr" and owner is not None:
+            module = getattr(owner, str(value.target), None)
+            if isinstance(module, fx.GraphModule):
+                modules.append(module)
+    return modules
 
 
-def split_joint(joint: fx.GraphModule, num_primals: int, num_outputs: int) -> SplitJoint:
-    """Split a joint graph (see the module docstring) into forward and backward graphs."""
+def draws_random_numbers(node: fx.Node) -> bool:
+    """Whether running ``node`` again could give other values: a seeded random op, a HOP
+    whose body holds one, or an opaque kernel (whose code may draw numbers)."""
+    target = node.target
+    if target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, fx.Node) and draws_random_numbers(source)
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in target.tags
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        if getattr(target, "hops_opaque", False):
+            return True
+        return any(
+            draws_random_numbers(inner)
+            for module in _subgraphs(node)
+            for inner in module.graph.nodes
+            if inner.op == "call_function"
+        )
+    return False
+
+
+def split_joint(
+    joint: fx.GraphModule,
+    num_primals: int,
+    num_outputs: int,
+    *,
+    available: Sequence[int] | None = None,
+    invariant: Sequence[int] = (),
+    remat: bool = False,
+) -> SplitJoint:
+    """Cut ``joint`` into forward and backward graphs (see the module docstring).
+
+    ``available``: the primals the HOP hands its backward (default: all); ``invariant``: the
+    available primals whose derived values are recomputed instead of saved; ``remat``:
+    recompute every value that is not random."""
+    available_set = set(range(num_primals) if available is None else available)
     placeholders = joint.graph.find_nodes(op="placeholder")
     primals, cotangents = placeholders[:num_primals], placeholders[num_primals:]
     (output_node,) = joint.graph.find_nodes(op="output")
     results = list(output_node.args[0])
     outputs, grads = results[:num_outputs], results[num_outputs:]
+    primal_index = {p: i for i, p in enumerate(primals)}
 
-    # Forward: what the outputs need. Everything else runs in the backward.
     forward_nodes: set[fx.Node] = set()
     stack = [o for o in outputs if isinstance(o, fx.Node)]
     while stack:
@@ -115,58 +227,103 @@ def split_joint(joint: fx.GraphModule, num_primals: int, num_outputs: int) -> Sp
             continue
         forward_nodes.add(node)
         stack.extend(node.all_input_nodes)
-    backward_nodes = {n for n in joint.graph.nodes if n.op in ("call_function", "get_attr") and n not in forward_nodes}
+    for node in joint.graph.nodes:
+        # An element of a forward node's tuple result (a region's residual) is read in the
+        # forward: the tuple itself cannot be saved.
+        if node.op == "call_function" and node.target is operator.getitem and node.args[0] in forward_nodes:
+            forward_nodes.add(node)
+    backward_nodes = {
+        n for n in joint.graph.nodes if n.op in ("call_function", "get_attr") and n not in forward_nodes
+    }
 
-    # What the backward reads from the forward: primals as they are, symbolic ints and views
-    # recomputed, every other value saved as a residual.
-    primal_needed: set[fx.Node] = set()
+    invariant_nodes = {primals[i] for i in invariant}
+    for node in joint.graph.nodes:
+        if (
+            node in forward_nodes
+            and node.op == "call_function"
+            and node.all_input_nodes
+            and not draws_random_numbers(node)
+            and all(a in invariant_nodes or a.op == "get_attr" for a in node.all_input_nodes)
+        ):
+            invariant_nodes.add(node)
+
+    def recompute(value: fx.Node) -> bool:
+        if value.op == "get_attr":
+            return True
+        if draws_random_numbers(value):
+            return False
+        return (
+            remat
+            or value in invariant_nodes
+            or _is_view(value)
+            or not isinstance(value.meta.get("val"), torch.Tensor)
+        )
+
+    read_primals: set[fx.Node] = set()
     residuals: list[fx.Node] = []
     recomputed: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
     pending = [v for n in backward_nodes for v in n.all_input_nodes] + [g for g in grads if isinstance(g, fx.Node)]
     while pending:
         value = pending.pop()
-        if value in backward_nodes or value in recomputed or value in residuals or value in primal_needed:
+        if value in seen or value in backward_nodes:
             continue
+        seen.add(value)
         if value.op == "placeholder":
-            primal_needed.add(value)
-        elif value.op == "get_attr" or _is_view(value) or not isinstance(value.meta.get("val"), torch.Tensor):
+            if value in primal_index and primal_index[value] not in available_set:
+                residuals.append(value)  # a primal the backward is not handed: saved itself
+            elif value in primal_index:
+                read_primals.add(value)
+        elif recompute(value):
             recomputed.add(value)
             pending.extend(value.all_input_nodes)
         else:
             residuals.append(value)
-    residuals.sort(key=list(joint.graph.nodes).index)
+    order = {n: i for i, n in enumerate(joint.graph.nodes)}
+    residuals.sort(key=order.__getitem__)
 
-    def copy_into(graph: fx.Graph, env: dict[fx.Node, Any], keep: Callable[[fx.Node], bool]) -> None:
+    def copy_nodes(graph: fx.Graph, env: dict[fx.Node, Any], keep: Callable[[fx.Node], bool]) -> None:
         for node in joint.graph.nodes:
             if node.op in ("call_function", "get_attr") and keep(node) and node not in env:
                 env[node] = graph.node_copy(node, lambda n: env[n])
 
-    def fresh(graph: fx.Graph, env: dict[fx.Node, Any], value: Any) -> Any:
-        # A region's outputs must not alias its inputs: such values leave as copies.
-        if isinstance(value, fx.Node) and _aliases_placeholder(value):
-            return graph.call_function(torch.ops.aten.clone.default, (env[value],))
-        return env[value] if isinstance(value, fx.Node) else value
+    def fresh(graph: fx.Graph, env: dict[fx.Node, Any], values: Sequence[Any]) -> list[Any]:
+        """``values`` as outputs: one that is a graph input or a view of one is a copy."""
+        out: list[Any] = []
+        for value in values:
+            mapped = env[value] if isinstance(value, fx.Node) else value
+            if isinstance(value, fx.Node) and _aliases_placeholder(value):
+                mapped = graph.call_function(torch.ops.aten.clone.default, (mapped,))
+            out.append(mapped)
+        return out
 
     forward = fx.Graph()
     forward_env: dict[fx.Node, Any] = {p: forward.placeholder(p.name) for p in primals}
-    copy_into(forward, forward_env, lambda n: n in forward_nodes)
-    forward.output(tuple(forward_env[v] if isinstance(v, fx.Node) else v for v in (*outputs, *residuals)))
+    copy_nodes(forward, forward_env, lambda n: n in forward_nodes)
+    # A residual may repeat an output: the HOP returns a new tensor for each anyway.
+    forward.output(tuple(fresh(forward, forward_env, [*outputs, *residuals])))
 
     backward = fx.Graph()
-    primals_for_backward = tuple(i for i, p in enumerate(primals) if p in primal_needed)
+    primals_in_backward = tuple(i for i, p in enumerate(primals) if p in read_primals)
     backward_env: dict[fx.Node, Any] = {}
-    for i in primals_for_backward:
+    for i in primals_in_backward:
         backward_env[primals[i]] = backward.placeholder(primals[i].name)
     for value in residuals:
         backward_env[value] = backward.placeholder(f"saved_{value.name}")
     for node in cotangents:
         backward_env[node] = backward.placeholder(node.name)
-    copy_into(backward, backward_env, lambda n: n in backward_nodes or n in recomputed)
-    backward.output(tuple(fresh(backward, backward_env, g) for g in grads))
+    copy_nodes(backward, backward_env, lambda n: n in backward_nodes or n in recomputed)
+    backward.output(tuple(fresh(backward, backward_env, grads)))
 
     forward_gm, backward_gm = fx.GraphModule(joint, forward), fx.GraphModule(joint, backward)
     for gm in (forward_gm, backward_gm):
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()
-    return SplitJoint(forward_gm, backward_gm, num_outputs, primals_for_backward)
+    return SplitJoint(forward_gm, backward_gm, num_outputs, len(residuals), primals_in_backward)
+
+
+def _aliases_placeholder(value: fx.Node) -> bool:
+    while _is_view(value):
+        value = value.args[0]
+    return value.op == "placeholder"

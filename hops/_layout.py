@@ -70,14 +70,18 @@ def global_shape(shape: Sequence[Any], placements: Sequence[Placement], mesh: Me
 def shard_for_device(
     tensor: torch.Tensor, placements: Sequence[Placement], mesh: Mesh, coordinate: Sequence[int]
 ) -> torch.Tensor:
-    """The local tensor device ``coordinate`` holds of the global ``tensor``."""
+    """The local tensor device ``coordinate`` holds of the global ``tensor`` (a new tensor).
+
+    Copies (``narrow_copy``), not views: torch_xla runs views only through functionalization,
+    and this also runs below it."""
     local = tensor
     for size, placement, index in zip(mesh.shape, placements, coordinate):
         if isinstance(placement, Shard):
-            local = local.chunk(size, dim=placement.dim)[index]
+            length = local.shape[placement.dim] // size
+            local = torch.narrow_copy(local, placement.dim, index * length, length)
         elif isinstance(placement, Partial) and placement.reduce_op == "sum" and index != 0:
             local = torch.zeros_like(local)
-    return local.clone()
+    return local if local is not tensor else local.clone()
 
 
 _REDUCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import types
 from typing import Any, Callable, Sequence
 
@@ -69,6 +70,29 @@ def rename_inner_function(factory: Callable, inner: str, name: str) -> Callable:
     return renamed
 
 
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage (real or fake tensors)."""
+    try:
+        # _cdata identifies the StorageImpl (what StorageWeakRef compares), at a sixth of the cost.
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):  # tensors without accessible storage (XLA)
+        return a is b
+
+
+def fresh_outputs(outputs: Sequence[Any], inputs: Sequence[Any]) -> tuple:
+    """``outputs`` with each tensor that aliases one of ``inputs`` or an earlier output
+    replaced by a copy: a HOP's results are new tensors, whatever its body returns."""
+    seen = [t for t in inputs if isinstance(t, torch.Tensor)]
+    fresh = []
+    for value in outputs:
+        if isinstance(value, torch.Tensor):
+            if any(shares_storage(value, t) for t in seen):
+                value = value.clone()
+            seen.append(value)
+        fresh.append(value)
+    return tuple(fresh)
+
+
 def strip_detach(gm: fx.GraphModule) -> fx.GraphModule:
     """Drop ``aten.detach`` nodes: value no-ops left behind by tracing a vjp."""
     changed = False
@@ -97,6 +121,11 @@ def _is_mutating_use(node: fx.Node, value: fx.Node) -> bool:
 
 
 def _is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s value is a view of its first argument (by op schema; an element of
+    a view op's list result counts too)."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, fx.Node) and _is_view(source)
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return False
@@ -132,104 +161,49 @@ def find_input_mutation_and_aliasing(gm: fx.GraphModule) -> tuple[list[int], lis
     return sorted(mutated), aliased
 
 
-def check_body_is_functional(
-    gm: fx.GraphModule, function: str, input_names: Sequence[str] | None = None, num_outputs: int | None = None
-) -> None:
-    """``ValueError`` naming the function and argument if the body mutates or aliases an input.
-
-    ``num_outputs`` limits the aliasing check to the first outputs (a joint graph's step
-    outputs; its gradients may be a cotangent unchanged).
-    """
-    mutated, aliased = find_input_mutation_and_aliasing(gm)
-    if num_outputs is not None:
-        aliased = [(output, source) for output, source in aliased if output < num_outputs]
-
-    def name(i: int) -> str:
-        return input_names[i] if input_names is not None and i < len(input_names) else f"input {i}"
-
-    if mutated:
-        raise ValueError(
-            f"{function} mutates its argument {name(mutated[0])} in place; a region body must be "
-            "functional (return a new tensor instead of writing into an input)"
-        )
-    if aliased:
-        output, source = aliased[0]
-        raise ValueError(
-            f"{function} returns output {output}, which aliases its argument {name(source)} (the input "
-            "itself or a view of it); return a copy (e.g. .clone()) instead"
-        )
+def clone_aliased_outputs(gm: fx.GraphModule) -> fx.GraphModule:
+    """Make no output of ``gm`` an input or a view of one: such an output becomes a ``clone``
+    of it. A HOP's results never alias its operands, whatever its body returns
+    (``return c, x.t()`` is a valid scan step). (An output returned twice needs no copy: a
+    HOP makes a new tensor of each result.)"""
+    (output,) = gm.graph.find_nodes(op="output")
+    values = output.args[0]
+    flat = list(values) if isinstance(values, (tuple, list)) else [values]
+    changed = False
+    for position, value in enumerate(flat):
+        if not isinstance(value, fx.Node):
+            continue
+        root = value
+        while _is_view(root) and isinstance(root.args[0], fx.Node):
+            root = root.args[0]
+        if root.op == "placeholder":
+            with gm.graph.inserting_before(output):
+                flat[position] = gm.graph.call_function(torch.ops.aten.clone.default, (value,))
+            changed = True
+    if changed:
+        output.args = (type(values)(flat) if isinstance(values, (tuple, list)) else flat[0],)
+        gm.recompile()
+    return gm
 
 
-def copy_if_aliases(outputs: Sequence[Any], inputs: Sequence[Any]) -> tuple:
-    """``outputs`` with every tensor that aliases one of ``inputs`` (or an earlier output)
-    replaced by a copy: a region's outputs must be new tensors (a vjp may return its
-    cotangent unchanged)."""
-    seen = [t for t in inputs if isinstance(t, torch.Tensor)]
-    copied = []
-    for value in outputs:
-        if isinstance(value, torch.Tensor) and any(torch._C._is_alias_of(value, t) for t in seen):
-            value = value.clone()
-        if isinstance(value, torch.Tensor):
-            seen.append(value)
-        copied.append(value)
-    return tuple(copied)
+def refuse_untracked_xla_operands(mode: Any, operands: Sequence[Any], what: str) -> None:
+    """A real-mode ``make_fx`` over XLA tensors sees them after torch_xla's functionalization
+    unwrapped them: the tracer does not know them and would bake today's values into the
+    graph as constants (plain ATen ops fare no better). Refused instead of a graph that
+    silently ignores its inputs."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
 
-
-def emit_body_node(mode: Any, hop: Any, body: Callable, examples: Sequence[Any], args: Sequence[Any], outputs: Any) -> Any:
-    """The proxy rule of a HOP with a body: trace ``body`` on ``examples`` into a subgraph
-    named after the user function, refuse it if it mutates or aliases its inputs, and emit
-    one node ``hop(subgraph, *args)`` whose result is ``outputs``: values computed by the
-    caller with proxy tracing off, or a function of the traced subgraph that computes them
-    (with proxy tracing off)."""
-    import torch.utils._pytree as pytree
-    from torch._higher_order_ops.utils import reenter_make_fx
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
-
-    name = body_name(body)
-    body_graph = reenter_make_fx(body)(*examples)
-    check_body_is_functional(body_graph, name)
-    # make_fx names the class after the function it traced (a wrapper of ``body``):
-    # re-tracing this graph, and errors raised from it, then name the user function.
-    type(body_graph).__name__ = name
-    qualname = mode.tracer.get_fresh_qualname(f"{name}_body_")
-    mode.tracer.root.register_module(qualname, body_graph)
-    if callable(outputs):
-        with disable_proxy_modes_tracing():
-            outputs = outputs(body_graph)
-    node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (body_graph, *args))
-    out_proxy = mode.tracer.create_proxy("call_function", hop, node_args, {})
-    return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
-
-
-def known_functional(body: Callable) -> Callable:
-    """Mark a body this package built from graphs already checked to be functional (e.g. a
-    split joint): its functionalization rule need not trace it again to check it."""
-    body.hops_known_functional = True
-    return body
-
-
-def functionalize_body_call(
-    ctx: Any, hop: Any, body: Callable, inputs: Sequence[Any], trailing: Sequence[Any], examples_of: Callable
-) -> Any:
-    """The functionalization rule of a HOP ``hop(body, *inputs, *trailing)``.
-
-    The body is refused if it writes into or returns its inputs (functionalizing it would
-    silently drop the writes): it is traced once on ``examples_of(unwrapped inputs)``, what
-    it really sees. Then the functionalized body (under the user function's name) runs
-    one level down.
-    """
-    from torch._higher_order_ops.utils import _maybe_run_with_interpreter, materialize_as_graph
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-    unwrapped = ctx.unwrap_tensors(list(inputs))
-    if not getattr(body, "hops_known_functional", False):
-        with disable_proxy_modes_tracing():
-            examples = tuple(examples_of(unwrapped))
-        check_body_is_functional(materialize_as_graph(body, examples), body_name(body))
-    with ctx.redispatch_to_next():
-        functional_body = named(ctx.functionalize(_maybe_run_with_interpreter(body)), body_name(body))
-        outputs = hop(functional_body, *unwrapped, *trailing)
-    return ctx.wrap_tensors(outputs)
+    for value in operands:
+        if (
+            isinstance(value, torch.Tensor)
+            and value.device.type == "xla"
+            and get_proxy_slot(value, mode.tracer, None) is None
+        ):
+            raise RuntimeError(
+                f"{what}: make_fx in real mode does not track XLA tensors (torch_xla functionalizes them "
+                "before the tracer sees them), so the graph would hold this call's values as constants; "
+                "trace with make_fx(..., tracing_mode='fake') on CPU or fake tensors, or torch.compile"
+            )
 
 
 def symbolic_trace_call(hop: Any, args: Sequence[Any]) -> Any:

@@ -45,6 +45,8 @@ from torch.fx.experimental.proxy_tensor import (
 
 from hops import _compat, _dynamo
 from hops._joint import is_tracing
+from hops._subgraph import fresh_outputs, refuse_untracked_xla_operands
+from hops._targets import load_device_rules
 from hops.specs import _FxLiteral
 
 __all__ = ["kernel", "Kernel", "KernelParams", "on_kernel_defined"]
@@ -164,12 +166,19 @@ class Kernel(HigherOrderOperator):
             (p.name for p in parameters if p.kind is inspect.Parameter.VAR_POSITIONAL), None
         )
         self._backward_takes_mask = backward is not None and _accepts_keyword(backward, "needs_input_grad")
+        # Output shapes and dtypes ``abstract`` promises, per input metadata and params.
+        self.abstract_cache: dict[tuple, tuple] = {}
+
+    # The kernel's code is opaque: it may draw random numbers, so its result is never
+    # recomputed in a backward (see hops._joint.draws_random_numbers).
+    hops_opaque = True
 
     def __call__(self, *args: Any, **kwargs: Any):
         proxy = next((a for a in args if isinstance(a, torch.fx.Proxy)), None)
         if proxy is not None:
             # torch.fx symbolic tracing (also how torch 2.9 rebuilds a pickled GraphModule).
             return proxy.tracer.create_proxy("call_function", self, self.node_args(*args, **kwargs), {})
+        load_device_rules(args)
         return super().__call__(*self.node_args(*args, **kwargs))
 
     def node_args(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
@@ -368,20 +377,12 @@ def _split(tensors_and_params: Sequence[Any]) -> tuple[tuple[torch.Tensor, ...],
     return tuple(tensors_and_params[:-1]), tensors_and_params[-1]
 
 
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are views of one storage (real or fake tensors)."""
-    try:
-        # _cdata identifies the StorageImpl (what StorageWeakRef compares), at a sixth of the cost.
-        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
-    except (NotImplementedError, RuntimeError):  # tensors without accessible storage (XLA)
-        return a is b
-
-
 def _check_outputs(
     kernel_hop: Kernel, outputs: Any, what: str, inputs: Sequence[torch.Tensor]
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """``outputs`` as a Tensor or a tuple of Tensors, none aliasing an input; else an error
-    naming the kernel and ``what`` produced them."""
+    """``outputs`` as a Tensor or a tuple of Tensors; else an error naming the kernel and
+    ``what`` produced them. An output that aliases an input (or an earlier output) is
+    returned as a copy: a kernel call's results are new tensors."""
     flat = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
     if not isinstance(flat, (tuple, list)) or not flat or not all(isinstance(o, torch.Tensor) for o in flat):
         shown = pytree.tree_map(lambda o: type(o).__name__, outputs) if isinstance(outputs, (tuple, list)) else type(outputs).__name__
@@ -389,14 +390,8 @@ def _check_outputs(
             f"{kernel_hop.describe()}: {what} returned {shown}, expected a Tensor or a non-empty "
             "tuple of Tensors"
         )
-    for j, output in enumerate(flat):
-        for i, value in enumerate(inputs):
-            if _shares_storage(output, value):
-                raise ValueError(
-                    f"{kernel_hop.describe()}: {what} returned output {j}, which aliases input "
-                    f"{kernel_hop.input_name(i)}; return a new tensor (e.g. .clone())"
-                )
-    return outputs if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    flat = fresh_outputs(flat, inputs)
+    return flat[0] if isinstance(outputs, torch.Tensor) else flat
 
 
 # --------------------------------------------------------------------------- eager
@@ -412,14 +407,51 @@ def _eager(kernel_hop: Kernel, *tensors_and_params: Any):
                 f"{kernel_hop.describe()} wrote into its input {kernel_hop.input_name(i)} in place; "
                 "a kernel must be functional (return new tensors)"
             )
-    return _check_outputs(kernel_hop, outputs, "the kernel", tensors)
+    outputs = _check_outputs(kernel_hop, outputs, "the kernel", tensors)
+    _check_against_abstract(kernel_hop, tensors, params, outputs, "the kernel")
+    return outputs
 
 
 def _xla(kernel_hop: Kernel, *tensors_and_params: Any):
     # XLA tensors: the kernel's XLA implementation (registered only when one was given).
     tensors, params = _split(tensors_and_params)
     outputs = kernel_hop.xla_implementation(*tensors, **params.as_dict())
-    return _check_outputs(kernel_hop, outputs, "its xla implementation", tensors)
+    outputs = _check_outputs(kernel_hop, outputs, "its xla implementation", tensors)
+    _check_against_abstract(kernel_hop, tensors, params, outputs, "its xla implementation")
+    return outputs
+
+
+def _metadata(tensors: Sequence[torch.Tensor]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensors)
+
+
+def _check_against_abstract(kernel_hop: Kernel, tensors: Sequence[torch.Tensor], params: KernelParams, outputs: Any, what: str) -> None:
+    """Refuse a real result whose shapes or dtypes differ from what ``abstract`` promises:
+    every tracer builds the graph from ``abstract``, so a lie there is a silently wrong
+    compiled program. Checked once per input metadata and params (the promise is cached)."""
+    key = (_metadata(tensors), params)
+    promised = kernel_hop.abstract_cache.get(key)
+    if promised is None:
+        from hops._body import fake_run_context, inspection_mode, stand_in
+
+        mode = inspection_mode(tensors)
+        with fake_run_context():
+            fakes = [stand_in(t, mode) for t in tensors]
+            with mode:
+                result = kernel_hop.abstract_rule(*fakes, **params.as_dict())
+        flat = (result,) if isinstance(result, torch.Tensor) else tuple(result)
+        promised = kernel_hop.abstract_cache[key] = tuple((tuple(o.shape), o.dtype) for o in flat)
+    actual = tuple((tuple(o.shape), o.dtype) for o in ((outputs,) if isinstance(outputs, torch.Tensor) else outputs))
+    if actual != promised:
+        raise RuntimeError(
+            f"{kernel_hop.describe()}: {what} returned {_describe(actual)} but its abstract rule "
+            f"promises {_describe(promised)} for these inputs ({_describe(key[0])}); tracers build "
+            "graphs from the abstract rule, so it must give the real result's shapes and dtypes"
+        )
+
+
+def _describe(metadata: Sequence[tuple]) -> str:
+    return ", ".join(f"{list(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype, *_ in metadata)
 
 
 # --------------------------------------------------------------------------- fake
@@ -454,6 +486,7 @@ def _functionalize(kernel_hop: Kernel, ctx: Any, *tensors_and_params: Any):
 
 
 def _proxy(kernel_hop: Kernel, mode: ProxyTorchDispatchMode, *tensors_and_params: Any):
+    refuse_untracked_xla_operands(mode, tensors_and_params[:-1], kernel_hop.describe())
     with disable_proxy_modes_tracing():
         outputs = kernel_hop(*tensors_and_params)
     node_args = pytree.tree_map(mode.tracer.unwrap_proxy, tuple(tensors_and_params))

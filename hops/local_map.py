@@ -13,10 +13,13 @@ Rules:
 - fake: local shapes from global shapes and placements, the body on them, global output shapes;
 - functionalization / proxy: the body must not mutate or alias its inputs (refused, naming them);
   the body is traced into a subgraph named after the user function;
-- autograd: the backward is another ``local_map_hop`` (inputs: primals and output cotangents;
-  outputs: input gradients laid out per ``in_grad_placements``, derived when not given:
-  replicated -> ``Partial``, sharded -> same shard). It recomputes the body's forward, so no
-  activation crosses the region boundary.
+- autograd: eager, the simulation runs under autograd, with each input's per-device pieces
+  made by a function whose backward assembles their gradients per ``in_grad_placements``
+  (derived when not given: replicated -> ``Partial``, sharded -> same shard). Traced, the
+  body's joint is split: the forward region also returns the residuals its backward reads,
+  each laid out per device (a device's residual is its block of dim 0, ``Shard(0)`` on every
+  mesh axis), and the backward is another ``local_map_hop`` from the primals it reads, the
+  residuals and the output cotangents to the input gradients.
 """
 
 from __future__ import annotations
@@ -27,72 +30,98 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 from torch._C import DispatchKey
-from torch._higher_order_ops.utils import (
-    materialize_as_graph,
-)
-from torch._ops import HigherOrderOperator
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import (
-    ProxyTorchDispatchMode,
-    disable_proxy_modes_tracing,
-)
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _dynamo, _layout
-from hops._joint import is_tracing
-from hops._subgraph import (
-    body_name,
-    copy_if_aliases,
-    emit_body_node,
-    functionalize_body_call,
-    named,
-    rename_inner_function,
-    strip_detach,
-    symbolic_trace_call,
-)
-from hops.specs import LocalMapSpec, Mesh, Placement, is_placement_like, placements_tuple
+from hops._base import BodyHOP, call_body_hop
+from hops._subgraph import named
+from hops._subgraph import body_name, rename_inner_function
+from hops.specs import LocalMapSpec, Mesh, Placement, Shard, is_placement_like, placements_tuple
 
 __all__ = ["local_map", "local_map_hop"]
 
 
-class LocalMap(HigherOrderOperator):
+class LocalMap(BodyHOP):
     """HOP ``hops_local_map(body, *tensors, spec)``."""
+
+    spec_type = LocalMapSpec
 
     def __init__(self) -> None:
         super().__init__("hops_local_map")
 
-    def __call__(self, body: Callable, *tensors_and_spec: Any):
-        traced = symbolic_trace_call(self, (body, *tensors_and_spec))
-        if traced is not None:
-            return traced
-        tensors, spec = _split(tensors_and_spec)
-        if tensors and isinstance(tensors[-1], tuple):
-            # Dynamo's node form: values the body closed over come as one trailing tuple.
-            *tensors, lifted = tensors
-            tensors, spec = (*tensors, *lifted), spec.with_lifted(lifted)
+    def check(self, body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
         _check_call(body, tensors, spec)
-        return super().__call__(body, *tensors, spec)
 
-    @staticmethod
-    def body_example_args(tensors: Sequence[torch.Tensor], specs: Sequence[Any]) -> tuple:
+    def body_inputs(self, tensors: Sequence[Any], spec: LocalMapSpec) -> tuple:
         """What the body sees of ``tensors``: device 0's local shards."""
-        return tuple(_local_examples(tensors, specs[-1]))
+        return tuple(_local_examples(tensors, spec))
+
+    def outputs_from_body(self, outputs: Sequence[Any], tensors: Sequence[Any], spec: LocalMapSpec) -> tuple:
+        name = "local_map"
+        _check_outputs(name, outputs, spec)
+        return tuple(
+            output.new_empty(_layout.global_shape(output.shape, placements, spec.mesh, f"local_map: output {j}"))
+            for j, (output, placements) in enumerate(zip(outputs, spec.out_placements))
+        )
+
+    def run(self, body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> tuple:
+        return simulate(body, tensors, spec)
+
+    def fold_lifted(self, tensors: Sequence[Any], spec: LocalMapSpec, lifted: Sequence[Any]) -> tuple[list, LocalMapSpec]:
+        return [*tensors, *lifted], spec.with_lifted(lifted)
+
+    # Traced autograd: residuals leave the forward region laid out per device.
+
+    def forward_spec(self, spec: LocalMapSpec, residuals: Sequence[Any]) -> LocalMapSpec:
+        per_device = _per_device(spec.mesh)
+        return LocalMapSpec(
+            spec.mesh,
+            spec.in_placements,
+            spec.out_placements + tuple(per_device for _ in residuals),
+            spec.in_grad_placements,
+        )
+
+    def backward_spec(self, spec, split, residuals, needs_grad, present) -> LocalMapSpec:
+        from hops.specs import transpose_placement
+
+        per_device = _per_device(spec.mesh)
+        return LocalMapSpec(
+            spec.mesh,
+            (
+                *(spec.in_placements[i] for i in split.primals_in_backward),
+                *(per_device for _ in residuals),
+                *(
+                    tuple(transpose_placement(p, f"out_placements[{j}]") for p in spec.out_placements[j])
+                    for j in present
+                ),
+            ),
+            tuple(spec.grad_placement(i) for i, need in enumerate(needs_grad) if need),
+        )
+
+    def residuals_out(self, forward: Callable, num_outputs: int) -> Callable:
+        # A 0-d residual has no dim 0 to lay devices along: it leaves as shape (1,).
+        def forward_with_residuals(*tensors: Any) -> tuple:
+            results = forward(*tensors)
+            return (*results[:num_outputs], *(r.reshape(1) if r.dim() == 0 else r for r in results[num_outputs:]))
+
+        return named(forward_with_residuals, body_name(forward))
+
+    def residuals_in(self, residuals: Sequence[Any]) -> list[Callable]:
+        return [(lambda value: value.reshape(())) if r.dim() == 0 else (lambda value: value) for r in residuals]
 
 
 local_map_hop = LocalMap()
 
 
-def _split(tensors_and_spec: Sequence[Any]) -> tuple[tuple[Any, ...], LocalMapSpec]:
-    if not tensors_and_spec or not isinstance(tensors_and_spec[-1], LocalMapSpec):
-        raise TypeError(
-            "local_map_hop(body, *tensors, spec): the last argument must be a hops.LocalMapSpec, "
-            f"got {type(tensors_and_spec[-1]).__name__ if tensors_and_spec else 'nothing'}"
-        )
-    return tuple(tensors_and_spec[:-1]), tensors_and_spec[-1]
+def _per_device(mesh: Mesh) -> tuple[Placement, ...]:
+    """The layout of a value each device computes for itself: device ``d`` (row-major) holds
+    block ``d`` of dim 0."""
+    return tuple(Shard(0) for _ in mesh.shape)
 
 
 def _check_call(body: Any, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
-    if not callable(body):
-        raise TypeError(f"local_map_hop: body must be callable, got {type(body).__name__}")
     if len(tensors) != len(spec.in_placements):
         raise ValueError(
             f"local_map {body_name(body)}: {len(tensors)} tensor inputs but in_placements has "
@@ -233,7 +262,16 @@ def local_map(
         )
 
         body = make_body(fn, leaves, tensor_positions, args_treespec, out_treespec, out_placements)
-        flat_outputs = local_map_hop(body, *(leaves[p] for p in tensor_positions), spec)
+        tensors = [leaves[p] for p in tensor_positions]
+        flat_outputs = call_body_hop(
+            local_map_hop,
+            body,
+            tensors,
+            spec,
+            what=f"local_map({name})",
+            input_names=lambda i: f"argument leaf {tensor_positions[i]}",
+            user_function=fn,
+        )
         return pytree.tree_unflatten(list(flat_outputs), out_treespec)
 
     return call
@@ -273,11 +311,11 @@ def _make_body(
 # --------------------------------------------------------------------------- eager
 
 
-def _check_outputs(name: str, outputs: Any, spec: LocalMapSpec) -> tuple[torch.Tensor, ...]:
-    if not isinstance(outputs, (tuple, list)) or len(outputs) != len(spec.out_placements):
+def _check_outputs(name: str, outputs: Sequence[Any], spec: LocalMapSpec) -> tuple[torch.Tensor, ...]:
+    if len(outputs) != len(spec.out_placements):
         raise TypeError(
             f"local_map {name}: the body must return {len(spec.out_placements)} tensors "
-            f"(one per out_placements entry), got {type(outputs).__name__}"
+            f"(one per out_placements entry), got {len(outputs)}"
         )
     for j, (output, placements) in enumerate(zip(outputs, spec.out_placements)):
         if not isinstance(output, torch.Tensor):
@@ -286,28 +324,59 @@ def _check_outputs(name: str, outputs: Any, spec: LocalMapSpec) -> tuple[torch.T
     return tuple(outputs)
 
 
-def simulate(body: Callable, tensors: Sequence[torch.Tensor], spec: LocalMapSpec) -> tuple[torch.Tensor, ...]:
-    """Run ``body`` once per device on its local shards and assemble the global outputs."""
+class _Distribute(torch.autograd.Function):
+    """A global tensor -> each device's local piece (row-major device order). The backward
+    assembles the pieces' gradients into the global gradient per the gradient placements:
+    a pending sum adds them, a shard concatenates them, a replicated gradient must agree."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: LocalMapSpec, index: int, what: str, tensor: torch.Tensor):
+        ctx.spec, ctx.index, ctx.what = spec, index, what
+        placements, mesh = spec.in_placements[index], spec.mesh
+        return tuple(
+            _layout.shard_for_device(tensor, placements, mesh, coordinate)
+            for coordinate in _layout.device_coordinates(mesh)
+        )
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any):
+        if all(g is None for g in grads):
+            return None, None, None, None
+        like = next(g for g in grads if g is not None)
+        mesh = ctx.spec.mesh
+        pieces = {
+            coordinate: torch.zeros_like(like) if grad is None else grad
+            for coordinate, grad in zip(_layout.device_coordinates(mesh), grads)
+        }
+        # Derived lazily: an input whose gradient is never asked for needs no layout for it.
+        grad_placements = ctx.spec.grad_placement(ctx.index)
+        grad = _layout.assemble(pieces, grad_placements, mesh, f"the gradient of {ctx.what}")
+        return None, None, None, grad
+
+
+def simulate(body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> tuple[torch.Tensor, ...]:
+    """Run ``body`` once per device on its local shards and assemble the global outputs.
+
+    Differentiable: run above autograd, the gradient of each input is assembled from its
+    pieces' gradients per the spec's gradient placements."""
     name = body_name(body)
+    coordinates = _layout.device_coordinates(spec.mesh)
+    per_input = []
+    for i, (t, placements) in enumerate(zip(tensors, spec.in_placements)):
+        if placements is None:
+            per_input.append([t] * len(coordinates))
+        else:
+            per_input.append(_Distribute.apply(spec, i, f"local_map {name} input {i}", t))
     pieces: list[dict[tuple[int, ...], torch.Tensor]] = [{} for _ in spec.out_placements]
-    for coordinate in _layout.device_coordinates(spec.mesh):
-        local = [
-            t if placements is None else _layout.shard_for_device(t, placements, spec.mesh, coordinate)
-            for t, placements in zip(tensors, spec.in_placements)
-        ]
+    for d, coordinate in enumerate(coordinates):
+        local = [pieces_of_input[d] for pieces_of_input in per_input]
         local_tensors = [t for t in local if isinstance(t, torch.Tensor)]
         versions = [t._version for t in local_tensors]
-        outputs = _check_outputs(name, body(*local), spec)
+        outputs = _check_outputs(name, pytree.tree_leaves(body(*local)), spec)
         for i, (t, version) in enumerate(zip(local_tensors, versions)):
             if t._version != version:
-                raise ValueError(
-                    f"{name} mutates its argument input {i} in place; a region body must be functional"
-                )
+                raise ValueError(f"{name} writes into its input {i} in place; a region body must be functional")
         for j, output in enumerate(outputs):
-            if output.untyped_storage().nbytes() and any(
-                torch._C._is_alias_of(output, t) for t in local_tensors
-            ):
-                raise ValueError(f"{name} returns output {j}, which aliases one of its arguments; return a copy")
             pieces[j][coordinate] = output
     return tuple(
         _layout.assemble(p, placements, spec.mesh, f"local_map {name}: output {j}")
@@ -317,34 +386,31 @@ def simulate(body: Callable, tensors: Sequence[torch.Tensor], spec: LocalMapSpec
 
 @local_map_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
 def _eager(body: Callable, *tensors_and_spec: Any):
-    tensors, spec = _split(tensors_and_spec)
-    return simulate(body, tensors, spec)
+    tensors, spec = local_map_hop.split_args(tensors_and_spec)
+    return local_map_hop.run(body, tensors, spec)
 
 
 # --------------------------------------------------------------------------- fake
 
 
-def _local_examples(tensors: Sequence[torch.Tensor], spec: LocalMapSpec) -> list[torch.Tensor]:
-    """Device 0's local tensors: what the body is traced with."""
+def _local_examples(tensors: Sequence[Any], spec: LocalMapSpec) -> list[Any]:
+    """Device 0's local tensors: what the body is traced with (tracers' stand-ins get fresh
+    tensors of the local shape; real tensors their real shard)."""
     origin = (0,) * spec.mesh.ndim
-    return [
-        t if placements is None else _layout.shard_for_device(t, placements, spec.mesh, origin)
-        for t, placements in zip(tensors, spec.in_placements)
-    ]
+    examples = []
+    for i, (t, placements) in enumerate(zip(tensors, spec.in_placements)):
+        if placements is None or not isinstance(t, torch.Tensor):
+            examples.append(t)
+        elif isinstance(t, (FakeTensor, FunctionalTensor)):
+            examples.append(t.new_empty(_layout.local_shape(t.shape, placements, spec.mesh, f"input {i}")))
+        else:
+            examples.append(_layout.shard_for_device(t, placements, spec.mesh, origin))
+    return examples
 
 
 @local_map_hop.py_impl(FakeTensorMode)
 def _fake(mode: FakeTensorMode, body: Callable, *tensors_and_spec: Any):
-    tensors, spec = _split(tensors_and_spec)
-    name = body_name(body)
-    with mode:
-        outputs = _check_outputs(name, body(*_local_examples(tensors, spec)), spec)
-        return tuple(
-            output.new_empty(
-                _layout.global_shape(output.shape, placements, spec.mesh, f"local_map {name}: output {j}")
-            )
-            for j, (output, placements) in enumerate(zip(outputs, spec.out_placements))
-        )
+    return local_map_hop.fake_rule(mode, body, *tensors_and_spec)
 
 
 # --------------------------------------------------------------------------- functionalize
@@ -352,10 +418,7 @@ def _fake(mode: FakeTensorMode, body: Callable, *tensors_and_spec: Any):
 
 @local_map_hop.py_functionalize_impl
 def _functionalize(ctx: Any, body: Callable, *tensors_and_spec: Any):
-    tensors, spec = _split(tensors_and_spec)
-    return functionalize_body_call(
-        ctx, local_map_hop, body, tensors, (spec,), lambda unwrapped: _local_examples(unwrapped, spec)
-    )
+    return local_map_hop.functionalize_rule(ctx, body, *tensors_and_spec)
 
 
 # --------------------------------------------------------------------------- proxy
@@ -363,89 +426,15 @@ def _functionalize(ctx: Any, body: Callable, *tensors_and_spec: Any):
 
 @local_map_hop.py_impl(ProxyTorchDispatchMode)
 def _proxy(mode: ProxyTorchDispatchMode, body: Callable, *tensors_and_spec: Any):
-    tensors, spec = _split(tensors_and_spec)
-    with disable_proxy_modes_tracing():
-        outputs = local_map_hop(body, *tensors, spec)
-        examples = _local_examples(tensors, spec)
-    return emit_body_node(mode, local_map_hop, body, examples, (*tensors, spec), outputs)
+    return local_map_hop.proxy_rule(mode, body, *tensors_and_spec)
 
 
 # --------------------------------------------------------------------------- autograd
 
 
-def _backward_body(body: Callable, n_inputs: int, needs_grad: Sequence[bool], has_cotangent: Sequence[bool]) -> Callable:
-    """Local vjp of ``body``: (primals..., cotangents...) -> grads of the inputs that need them.
-
-    ``cotangents`` are given for the outputs with ``has_cotangent`` only.
-
-    Runs under the dispatch keys of the moment it is made (inside ``backward``, where
-    autograd is live), wherever it is called from: the eager rule runs below autograd.
-    """
-    include = torch._C._dispatch_tls_local_include_set()
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-
-    def backward(*primals_and_cotangents: Any) -> tuple[torch.Tensor, ...]:
-        primals = [
-            p.detach().requires_grad_(need) if isinstance(p, torch.Tensor) else p
-            for p, need in zip(primals_and_cotangents[:n_inputs], needs_grad)
-        ]
-        cotangents = primals_and_cotangents[n_inputs:]
-        with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
-            outputs = body(*primals)
-        outputs = [o for o, given in zip(outputs, has_cotangent) if given]
-        pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
-        wanted = [p for p, need in zip(primals, needs_grad) if need]
-        grads = (
-            torch.autograd.grad([o for o, _ in pairs], wanted, [c for _, c in pairs], allow_unused=True)
-            if pairs
-            else [None] * len(wanted)
-        )
-        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, wanted)]
-        return copy_if_aliases(grads, primals_and_cotangents)
-
-    return backward
-
-
-class _LocalMapFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, body: Callable, spec: LocalMapSpec, *tensors: torch.Tensor):
-        ctx.body, ctx.spec = body, spec
-        # An output nobody differentiates gets no cotangent, and needs no gradient layout.
-        ctx.set_materialize_grads(False)
-        # Non-tensor inputs (ints, SymInts) cannot be saved as tensors: keep them aside.
-        ctx.non_tensors = [None if isinstance(t, torch.Tensor) else t for t in tensors]
-        ctx.save_for_backward(*(t for t in tensors if isinstance(t, torch.Tensor)))
-        with torch._C._AutoDispatchBelowAutograd():
-            return local_map_hop(body, *tensors, spec)
-
-    @staticmethod
-    def backward(ctx: Any, *cotangents: torch.Tensor):
-        saved = iter(ctx.saved_tensors)
-        tensors = tuple(next(saved) if value is None else value for value in ctx.non_tensors)
-        needs_grad = list(ctx.needs_input_grad[2:])
-        has_cotangent = [c is not None for c in cotangents]
-        if not any(has_cotangent):
-            return (None,) * (2 + len(needs_grad))
-        cotangents = tuple(c for c in cotangents if c is not None)
-        backward_spec = ctx.spec.backward_spec(needs_grad, has_cotangent)
-        backward_body = _backward_body(ctx.body, len(tensors), needs_grad, has_cotangent)
-        if is_tracing((*tensors, *cotangents)):
-            # Trace the vjp here, where autograd is live; traced inside the proxy rule it
-            # would run below autograd and produce no gradients.
-            with disable_proxy_modes_tracing():
-                examples = _local_examples((*tensors, *cotangents), backward_spec)
-            backward_body = strip_detach(
-                materialize_as_graph(backward_body, tuple(examples), force_enable_grad=True)
-            )
-        backward_body = named(backward_body, f"{body_name(ctx.body)}_bwd")
-        grads = iter(local_map_hop(backward_body, *tensors, *cotangents, backward_spec))
-        return (None, None, *(next(grads) if need else None for need in needs_grad))
-
-
-@local_map_hop.py_autograd_impl
+@local_map_hop.py_impl(DispatchKey.Autograd)  # always: a closed-over tensor may need grad when no operand does
 def _autograd(body: Callable, *tensors_and_spec: Any):
-    tensors, spec = _split(tensors_and_spec)
-    return _LocalMapFunction.apply(body, spec, *tensors)
+    return local_map_hop.autograd_rule(body, *tensors_and_spec)
 
 
 # --------------------------------------------------------------------------- dynamo

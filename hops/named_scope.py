@@ -33,24 +33,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 from torch._C import DispatchKey
-from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import (
-    ProxyTorchDispatchMode,
-    disable_proxy_modes_tracing,
-)
+from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo
-from hops._closure import closed_over_tensors, lift_closure
-from hops._joint import is_tracing, split_joint, trace_joint
-from hops._subgraph import (
-    body_name,
-    emit_body_node,
-    functionalize_body_call,
-    named,
-    rename_inner_function,
-)
-from hops.kernel import _shares_storage
+from hops._base import BodyHOP, call_body_hop, fresh_outputs
+from hops._subgraph import body_name, rename_inner_function
 from hops.specs import _FxLiteral
 
 __all__ = ["named_scope", "named_scope_hop", "ScopeSpec"]
@@ -83,44 +71,40 @@ class ScopeSpec(_FxLiteral):
         return ScopeSpec(f"{self.name}/bwd")
 
 
-class NamedScope(HigherOrderOperator):
+class NamedScope(BodyHOP):
     """HOP ``hops_named_scope(body, *inputs, spec)``."""
+
+    spec_type = ScopeSpec
 
     def __init__(self) -> None:
         super().__init__("hops_named_scope")
 
-    def __call__(self, body: Callable, *inputs_and_spec: Any):
-        inputs, spec = _split(inputs_and_spec)
-        if inputs and isinstance(inputs[-1], tuple):
-            # Dynamo's node form: values the body closed over come as one trailing tuple;
-            # the body takes them after the other inputs.
-            *inputs, lifted = inputs
-            inputs = (*inputs, *lifted)
-        if any(isinstance(v, torch.fx.Proxy) for v in inputs):
-            # torch.fx symbolic tracing (also how torch 2.9 rebuilds a pickled GraphModule).
-            proxy = next(v for v in inputs if isinstance(v, torch.fx.Proxy))
-            return proxy.tracer.create_proxy("call_function", self, (body, *inputs, spec), {})
-        if not callable(body):
-            raise TypeError(f"named_scope_hop: body must be callable, got {type(body).__name__}")
+    def check(self, body: Callable, inputs: Sequence[Any], spec: ScopeSpec) -> None:
         for i, value in enumerate(inputs):
             if not isinstance(value, (torch.Tensor, int, torch.SymInt)):
                 raise TypeError(
                     f"named scope {spec.name!r} ({body_name(body)}): input {i} must be a Tensor (or an int), "
                     f"got {type(value).__name__}"
                 )
-        return super().__call__(body, *inputs, spec)
+
+    def body_inputs(self, inputs: Sequence[Any], spec: ScopeSpec) -> tuple:
+        return tuple(inputs)
+
+    def outputs_from_body(self, outputs: Sequence[Any], inputs: Sequence[Any], spec: ScopeSpec) -> tuple:
+        _check_outputs(spec, outputs)
+        return tuple(o.new_empty_strided(o.size(), o.stride()) for o in outputs)
+
+    def run(self, body: Callable, inputs: Sequence[Any], spec: ScopeSpec) -> tuple:
+        return _run_region(body, inputs, spec)
+
+    def fold_lifted(self, inputs: Sequence[Any], spec: ScopeSpec, lifted: Sequence[Any]) -> tuple[list, ScopeSpec]:
+        return [*inputs, *lifted], spec
+
+    def backward_spec(self, spec, split, residuals, needs_grad, present) -> ScopeSpec:
+        return spec.backward()
 
 
 named_scope_hop = NamedScope()
-
-
-def _split(inputs_and_spec: Sequence[Any]) -> tuple[tuple[Any, ...], ScopeSpec]:
-    if not inputs_and_spec or not isinstance(inputs_and_spec[-1], ScopeSpec):
-        raise TypeError(
-            "named_scope_hop(body, *inputs, spec): the last argument must be a hops.ScopeSpec, got "
-            f"{type(inputs_and_spec[-1]).__name__ if inputs_and_spec else 'nothing'}"
-        )
-    return tuple(inputs_and_spec[:-1]), inputs_and_spec[-1]
 
 
 # --------------------------------------------------------------------------- public API
@@ -131,9 +115,10 @@ def named_scope(name: str) -> Callable[[Callable], Callable]:
 
     ``@hops.named_scope("attention")`` on a function, or ``hops.named_scope("attention")(fn)``
     around a callable. The function takes any arguments (tensors become the region's inputs,
-    other values are fixed for the call) and returns a Tensor or a tuple/list of Tensors; it
-    must not modify or return its inputs. Raises ``TypeError``/``ValueError`` for a name
-    that is not a non-empty str, a non-callable, or a function returning anything else.
+    other values are fixed for the call) and returns a Tensor or a pytree of Tensors; it must
+    not write into its inputs or tensors it closes over (refused, naming the tensor). Raises
+    ``TypeError``/``ValueError`` for a name that is not a non-empty str, a non-callable, or a
+    function returning anything else.
     """
     spec = ScopeSpec(name)
 
@@ -148,14 +133,15 @@ def named_scope(name: str) -> Callable[[Callable], Callable]:
             tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
             body = make_body(fn, leaves, tensor_positions, treespec, spec)
             tensors = [leaves[i] for i in tensor_positions]
-            if not torch.compiler.is_compiling() and is_tracing(tensors):
-                # Tensors the function reads from its closure (parameters, outer values)
-                # become inputs, so the traced body reads placeholders and they get
-                # gradients. Dynamo lifts them itself.
-                closed = closed_over_tensors(body, tensors)
-                if closed:
-                    body, tensors = lift_closure(body, len(tensors), closed), [*tensors, *closed]
-            return named_scope_hop(body, *tensors, spec)
+            return call_body_hop(
+                named_scope_hop,
+                body,
+                tensors,
+                spec,
+                what=f"hops.named_scope({name!r}) {body_name(fn)}",
+                input_names=lambda i: f"argument leaf {tensor_positions[i]}",
+                user_function=fn,
+            )
 
         return call
 
@@ -172,15 +158,11 @@ def _make_body(fn: Callable, leaves: list[Any], tensor_positions: list[int], tre
             call_leaves[position] = tensor
         args, kwargs = pytree.tree_unflatten(call_leaves, treespec)
         result = fn(*args, **kwargs)
-        if isinstance(result, list):
-            result = tuple(result)
-        if not isinstance(result, torch.Tensor) and not (
-            isinstance(result, tuple) and result and all(isinstance(r, torch.Tensor) for r in result)
-        ):
+        if not pytree.tree_leaves(result) or not all(isinstance(r, torch.Tensor) for r in pytree.tree_leaves(result)):
             raise TypeError(
                 f"hops.named_scope({spec.name!r}): {body_name(fn)} returned "
                 f"{pytree.tree_map(lambda r: type(r).__name__, result)}, expected a Tensor or a "
-                "tuple/list of Tensors"
+                "pytree of Tensors"
             )
         return result
 
@@ -190,17 +172,12 @@ def _make_body(fn: Callable, leaves: list[Any], tensor_positions: list[int], tre
 # --------------------------------------------------------------------------- eager
 
 
-def _check_outputs(name: str, spec: ScopeSpec, outputs: Any) -> Any:
-    if isinstance(outputs, list):
-        outputs = tuple(outputs)
-    if not isinstance(outputs, torch.Tensor) and not (
-        isinstance(outputs, tuple) and outputs and all(isinstance(o, torch.Tensor) for o in outputs)
-    ):
+def _check_outputs(spec: ScopeSpec, outputs: Sequence[Any]) -> None:
+    if not outputs or not all(isinstance(o, torch.Tensor) for o in outputs):
         raise TypeError(
-            f"named scope {spec.name!r}: {name} returned {type(outputs).__name__}, expected a Tensor "
-            "or a tuple of Tensors"
+            f"named scope {spec.name!r}: the body returned {[type(o).__name__ for o in outputs]}, "
+            "expected one or more Tensors"
         )
-    return outputs
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,31 +200,27 @@ def run_in_scope(body: Callable, inputs: Sequence[Any], spec: ScopeSpec) -> Any:
         return body(*inputs)
 
 
-def _run_region(body: Callable, inputs: Sequence[Any], spec: ScopeSpec) -> Any:
-    """Run the region on real tensors, refusing writes into inputs and aliased outputs."""
+def _run_region(body: Callable, inputs: Sequence[Any], spec: ScopeSpec) -> tuple:
+    """Run the region on real tensors: a write into an input is refused (the public function
+    refuses it before running; a hand-made call is checked after), an output that aliases an
+    input or an earlier output is returned as a copy."""
     name = body_name(body)
     tensors = [(i, t) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)]
     versions = [t._version for _, t in tensors]
-    outputs = _check_outputs(name, spec, run_in_scope(body, inputs, spec))
+    outputs = pytree.tree_leaves(run_in_scope(body, inputs, spec))
+    _check_outputs(spec, outputs)
     for (i, t), version in zip(tensors, versions):
         if t._version != version:
             raise ValueError(
-                f"{name} mutates its argument input {i} in place; a named scope's body must be functional"
+                f"{name} writes into its input {i} in place; a named scope's body must be functional"
             )
-    for j, output in enumerate((outputs,) if isinstance(outputs, torch.Tensor) else outputs):
-        for i, t in tensors:
-            if _shares_storage(output, t):
-                raise ValueError(
-                    f"{name} returns output {j}, which aliases its argument input {i} (the input itself or "
-                    "a view of it); return a copy (e.g. .clone()) instead"
-                )
-    return outputs
+    return fresh_outputs(outputs, [t for _, t in tensors])
 
 
 @named_scope_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
 def _eager(body: Callable, *inputs_and_spec: Any):
-    inputs, spec = _split(inputs_and_spec)
-    return _run_region(body, inputs, spec)
+    inputs, spec = named_scope_hop.split_args(inputs_and_spec)
+    return named_scope_hop.run(body, inputs, spec)
 
 
 # --------------------------------------------------------------------------- fake
@@ -255,9 +228,7 @@ def _eager(body: Callable, *inputs_and_spec: Any):
 
 @named_scope_hop.py_impl(FakeTensorMode)
 def _fake(mode: FakeTensorMode, body: Callable, *inputs_and_spec: Any):
-    inputs, spec = _split(inputs_and_spec)
-    with mode:
-        return _check_outputs(body_name(body), spec, body(*inputs))
+    return named_scope_hop.fake_rule(mode, body, *inputs_and_spec)
 
 
 # --------------------------------------------------------------------------- functionalize
@@ -265,8 +236,7 @@ def _fake(mode: FakeTensorMode, body: Callable, *inputs_and_spec: Any):
 
 @named_scope_hop.py_functionalize_impl
 def _functionalize(ctx: Any, body: Callable, *inputs_and_spec: Any):
-    inputs, spec = _split(inputs_and_spec)
-    return functionalize_body_call(ctx, named_scope_hop, body, inputs, (spec,), lambda unwrapped: unwrapped)
+    return named_scope_hop.functionalize_rule(ctx, body, *inputs_and_spec)
 
 
 # --------------------------------------------------------------------------- proxy
@@ -274,75 +244,20 @@ def _functionalize(ctx: Any, body: Callable, *inputs_and_spec: Any):
 
 @named_scope_hop.py_impl(ProxyTorchDispatchMode)
 def _proxy(mode: ProxyTorchDispatchMode, body: Callable, *inputs_and_spec: Any):
-    inputs, spec = _split(inputs_and_spec)
-    with disable_proxy_modes_tracing():
-        outputs = named_scope_hop(body, *inputs, spec)
-    return emit_body_node(mode, named_scope_hop, body, inputs, (*inputs, spec), outputs)
+    return named_scope_hop.proxy_rule(mode, body, *inputs_and_spec)
 
 
 # --------------------------------------------------------------------------- autograd
+#
+# Eager: the body runs under autograd (its ops record their own backward). Traced: the joint
+# is split (hops._base.RegionPlan): the forward region also returns the residuals its
+# backward reads, and the backward region, named ``<name>/bwd``, takes primals, residuals and
+# cotangents, so nothing is recomputed.
 
 
-def _example_outputs(body: Callable, inputs: Sequence[Any]) -> tuple[list[torch.Tensor], bool]:
-    """Stand-ins for the body's cotangents (fake where the inputs are, else real zeros),
-    and whether the body returns one Tensor (rather than a tuple)."""
-    from torch._guards import detect_fake_mode
-    from torch._higher_order_ops.utils import _from_fun, suspend_functionalization
-    from torch._subclasses.functional_tensor import disable_functional_mode
-
-    with suspend_functionalization(), disable_functional_mode(), disable_proxy_modes_tracing():
-        unwrapped = [_from_fun(t) if isinstance(t, torch.Tensor) else t for t in inputs]
-        fake_mode = detect_fake_mode(unwrapped)
-        if fake_mode is not None:
-            with fake_mode:
-                result = body(*unwrapped)
-                outputs = [result] if isinstance(result, torch.Tensor) else list(result)
-                return [torch.empty_like(o) for o in outputs], isinstance(result, torch.Tensor)
-        scratch = FakeTensorMode(allow_non_fake_inputs=True)
-        with scratch:
-            result = body(*(scratch.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in unwrapped))
-        outputs = [result] if isinstance(result, torch.Tensor) else list(result)
-        cotangents = [torch.zeros(o.shape, dtype=o.dtype, device=o.device) for o in outputs]
-        return cotangents, isinstance(result, torch.Tensor)
-
-
-class _NamedScopeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, spec: ScopeSpec, name: str, split: Any, needs_grad: list, single: bool, *inputs: Any):
-        with torch._C._AutoDispatchBelowAutograd():
-            results = named_scope_hop(named(split.forward, name), *inputs, spec)
-        outputs, residuals = results[: split.num_outputs], results[split.num_outputs :]
-        primals = [inputs[i] for i in split.primals_for_backward]
-        # Ints (SymInts) cannot be saved as tensors: keep them aside.
-        ctx.non_tensors = [None if isinstance(v, torch.Tensor) else v for v in (*primals, *residuals)]
-        ctx.save_for_backward(*(v for v in (*primals, *residuals) if isinstance(v, torch.Tensor)))
-        ctx.spec, ctx.name, ctx.split, ctx.needs_grad = spec, name, split, needs_grad
-        return outputs[0] if single else tuple(outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *cotangents: torch.Tensor):
-        saved = iter(ctx.saved_tensors)
-        values = [next(saved) if value is None else value for value in ctx.non_tensors]
-        grads = named_scope_hop(
-            named(ctx.split.backward, f"{ctx.name}_bwd"), *values, *cotangents, ctx.spec.backward()
-        )
-        # One gradient per input that needed one when the joint was traced.
-        grads = iter((grads,) if isinstance(grads, torch.Tensor) else grads)
-        per_input = [next(grads) if need else None for need in ctx.needs_grad]
-        return (None,) * 5 + tuple(g if need else None for g, need in zip(per_input, ctx.needs_input_grad[5:]))
-
-
-@named_scope_hop.py_autograd_impl
+@named_scope_hop.py_impl(DispatchKey.Autograd)  # always: a closed-over tensor may need grad when no operand does
 def _autograd(body: Callable, *inputs_and_spec: Any):
-    inputs, spec = _split(inputs_and_spec)
-    if not is_tracing(inputs):
-        # Eager: the region is transparent to autograd, so its ops record their own backward.
-        return _run_region(body, inputs, spec)
-    needs_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in inputs]
-    cotangents, single = _example_outputs(body, inputs)
-    joint = trace_joint(body, inputs, cotangents, needs_grad)
-    split = split_joint(joint, len(inputs), len(cotangents))
-    return _NamedScopeFunction.apply(spec, body_name(body), split, needs_grad, single, *inputs)
+    return named_scope_hop.autograd_rule(body, *inputs_and_spec)
 
 
 # --------------------------------------------------------------------------- dynamo

@@ -26,6 +26,8 @@ from torch.fx.experimental.proxy_tensor import (
 )
 
 from hops import _dynamo
+from hops._subgraph import refuse_untracked_xla_operands
+from hops._targets import load_device_rules
 from hops.specs import ShardingSpec
 
 __all__ = ["annotate_sharding", "sharding_annotation_hop"]
@@ -47,6 +49,7 @@ class ShardingAnnotation(HigherOrderOperator):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"annotate_sharding(x=...) must be a Tensor, got {type(x).__name__}")
         _check_specs(spec, grad_spec, ndim=x.dim())
+        load_device_rules((x,))
         return super().__call__(*self.node_args(x, spec, grad_spec))
 
     @staticmethod
@@ -118,6 +121,7 @@ def _functionalize(ctx: Any, x: torch.Tensor, spec: ShardingSpec, grad_spec=None
 
 @sharding_annotation_hop.py_impl(ProxyTorchDispatchMode)
 def _proxy(mode: ProxyTorchDispatchMode, x: torch.Tensor, spec: ShardingSpec, grad_spec=None):
+    refuse_untracked_xla_operands(mode, (x,), "annotate_sharding")
     with disable_proxy_modes_tracing():
         out = sharding_annotation_hop(x, spec, grad_spec)
     node_args = pytree.tree_map(

@@ -514,12 +514,14 @@ class LocalMapSpec(_FxLiteral):
 
     def grad_placements(self) -> tuple[tuple[Placement, ...], ...]:
         """``in_grad_placements`` if given, else each input's placements transposed."""
+        return tuple(self.grad_placement(i) for i in range(len(self.in_placements)))
+
+    def grad_placement(self, index: int) -> tuple[Placement, ...] | None:
+        """The layout of input ``index``'s gradient: given, or its placements transposed."""
         if self.in_grad_placements is not None:
-            return self.in_grad_placements
-        return tuple(
-            None if group is None else tuple(transpose_placement(p, f"in_placements[{i}]") for p in group)
-            for i, group in enumerate(self.in_placements)
-        )
+            return self.in_grad_placements[index]
+        group = self.in_placements[index]
+        return None if group is None else tuple(transpose_placement(p, f"in_placements[{index}]") for p in group)
 
     def with_lifted(self, lifted: Sequence[Any]) -> LocalMapSpec:
         """This spec for inputs extended by values the body closed over (lifted by tracing):

@@ -18,7 +18,11 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from hops._subgraph import body_name
+from torch._C import DispatchKey
+
+from hops._base import flat_body
+from hops._subgraph import _is_view as is_view
+from hops._subgraph import body_name, clone_aliased_outputs
 from hops.local_map import local_map_hop
 from hops.scan import ScanSpec, _length, _run_steps, _slice_examples, _split, scan_hop
 from passes._infra import HopRulePass, PassError, body_module, copy_body_into, graph_modules, replace_tuple_output
@@ -33,6 +37,29 @@ def run_scan(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor, ...]:
     if not any(t.device.type == "xla" for t in inputs if isinstance(t, torch.Tensor)):
         return _run_steps(body, inputs, spec)
     return xla_while(body, carry, xs, additional, length=_length(xs, spec), reverse=spec.reverse)
+
+
+def view_free_graph(body: Callable, examples: list) -> fx.GraphModule:
+    """``body`` traced on fake ``examples`` into a graph without view ops or aliased outputs.
+
+    Device rules run below functionalization, where torch_xla computes views of its tensors
+    wrongly: each view op becomes its ``*_copy`` op (as ``functionalize(remove=
+    "mutations_and_views")`` would; the body is already functionalized). An output that is an
+    input (``return c, y``) becomes a copy: a staged step must compute each loop output."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = clone_aliased_outputs(make_fx(flat_body(body), tracing_mode="fake")(*examples))
+    for module in graph_modules(graph):
+        changed = False
+        for node in module.graph.nodes:
+            if node.op == "call_function" and is_view(node) and isinstance(node.target, torch._ops.OpOverload):
+                packet = getattr(torch.ops.aten, f"{node.target.overloadpacket.__name__}_copy", None)
+                copy = getattr(packet, node.target._overloadname, None) if packet is not None else None
+                if copy is not None:
+                    node.target, changed = copy, True
+        if changed:
+            module.recompile()
+    return graph
 
 
 def run_scan_on_xla(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor, ...]:
@@ -55,7 +82,7 @@ def run_scan_on_xla(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor
     length = _length(xs, spec)
     if length == 0:  # nothing to loop over: the eager rule makes the empty ys
         return _run_steps(body, inputs, spec)
-    step = make_fx(body, tracing_mode="fake")(*carry, *_slice_examples(xs), *additional)
+    step = view_free_graph(body, [*carry, *_slice_examples(xs), *additional])
     if runtime.is_spmd():
         lower_to_xla(step)
     elif any(node.target is local_map_hop for module in graph_modules(step) for node in module.graph.nodes):
@@ -64,6 +91,11 @@ def run_scan_on_xla(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor
             "region, which needs SPMD: call torch_xla.runtime.use_spmd() first"
         )
     return xla_while(step, carry, xs, additional, length=length, reverse=spec.reverse)
+
+
+# ``hops.scan`` called on XLA tensors: one While, not a Python loop that lazy tracing would
+# unroll into ``length`` copies of the body. Registered by the XLA target, not by hops/.
+scan_hop.py_impl(DispatchKey.XLA)(run_scan_on_xla)
 
 
 @register_xla_rule(scan_hop)

@@ -52,7 +52,8 @@ def xla_op_sharding(spec_text: str, ndim: int) -> Any:
     return op_sharding
 
 
-def _sharding_constraint_xla(x: torch.Tensor, spec: str, grad_spec: str | None = None):
+def sharding_constraint_on_xla(x: torch.Tensor, spec: str) -> torch.Tensor:
+    """``x`` as a new XLA value that carries the sharding ``spec`` (a ``Sharding`` custom call)."""
     import torch_xla
 
     # A copy of device data would stay device data and be resharded through the host;
@@ -60,6 +61,10 @@ def _sharding_constraint_xla(x: torch.Tensor, spec: str, grad_spec: str | None =
     out = x * 1
     torch_xla._XLAC._xla_mark_sharding(out, xla_op_sharding(spec, x.dim()))
     return out
+
+
+def _sharding_constraint_xla(x: torch.Tensor, spec: str, grad_spec: str | None = None):
+    return sharding_constraint_on_xla(x, spec)
 
 
 def _sharding_constraint_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

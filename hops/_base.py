@@ -1,0 +1,495 @@
+"""``BodyHOP``: what every HOP with a body shares (scan, local_map, named_scope).
+
+A body HOP is called ``hop(body, *operands, spec)``: ``body`` is a callable (a Python
+function, or a GraphModule once traced) returning a pytree of tensors; the HOP returns the
+flat tuple of its results. Each HOP says what is particular to it in a few methods:
+
+- ``check(body, operands, spec)``: validate a call (raise ``TypeError``/``ValueError``);
+- ``body_inputs(operands, spec)``: what the body sees (one slice of xs, device 0's shards);
+- ``outputs_from_body(outputs, operands, spec)``: the HOP's results from the body's (fake)
+  outputs (ys stacked, global shapes);
+- ``run(body, operands, spec)``: its semantics on real tensors, the reference everything
+  else is checked against; differentiable by autograd when run above it;
+- ``fold_lifted(operands, spec, lifted)``: operands and spec once tensors the body closed
+  over become trailing inputs;
+- ``autograd_plan(body, operands, spec)``: how the HOP differentiates while traced (the
+  forward and backward nodes, see ``hops._joint`` and ``HopFunction``).
+
+and this class implements the rules from them, once: the call (symbolic tracing, Dynamo's
+node form, validation), fake, functionalization, proxy, autograd, and dispatch modes that
+are not tracers. Each HOP module still registers one function per key, so a reader finds
+"what happens under fake tensors" by one decorator, as in torch's own HOPs.
+
+Autograd has two paths. Outside tracing, on the devices where the eager semantics runs, the
+HOP runs ``run`` above autograd: the reference's own gradients are exact, to any order,
+with the forward's random draws and the closure's tensors differentiated as they are.
+While traced (make_fx, AOTAutograd, export) or on XLA, where the backward must itself be a
+HOP node, the body's joint is traced and split, and ``HopFunction`` runs the forward and
+backward nodes that ``autograd_plan`` builds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._C import DispatchKey
+from torch._ops import HigherOrderOperator
+
+from hops import _compat
+from hops._body import inspect_body, lift_closure
+from hops._targets import load_device_rules
+from hops._joint import is_tracing
+from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for the HOP modules)
+    body_name,
+    fresh_outputs,
+    clone_aliased_outputs,
+    find_input_mutation_and_aliasing,
+    named,
+    refuse_untracked_xla_operands,
+    symbolic_trace_call,
+)
+
+__all__ = ["BodyHOP", "HopFunction", "call_body_hop", "flat_body", "needs_traced_autograd"]
+
+
+def flat_body(body: Callable) -> Callable:
+    """``body`` returning the flat tuple of its result's leaves (a subgraph's output form)."""
+    if getattr(body, "hops_flat", False):
+        return body
+
+    def flat(*inputs: Any) -> tuple:
+        return tuple(pytree.tree_leaves(body(*inputs)))
+
+    flat = named(flat, body_name(body))
+    flat.hops_flat = True
+    flat.hops_known_functional = getattr(body, "hops_known_functional", False)
+    return flat
+
+
+class _StructureRecorder:
+    """Calls ``body`` and remembers the pytree structure of what it returned."""
+
+    def __init__(self, body: Callable) -> None:
+        self.body = body
+        self.__name__ = body_name(body)
+        self.treespec: Any = None
+
+    def __call__(self, *inputs: Any) -> Any:
+        result = self.body(*inputs)
+        self.treespec = pytree.tree_structure(result)
+        return result
+
+
+def known_functional(body: Callable) -> Callable:
+    """Mark a body already checked not to write into its inputs (by ``inspect_body`` or
+    because this package built it from a checked graph): later rules need not trace it again
+    to check."""
+    body.hops_known_functional = True
+    return body
+
+
+def needs_traced_autograd(values: Sequence[Any]) -> bool:
+    """Whether a HOP differentiates through its traced joint (``HopFunction``) rather than by
+    running its eager semantics under autograd: while a tracer records, and on XLA, where the
+    forward and backward run as lowered HOP nodes."""
+    return is_tracing(values) or any(isinstance(v, torch.Tensor) and v.device.type == "xla" for v in values)
+
+
+class BodyHOP(HigherOrderOperator):
+    """A HOP ``hop(body, *operands, spec)``; see the module docstring."""
+
+    spec_type: type = object
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        # Selective activation checkpointing caches or replays the whole HOP as one op.
+        _compat.redirect_checkpoint_modes(self)
+
+    # ----------------------------------------------------------------- what each HOP says
+
+    def check(self, body: Callable, operands: Sequence[Any], spec: Any) -> None:
+        raise NotImplementedError
+
+    def body_inputs(self, operands: Sequence[Any], spec: Any) -> tuple:
+        raise NotImplementedError
+
+    def outputs_from_body(self, outputs: Sequence[Any], operands: Sequence[Any], spec: Any) -> tuple:
+        raise NotImplementedError
+
+    def run(self, body: Callable, operands: Sequence[Any], spec: Any) -> tuple:
+        raise NotImplementedError
+
+    def fold_lifted(self, operands: Sequence[Any], spec: Any, lifted: Sequence[Any]) -> tuple[list, Any]:
+        raise NotImplementedError
+
+    def autograd_plan(self, body: Callable, operands: Sequence[Any], spec: Any) -> "AutogradPlan":
+        """How a traced call differentiates; region HOPs (the body runs once on the operands
+        or their shards) share ``RegionPlan`` and say only how residuals cross the boundary."""
+        return cached_plan(lambda: RegionPlan(self, body, operands, spec), body, operands, spec)
+
+    # Region HOPs: the specs of the forward and backward regions, and how a residual leaves
+    # the forward region (``residuals_out``) and enters the backward one (``residuals_in``).
+
+    def forward_spec(self, spec: Any, residuals: Sequence[Any]) -> Any:
+        return spec
+
+    def backward_spec(self, spec: Any, split: Any, residuals: Sequence[Any], needs_grad: Sequence[bool], present: Sequence[int]) -> Any:
+        raise NotImplementedError
+
+    def residuals_out(self, forward: Callable, num_outputs: int) -> Callable:
+        return forward
+
+    def residuals_in(self, residuals: Sequence[Any]) -> list[Callable]:
+        return [lambda value: value for _ in residuals]
+
+    # ----------------------------------------------------------------- the call
+
+    def split_args(self, args: Sequence[Any]) -> tuple[list[Any], Any]:
+        if not args or not isinstance(args[-1], self.spec_type):
+            got = type(args[-1]).__name__ if args else "nothing"
+            raise TypeError(
+                f"{self.__name__}(body, *operands, spec): the last argument must be a "
+                f"hops.{self.spec_type.__name__}, got {got}"
+            )
+        return list(args[:-1]), args[-1]
+
+    def __call__(self, body: Callable, *operands_and_spec: Any):
+        traced = symbolic_trace_call(self, (body, *operands_and_spec))
+        if traced is not None:
+            return traced
+        operands, spec = self.split_args(operands_and_spec)
+        load_device_rules(operands)
+        if operands and isinstance(operands[-1], tuple):
+            # Dynamo's node form: what the body closed over comes as one trailing tuple.
+            *operands, lifted = operands
+            operands, spec = self.fold_lifted(operands, spec, lifted)
+        if not callable(body):
+            raise TypeError(f"{self.__name__}: body must be callable, got {type(body).__name__}")
+        self.check(body, operands, spec)
+        return super().__call__(body, *operands, spec)
+
+    # ----------------------------------------------------------------- shared rules
+
+    def fake_rule(self, mode: Any, body: Callable, *args: Any) -> tuple:
+        operands, spec = self.split_args(args)
+        with mode:
+            outputs = pytree.tree_leaves(body(*self.body_inputs(operands, spec)))
+            return self.outputs_from_body(outputs, operands, spec)
+
+    def functionalize_rule(self, ctx: Any, body: Callable, *args: Any) -> Any:
+        """Unwrap, redispatch with the functionalized body, wrap. A body that writes into
+        its inputs is refused (functionalizing it would silently drop the writes)."""
+        from torch._higher_order_ops.utils import _maybe_run_with_interpreter
+
+        operands, spec = self.split_args(args)
+        if not is_tracing(operands) and not self.has_device_rule(operands):
+            # Eager on a device whose tensors are always functionalized (XLA) and for which no
+            # target registered a rule: the reference runs right here, above
+            # functionalization, which handles its views (below it, torch_xla mis-handles them).
+            return self.run(body, operands, spec)
+        unwrapped = ctx.unwrap_tensors(list(operands))
+        if not getattr(body, "hops_known_functional", False):
+            from hops._joint import trace_graph
+
+            from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+            with disable_proxy_modes_tracing():
+                examples = self.body_inputs(unwrapped, spec)
+            graph = trace_graph(flat_body(body), examples)
+            self.refuse_mutation(graph, body)
+        with ctx.redispatch_to_next():
+            if is_tracing(operands):
+                functional = named(ctx.functionalize(_maybe_run_with_interpreter(flat_body(body))), body_name(body))
+                outputs = self(known_functional(functional), *unwrapped, spec)
+            else:
+                # A device rule (XLA) traces the body itself, on fakes: it gets the body as is.
+                outputs = self(body, *unwrapped, spec)
+        return ctx.wrap_tensors(outputs)
+
+    def has_device_rule(self, operands: Sequence[Any]) -> bool:
+        """Whether a lowering target registered this HOP's eager rule for the operands' device
+        (``DispatchKey.XLA``: the XLA target runs a scan as one While)."""
+        devices = {o.device.type for o in operands if isinstance(o, torch.Tensor)}
+        return "xla" not in devices or DispatchKey.XLA in self.py_kernels
+
+    def refuse_mutation(self, graph: fx.GraphModule, body: Callable) -> None:
+        mutated, _ = find_input_mutation_and_aliasing(graph)
+        if mutated:
+            raise ValueError(
+                f"{self.__name__} {body_name(body)}: the body writes into its input {mutated[0]} in place; "
+                "a body must be functional (compute a new tensor and return it instead)"
+            )
+
+    def proxy_rule(self, mode: Any, body: Callable, *args: Any) -> Any:
+        """Trace the body once on what it sees into a subgraph named after the user function,
+        and emit one node ``hop(subgraph, *operands, spec)``."""
+        from torch._higher_order_ops.utils import reenter_make_fx
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
+
+        operands, spec = self.split_args(args)
+        name = body_name(body)
+        refuse_untracked_xla_operands(mode, operands, f"{self.__name__} {name}")
+        with disable_proxy_modes_tracing():
+            examples = self.body_inputs(operands, spec)
+        with _compat.eager_stance():
+            graph = reenter_make_fx(flat_body(body))(*examples)
+        if not getattr(body, "hops_known_functional", False):
+            self.refuse_mutation(graph, body)
+        clone_aliased_outputs(graph)
+        # make_fx names the class after the function it traced: re-tracing this graph, and
+        # errors raised from it, then name the user function.
+        type(graph).__name__ = name
+        qualname = mode.tracer.get_fresh_qualname(f"{name}_body_")
+        mode.tracer.root.register_module(qualname, graph)
+        (output_node,) = graph.graph.find_nodes(op="output")
+        step = [value.meta.get("val") for value in pytree.tree_leaves(output_node.args[0])]
+        with disable_proxy_modes_tracing():
+            if all(isinstance(v, FakeTensor) for v in step) and all(
+                not isinstance(o, torch.Tensor) or isinstance(o, FakeTensor) for o in operands
+            ):
+                outputs = self.outputs_from_body(step, operands, spec)
+            else:  # make_fx in real mode: run it
+                outputs = self(known_functional(graph), *operands, spec)
+        node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (graph, *operands, spec))
+        out_proxy = mode.tracer.create_proxy("call_function", self, node_args, {})
+        return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
+
+    def autograd_rule(self, body: Callable, *args: Any) -> Any:
+        operands, spec = self.split_args(args)
+        if not needs_traced_autograd(operands):
+            # Eager: the reference semantics under autograd. Its gradients are autograd's own.
+            return self.run(body, operands, spec)
+        if not any(isinstance(o, torch.Tensor) and o.requires_grad for o in operands) or not torch.is_grad_enabled():
+            with torch._C._AutoDispatchBelowAutograd():
+                return self(body, *operands, spec)
+        plan = self.autograd_plan(body, operands, spec)
+        return HopFunction.apply(plan, *operands)
+
+    def dispatch(self, dispatch_key: Any, *args: Any, **kwargs: Any) -> Any:
+        # A dispatch mode that is not a tracer and knows no HOPs (a FLOP counter, a user's
+        # mode, simulated ranks) sees the HOP's eager semantics: the ops it is made of.
+        if dispatch_key == DispatchKey.Python:
+            mode = _compat.current_dispatch_mode()
+            if (
+                mode is not None
+                and type(mode) not in self.python_key_table
+                and not getattr(mode, "supports_higher_order_operators", False)
+            ):
+                body, *rest = args
+                operands, spec = self.split_args(rest)
+                return self.run(body, operands, spec)
+        return super().dispatch(dispatch_key, *args, **kwargs)
+
+
+def _refuse_untraced_closure(closed: Sequence[torch.Tensor], operands: Sequence[Any], what: str, user_function: Any) -> None:
+    """A fake-tensor trace cannot take a real tensor the body reads from its closure: as a
+    constant of the graph it would silently get no gradient. Refused as plain torch code
+    refuses it, with the way out."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from hops._body import _unwrap_functional, describe_tensor
+
+    if not any(isinstance(_unwrap_functional(o), FakeTensor) for o in operands if isinstance(o, torch.Tensor)):
+        return
+    for tensor in closed:
+        if not isinstance(_unwrap_functional(tensor), FakeTensor) and tensor.device.type != "meta":
+            raise TypeError(
+                f"{what}: the body reads {describe_tensor(tensor, user_function)} from outside its "
+                "inputs, a real tensor the fake-tensor tracer does not know (as a constant it would get "
+                "no gradient); pass it as an input (torch.func.functional_call, aot_module), or trace "
+                "with torch.compile / torch.export, which lift parameters themselves"
+            )
+
+
+def call_body_hop(
+    hop: "BodyHOP",
+    body: Callable,
+    operands: Sequence[Any],
+    spec: Any,
+    *,
+    what: str,
+    input_names: Callable[[int], str],
+    user_function: Any,
+) -> Any:
+    """Call ``hop`` the way a public function does and return its results in the
+    structure the body returns them: inspect the body once (refusing writes into what it
+    does not own, learning its output structure), and where a tracer or XLA needs them as
+    inputs, lift the tensors it closes over. Under Dynamo, which lifts and checks bodies
+    itself, the HOP's Dynamo rule returns that structure."""
+    if torch.compiler.is_compiling():
+        return hop(body, *operands, spec)
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    hop.check(body, operands, spec)
+    traced = needs_traced_autograd(operands)
+    with disable_proxy_modes_tracing():
+        examples = hop.body_inputs(operands, spec)
+    info = inspect_body(
+        body,
+        examples,
+        what=what,
+        input_names=input_names,
+        user_function=user_function,
+        eager=not traced,
+    )
+    if not info.complete:
+        # The body reads tensor values in Python, so it runs for real only: its structure
+        # is recorded on that run.
+        recorder = _StructureRecorder(body)
+        results = hop(recorder, *operands, spec)
+        return pytree.tree_unflatten(list(results), recorder.treespec)
+    body = known_functional(body)
+    if traced and info.closed:
+        _refuse_untraced_closure(info.closed, operands, what, user_function)
+        body = known_functional(lift_closure(body, len(operands), info.read))
+        operands, spec = hop.fold_lifted(operands, spec, tuple(info.closed))
+    results = hop(body, *operands, spec)
+    return pytree.tree_unflatten(list(results), pytree.tree_structure(info.outputs))
+
+
+# --------------------------------------------------------------------------- traced autograd
+
+
+class AutogradPlan:
+    """How one traced call of a body HOP differentiates: ``forward`` runs the forward node(s)
+    below autograd and returns ``(outputs, saved)``; ``backward`` runs the backward node(s)
+    on what was saved and the outputs' cotangents (``None`` where an output got none) and
+    returns one gradient (or ``None``) per operand. ``backward`` runs where autograd is live
+    when double backward asks for it, so its HOP calls are differentiated in turn."""
+
+    def forward(self, operands: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
+        raise NotImplementedError
+
+    def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
+        raise NotImplementedError
+
+
+class HopFunction(torch.autograd.Function):
+    """The autograd node of a traced body HOP call: the forward and backward are HOP nodes
+    built by an ``AutogradPlan``, so forward and backward graphs carry the HOP."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: AutogradPlan, *operands: Any):
+        with torch._C._AutoDispatchBelowAutograd():
+            outputs, saved = plan.forward(operands)
+        ctx.plan = plan
+        ctx.set_materialize_grads(False)
+        # Ints and symbolic ints cannot go through save_for_backward: keep them aside.
+        ctx.non_tensors = [None if isinstance(v, torch.Tensor) else v for v in saved]
+        ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
+        not_differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and not (o.is_floating_point() or o.is_complex())]
+        if not_differentiable:
+            ctx.mark_non_differentiable(*not_differentiable)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: Any):
+        tensors = iter(ctx.saved_tensors)
+        saved = [next(tensors) if v is None else v for v in ctx.non_tensors]
+        if all(c is None for c in cotangents):
+            return (None,) * len(ctx.needs_input_grad)
+        grads = ctx.plan.backward(saved, list(cotangents))
+        return (None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:])))
+
+
+# --------------------------------------------------------------------------- regions
+#
+# A region HOP (named_scope, local_map) runs its body once on its operands (or on each
+# device's shards of them). Its traced autograd is a forward region that also returns the
+# residuals, and a backward region from (the primals it reads, the residuals, the present
+# cotangents) to the gradients of the operands that need one.
+
+import weakref  # noqa: E402
+
+_PLANS: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+
+
+def cached_plan(make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
+    """``make()``, or the plan made for an equal call in the same fake mode: AOTAutograd runs
+    a function twice (metadata, then the joint); an equal call is traced and split once.
+
+    Equal means the same body (or the same ``hops_trace_key``: public functions make a new
+    body per call around one user function), operand metadata and requires_grad, and spec."""
+    from torch._guards import detect_fake_mode
+
+    from hops._body import _unwrap_functional
+
+    metadata = []
+    for value in operands:
+        if not isinstance(value, torch.Tensor):
+            return make()
+        inner = _unwrap_functional(value)
+        if not all(isinstance(size, int) for size in inner.shape):
+            return make()
+        metadata.append((tuple(inner.shape), inner.stride(), inner.dtype, inner.device, value.requires_grad))
+    mode = detect_fake_mode([_unwrap_functional(v) for v in operands])
+    if mode is None:
+        return make()
+    cache = _PLANS.setdefault(mode, {})
+    key = (getattr(body, "hops_trace_key", body), tuple(metadata), spec)
+    plan = cache.get(key)
+    if plan is None:
+        plan = cache[key] = make()
+    return plan
+
+
+class RegionPlan(AutogradPlan):
+    """The traced autograd of one region HOP call (see above). ``hop`` supplies the specs
+    of the forward and backward regions, and how residuals cross a region's boundary."""
+
+    def __init__(self, hop: "BodyHOP", body: Callable, operands: Sequence[Any], spec: Any) -> None:
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+        from hops._joint import body_output_examples, is_differentiable, split_joint, trace_joint
+
+        self.hop, self.spec, self.name = hop, spec, body_name(body)
+        self.needs_grad = [is_differentiable(o) and o.requires_grad for o in operands]
+        with disable_proxy_modes_tracing():
+            examples = hop.body_inputs(operands, spec)
+        flat = flat_body(body)
+        outputs = body_output_examples(flat, examples)
+        self.num_outputs = len(outputs)
+        self.differentiable = [i for i, o in enumerate(outputs) if is_differentiable(o)]
+        # Shape, dtype and device of each output the body computes (for zero cotangents).
+        self.local_outputs = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outputs]
+        joint = trace_joint(flat, examples, outputs, self.needs_grad)
+        self.split = split_joint(joint, len(examples), len(outputs))
+        (forward_output,) = self.split.forward.graph.find_nodes(op="output")
+        self.residuals = [v.meta["val"] for v in forward_output.args[0][self.num_outputs :]]
+
+    def forward(self, operands: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
+        split = self.split
+        forward_body = known_functional(named(self.hop.residuals_out(split.forward, self.num_outputs), self.name))
+        results = self.hop(forward_body, *operands, self.hop.forward_spec(self.spec, self.residuals))
+        outputs, residuals = results[: self.num_outputs], results[self.num_outputs :]
+        return outputs, [*(operands[i] for i in split.primals_in_backward), *residuals]
+
+    def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
+        split = self.split
+        present = [i for i in self.differentiable if cotangents[i] is not None]
+        num_primals = len(split.primals_in_backward)
+        residual_inputs = self.hop.residuals_in(self.residuals)
+        local_outputs, differentiable = self.local_outputs, self.differentiable
+
+        def backward(*values: Any) -> tuple:
+            primals = values[:num_primals]
+            residuals = [unwrap(v) for unwrap, v in zip(residual_inputs, values[num_primals : num_primals + len(residual_inputs)])]
+            given = list(values[num_primals + len(residual_inputs) :])
+            like, given = given[0], iter(given)
+            # An output nobody differentiated gets a zero cotangent here, inside the region:
+            # no global zeros and no layout for them are needed outside. (Made like a present
+            # cotangent, so a traced graph makes them on the device it runs on.)
+            full = [
+                next(given) if i in present else like.new_zeros(local_outputs[i][0], dtype=local_outputs[i][1])
+                for i in differentiable
+            ]
+            return tuple(split.backward(*primals, *residuals, *full))
+
+        backward_body = known_functional(named(backward, f"{self.name}_bwd"))
+        backward_spec = self.hop.backward_spec(self.spec, split, self.residuals, self.needs_grad, present)
+        grads = iter(self.hop(backward_body, *saved, *(cotangents[i] for i in present), backward_spec))
+        return [next(grads) if need else None for need in self.needs_grad]
