@@ -320,7 +320,7 @@ def call_body_hop(
     does not own, learning its output structure), and where a tracer or XLA needs them as
     inputs, lift the tensors it closes over. Under Dynamo, which lifts and checks bodies
     itself, the HOP's Dynamo rule returns that structure."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return hop(body, *operands, spec)
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 

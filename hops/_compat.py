@@ -93,6 +93,15 @@ def dynamo_speculate_subgraph(tx: Any, body: Any, body_inputs: list, hop: Any) -
     return graph, lifted, output_spec.treespec
 
 
+def dynamo_getattr(tx: Any, variable: Any, name: str) -> Any:
+    """The VariableTracker of ``variable.name`` inside Dynamo's trace: ``var_getattr`` up to
+    2.13; 2.15's frozen-dataclass variables answer ``tp_getattro_impl`` instead."""
+    getattr_impl = getattr(variable, "var_getattr", None)
+    if getattr_impl is not None:
+        return getattr_impl(tx, name)
+    return variable.tp_getattro_impl(tx, name)
+
+
 def dynamo_unflatten(tx: Any, flat_variable: Any, treespec: Any) -> Any:
     """``pytree.tree_unflatten(list(flat_variable), treespec)`` inside Dynamo's trace, the way
     Dynamo's own HOP variables return structured results (private helpers, same in 2.9-2.15)."""
@@ -159,7 +168,7 @@ def eager_stance() -> Iterator[None]:
     """``torch.compile``d functions run as plain Python inside (``set_stance("force_eager")``,
     public since 2.6): this package's inspection and tracing of a body run its Python on fake
     tensors, where a compiled step must mean what its code says."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         yield
         return
     with torch.compiler.set_stance("force_eager"):

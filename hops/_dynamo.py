@@ -57,7 +57,7 @@ def _rebuild_in_trace(tx: Any, arg: Any) -> Any:
     value_type = arg.python_type()
     if dataclasses.is_dataclass(value_type):
         fields = [f.name for f in dataclasses.fields(value_type) if f.init]
-        return value_type(**{f: _rebuild_in_trace(tx, arg.var_getattr(tx, f)) for f in fields})
+        return value_type(**{f: _rebuild_in_trace(tx, _compat.dynamo_getattr(tx, arg, f)) for f in fields})
     return arg.as_python_constant()
 
 

@@ -54,7 +54,7 @@ def rename_inner_function(factory: Callable, inner: str, name: str) -> Callable:
     ``co_name``; an assigned ``__name__`` is not seen by every version), so a wrapper that
     defines its body inside traced code gets the user's function name this way.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         # Dynamo cannot trace code-object surgery; a wrapper built inside compiled code keeps
         # the generic name rather than breaking the graph.
         return factory
@@ -94,10 +94,11 @@ def fresh_outputs(outputs: Sequence[Any], inputs: Sequence[Any]) -> tuple:
 
 
 def strip_detach(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop ``aten.detach`` nodes: value no-ops left behind by tracing a vjp."""
+    """Drop ``aten.detach`` nodes (``aten.alias`` on torch 2.15): value no-ops left behind by
+    tracing a vjp."""
     changed = False
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+        if node.op == "call_function" and node.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             changed = True

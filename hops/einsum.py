@@ -192,7 +192,7 @@ def einsum(equation: str, *operands: Any) -> torch.Tensor:
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
     if (
-        torch.compiler.is_compiling()
+        torch.compiler.is_dynamo_compiling()
         or not isinstance(equation, str)
         or not all(isinstance(o, torch.Tensor) for o in operands)
     ):

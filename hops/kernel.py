@@ -47,7 +47,7 @@ from hops import _compat, _dynamo
 from hops._joint import is_tracing
 from hops._subgraph import fresh_outputs, refuse_untracked_xla_operands
 from hops._targets import load_device_rules
-from hops.specs import _FxLiteral
+from hops.specs import _FxLiteral, register_spec_type
 
 __all__ = ["kernel", "Kernel", "KernelParams", "on_kernel_defined"]
 
@@ -115,6 +115,9 @@ class KernelParams(_FxLiteral):
 
     def __repr__(self) -> str:
         return "hops.KernelParams.of(" + ", ".join(f"{name}={value!r}" for name, value in self.items) + ")"
+
+
+register_spec_type("KernelParams.of", KernelParams.of)
 
 
 # --------------------------------------------------------------------------- the HOP

@@ -39,7 +39,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hops import _compat, _dynamo
 from hops._base import BodyHOP, call_body_hop, fresh_outputs
 from hops._subgraph import body_name, rename_inner_function
-from hops.specs import _FxLiteral
+from hops.specs import _FxLiteral, register_spec_type
 
 __all__ = ["named_scope", "named_scope_hop", "ScopeSpec"]
 
@@ -69,6 +69,9 @@ class ScopeSpec(_FxLiteral):
     def backward(self) -> ScopeSpec:
         """The scope of this region's backward: ``<name>/bwd``."""
         return ScopeSpec(f"{self.name}/bwd")
+
+
+register_spec_type("ScopeSpec", ScopeSpec)
 
 
 class NamedScope(BodyHOP):

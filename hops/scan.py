@@ -39,7 +39,7 @@ from hops import _dynamo
 from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, flat_body, fresh_outputs, known_functional
 from hops._joint import body_output_examples, is_differentiable, split_joint, trace_joint
 from hops._subgraph import body_name, named, rename_inner_function
-from hops.specs import _FxLiteral
+from hops.specs import _FxLiteral, register_spec_type
 
 __all__ = ["scan", "scan_hop", "ScanSpec"]
 
@@ -83,7 +83,10 @@ class ScanSpec(_FxLiteral):
             for name, default in (("length", None), ("reverse", False), ("remat", False), ("unroll", 1))
             if getattr(self, name) != default
         )
-        return f"hops.ScanSpec(num_carry={self.num_carry}, num_xs={self.num_xs}{extra})"
+        return f"hops.ScanSpec({self.num_carry}, {self.num_xs}{extra})"
+
+
+register_spec_type("ScanSpec", ScanSpec)
 
 
 class Scan(BodyHOP):
@@ -273,9 +276,9 @@ def scan(
     spec = ScanSpec(len(init_leaves), len(xs_leaves), static_length, reverse, remat, unroll)
     # Under Dynamo the code-object rename cannot be traced; hops/_dynamo.py names the
     # subgraph after the step's closure variable fn instead.
-    make_step = _make_step if torch.compiler.is_compiling() else _named_step_factories(name)
+    make_step = _make_step if torch.compiler.is_dynamo_compiling() else _named_step_factories(name)
     step = make_step(fn, carry_treespec, xs_treespec, init_leaves, name)
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_dynamo_compiling():
         # Equal keys run the same fn on the same structure: AOTAutograd's two passes over
         # one program trace this step's joint once.
         step.hops_trace_key = (fn, carry_treespec, xs_treespec, len(additional))

@@ -4,10 +4,10 @@ Semantics: the identity on values (the output is a new tensor that does not alia
 with a statement of how the value should be laid out on a mesh. The statement is the
 typed ``ShardingSpec`` in the node's args, so it survives every tracer and every pass.
 
-Node form: ``hops_sharding_annotation(x, spec)`` or, when the gradient should be laid
-out differently, ``hops_sharding_annotation(x, spec, grad_spec)``. The gradient goes
-through the same HOP with the pair swapped, so backward graphs carry the annotation too
-and the transpose of the transpose is the original node.
+Node form: ``hops_sharding_annotation(x, spec)``. ``spec.placements`` lay out the value;
+``spec.grad_placements``, when given, lay out its gradient. The gradient goes through the
+same HOP with the transposed spec (``spec.grad``: the two layouts swapped), so backward
+graphs carry the annotation too, and the transpose of the transpose is the original node.
 """
 
 from __future__ import annotations
@@ -34,28 +34,28 @@ __all__ = ["annotate_sharding", "sharding_annotation_hop"]
 
 
 class ShardingAnnotation(HigherOrderOperator):
-    """HOP ``hops_sharding_annotation(x, spec[, grad_spec])``."""
+    """HOP ``hops_sharding_annotation(x, spec)``."""
 
     def __init__(self) -> None:
         # The package prefix keeps this name from overwriting another HOP's in torch's
         # single global HOP registry.
         super().__init__("hops_sharding_annotation")
 
-    def __call__(self, x: torch.Tensor, spec: ShardingSpec, grad_spec: ShardingSpec | None = None):
+    def __call__(self, x: torch.Tensor, spec: ShardingSpec):
         if isinstance(x, torch.fx.Proxy):
             # torch.fx symbolic tracing (also how a pickled GraphModule is rebuilt).
-            _check_specs(spec, grad_spec, ndim=None)
-            return x.tracer.create_proxy("call_function", self, self.node_args(x, spec, grad_spec), {})
+            _check_spec(spec, ndim=None)
+            return x.tracer.create_proxy("call_function", self, (x, spec), {})
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"annotate_sharding(x=...) must be a Tensor, got {type(x).__name__}")
-        _check_specs(spec, grad_spec, ndim=x.dim())
+        _check_spec(spec, ndim=x.dim())
         load_device_rules((x,))
-        return super().__call__(*self.node_args(x, spec, grad_spec))
+        return super().__call__(x, spec)
 
     @staticmethod
-    def node_args(x: Any, spec: Any, grad_spec: Any = None) -> tuple[Any, ...]:
-        """The canonical node args: ``grad_spec`` only when it differs from ``spec``."""
-        return (x, spec) if grad_spec is None or grad_spec == spec else (x, spec, grad_spec)
+    def node_args(x: Any, spec: Any) -> tuple[Any, ...]:
+        """The node args (Dynamo's rule builds the node from them)."""
+        return (x, spec)
 
 
 sharding_annotation_hop = ShardingAnnotation()
@@ -66,31 +66,44 @@ def annotate_sharding(
 ) -> torch.Tensor:
     """Return a copy of ``x`` annotated as laid out per ``spec``.
 
-    ``grad_spec`` is the layout of the gradient of the result (default: ``spec``).
-    Raises ``TypeError``/``ValueError`` naming the argument for a non-tensor ``x``, a
-    non-``ShardingSpec`` spec, or a ``Shard(d)`` with ``d`` out of range for ``x``.
+    ``grad_spec`` is the layout of the gradient of the result (default: ``spec``'s own
+    ``grad_placements``, else ``spec``); it must be on ``spec``'s mesh. Raises
+    ``TypeError``/``ValueError`` naming the argument for a non-tensor ``x``, a
+    non-``ShardingSpec`` spec, a gradient layout on another mesh, or a ``Shard(d)`` with ``d``
+    out of range for ``x``.
     """
-    return sharding_annotation_hop(x, spec, grad_spec)
-
-
-def _check_specs(spec: Any, grad_spec: Any, ndim: int | None) -> None:
     for name, value in (("spec", spec), ("grad_spec", grad_spec)):
-        if value is None and name == "grad_spec":
-            continue
-        if not isinstance(value, ShardingSpec):
+        if not (value is None and name == "grad_spec") and not isinstance(value, ShardingSpec):
             raise TypeError(
-                f"annotate_sharding({name}=...) must be a hops.ShardingSpec, "
-                f"got {type(value).__name__} {value!r}"
+                f"annotate_sharding({name}=...) must be a hops.ShardingSpec, got {type(value).__name__} {value!r}"
             )
-        if ndim is not None:
-            value.check_tensor(ndim, f"annotate_sharding({name}=...)")
+    if grad_spec is not None:
+        if grad_spec.mesh != spec.mesh:
+            raise ValueError(
+                f"annotate_sharding(grad_spec=...) is on {grad_spec.mesh!r} but spec on {spec.mesh!r}: "
+                "a value and its gradient are laid out on one mesh"
+            )
+        if grad_spec.placements != spec.placements:
+            spec = ShardingSpec(spec.mesh, spec.placements, grad_spec.placements)
+        else:
+            spec = spec.layout
+    return sharding_annotation_hop(x, spec)
+
+
+def _check_spec(spec: Any, ndim: int | None) -> None:
+    if not isinstance(spec, ShardingSpec):
+        raise TypeError(f"annotate_sharding(spec=...) must be a hops.ShardingSpec, got {type(spec).__name__} {spec!r}")
+    if ndim is not None:
+        spec.check_tensor(ndim, "annotate_sharding(spec=...)")
+        if spec.grad_placements is not None:
+            spec.grad.check_tensor(ndim, "annotate_sharding(grad_spec=...)")
 
 
 # --------------------------------------------------------------------------- eager
 
 
 @sharding_annotation_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
-def _eager(x: torch.Tensor, spec: ShardingSpec, grad_spec: ShardingSpec | None = None):
+def _eager(x: torch.Tensor, spec: ShardingSpec):
     # A plain tensor has no layout to change; the value is the identity, without aliasing.
     return x.clone()
 
@@ -99,7 +112,7 @@ def _eager(x: torch.Tensor, spec: ShardingSpec, grad_spec: ShardingSpec | None =
 
 
 @sharding_annotation_hop.py_impl(FakeTensorMode)
-def _fake(mode: FakeTensorMode, x: torch.Tensor, spec: ShardingSpec, grad_spec=None):
+def _fake(mode: FakeTensorMode, x: torch.Tensor, spec: ShardingSpec):
     # py_impl(FakeTensorMode), not register_fake: 2.9's fake-kernel path expects tuples.
     with mode:
         return x.clone()
@@ -109,10 +122,10 @@ def _fake(mode: FakeTensorMode, x: torch.Tensor, spec: ShardingSpec, grad_spec=N
 
 
 @sharding_annotation_hop.py_functionalize_impl
-def _functionalize(ctx: Any, x: torch.Tensor, spec: ShardingSpec, grad_spec=None):
+def _functionalize(ctx: Any, x: torch.Tensor, spec: ShardingSpec):
     unwrapped = ctx.unwrap_tensors(x)
     with ctx.redispatch_to_next():
-        out = sharding_annotation_hop(unwrapped, spec, grad_spec)
+        out = sharding_annotation_hop(unwrapped, spec)
     return ctx.wrap_tensors(out)
 
 
@@ -120,13 +133,11 @@ def _functionalize(ctx: Any, x: torch.Tensor, spec: ShardingSpec, grad_spec=None
 
 
 @sharding_annotation_hop.py_impl(ProxyTorchDispatchMode)
-def _proxy(mode: ProxyTorchDispatchMode, x: torch.Tensor, spec: ShardingSpec, grad_spec=None):
+def _proxy(mode: ProxyTorchDispatchMode, x: torch.Tensor, spec: ShardingSpec):
     refuse_untracked_xla_operands(mode, (x,), "annotate_sharding")
     with disable_proxy_modes_tracing():
-        out = sharding_annotation_hop(x, spec, grad_spec)
-    node_args = pytree.tree_map(
-        mode.tracer.unwrap_proxy, sharding_annotation_hop.node_args(x, spec, grad_spec)
-    )
+        out = sharding_annotation_hop(x, spec)
+    node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (x, spec))
     out_proxy = mode.tracer.create_proxy("call_function", sharding_annotation_hop, node_args, {})
     return track_tensor_tree(out, out_proxy, constant=None, tracer=mode.tracer)
 
@@ -136,24 +147,21 @@ def _proxy(mode: ProxyTorchDispatchMode, x: torch.Tensor, spec: ShardingSpec, gr
 
 class _ShardingAnnotationFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: ShardingSpec, grad_spec: ShardingSpec | None):
-        ctx.spec, ctx.grad_spec = spec, grad_spec
+    def forward(ctx: Any, x: torch.Tensor, spec: ShardingSpec):
+        ctx.spec = spec
         with torch._C._AutoDispatchBelowAutograd():
-            return sharding_annotation_hop(x, spec, grad_spec)
+            return sharding_annotation_hop(x, spec)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        # The cotangent is laid out per grad_spec; its own cotangent (double backward) per spec.
-        if ctx.grad_spec is None:
-            grad_x = sharding_annotation_hop(grad, ctx.spec)
-        else:
-            grad_x = sharding_annotation_hop(grad, ctx.grad_spec, ctx.spec)
-        return grad_x, None, None
+        # The cotangent is laid out per the gradient layout; its own cotangent (double
+        # backward) per the value's: the transposed spec.
+        return sharding_annotation_hop(grad, ctx.spec.grad), None
 
 
 @sharding_annotation_hop.py_autograd_impl
-def _autograd(x: torch.Tensor, spec: ShardingSpec, grad_spec: ShardingSpec | None = None):
-    return _ShardingAnnotationFunction.apply(x, spec, grad_spec)
+def _autograd(x: torch.Tensor, spec: ShardingSpec):
+    return _ShardingAnnotationFunction.apply(x, spec)
 
 
 # --------------------------------------------------------------------------- dynamo

@@ -28,6 +28,7 @@ __all__ = [
     "LocalMapSpec",
     "transpose_placement",
     "spec_from_text",
+    "register_spec_type",
 ]
 
 PARTIAL_REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -130,9 +131,15 @@ class Mesh(_FxLiteral):
             raise ValueError(f"unknown mesh axis {axis_name!r}; the mesh has axes {self.axis_names}")
         return self.axis_names.index(axis_name)
 
+    @classmethod
+    def of(cls, device_ids: Any = None, /, **axes: int) -> Mesh:
+        """``Mesh.of(data=2, model=2)``: axes by name and size, in order (the repr's form)."""
+        return cls(tuple(axes.values()), tuple(axes.keys()), device_ids)
+
     def __repr__(self) -> str:
-        ids = "" if self.device_ids == tuple(range(self.size)) else f", device_ids={self.device_ids!r}"
-        return f"hops.Mesh(shape={self.shape!r}, axis_names={self.axis_names!r}{ids})"
+        ids = "" if self.device_ids == tuple(range(self.size)) else f"{self.device_ids!r}, "
+        axes = ", ".join(f"{name}={size}" for name, size in zip(self.axis_names, self.shape))
+        return f"hops.Mesh.of({ids}{axes})"
 
     # -- conversions
     def to_xla(self) -> Any:
@@ -313,15 +320,22 @@ class ShardingSpec(_FxLiteral):
 
     mesh: Mesh
     placements: tuple[Placement, ...]
+    grad_placements: tuple[Placement, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
             raise TypeError(
                 f"ShardingSpec(mesh=...) must be a hops.Mesh, got {type(self.mesh).__name__}"
             )
-        if isinstance(self.placements, (Placement, str)) or not isinstance(
-            self.placements, Iterable
-        ):
+        if self.grad_placements is not None:
+            grads = self.grad_placements
+            if isinstance(grads, str):
+                grads = parse_placements(grads, "ShardingSpec(grad_placements=...)")
+            grads = placements_tuple(grads, self.mesh, "ShardingSpec(grad_placements=...)")
+            object.__setattr__(self, "grad_placements", grads)
+        if isinstance(self.placements, str):
+            object.__setattr__(self, "placements", parse_placements(self.placements, "ShardingSpec(placements=...)"))
+        if isinstance(self.placements, Placement) or not isinstance(self.placements, Iterable):
             raise TypeError(
                 "ShardingSpec(placements=...) must be a sequence with one placement per mesh "
                 f"axis, got {self.placements!r}"
@@ -338,13 +352,25 @@ class ShardingSpec(_FxLiteral):
         object.__setattr__(self, "placements", placements)
 
     def __repr__(self) -> str:
-        placements = ", ".join(map(repr, self.placements))
-        if len(self.placements) == 1:
-            placements += ","
-        return f"hops.ShardingSpec(mesh={self.mesh!r}, placements=({placements}))"
+        grads = "" if self.grad_placements is None else f", {placements_text(self.grad_placements)!r}"
+        return f"hops.ShardingSpec({self.mesh!r}, {placements_text(self.placements)!r}{grads})"
+
+    @property
+    def layout(self) -> ShardingSpec:
+        """This spec without a gradient layout: how the value itself is laid out."""
+        return self if self.grad_placements is None else ShardingSpec(self.mesh, self.placements)
+
+    @property
+    def grad(self) -> ShardingSpec:
+        """The spec of the gradient: its layout, and the value's as the gradient's gradient.
+        ``spec.grad.grad == spec``."""
+        if self.grad_placements is None:
+            return self
+        return ShardingSpec(self.mesh, self.grad_placements, self.placements)
 
     @property
     def has_partial(self) -> bool:
+        """Whether the value's layout has a pending reduction (no XLA sharding states that)."""
         return any(isinstance(p, Partial) for p in self.placements)
 
     def check_tensor(self, ndim: int, argument: str) -> None:
@@ -416,6 +442,73 @@ class ShardingSpec(_FxLiteral):
         return tuple(p.to_dtensor() for p in self.placements)
 
 
+# --------------------------------------------------------------------------- compact text
+#
+# Placements print as one token per mesh axis: ``S(d)`` (Shard(d)), ``R`` (Replicate()),
+# ``P`` (Partial()) or ``P(max)`` (Partial('max')); ``S(0)R`` is (Shard(0), Replicate()).
+# A list of per-tensor placements separates tensors by ", " and writes a non-tensor as "-".
+# Spec constructors accept this text, so a spec's repr is short, valid Python.
+
+
+def placements_text(placements: Sequence[Placement]) -> str:
+    return "".join(_token(p) for p in placements)
+
+
+def _token(placement: Placement) -> str:
+    if isinstance(placement, Shard):
+        return f"S({placement.dim})"
+    if isinstance(placement, Replicate):
+        return "R"
+    assert isinstance(placement, Partial)
+    return "P" if placement.reduce_op == "sum" else f"P({placement.reduce_op})"
+
+
+def groups_text(groups: Sequence[Sequence[Placement] | None]) -> str:
+    return ", ".join("-" if g is None else placements_text(g) for g in groups)
+
+
+def parse_placements(text: str, where: str) -> tuple[Placement, ...]:
+    """``"S(0)R"`` -> ``(Shard(0), Replicate())``; ``ValueError`` naming ``where`` otherwise."""
+    placements: list[Placement] = []
+    rest = text.strip()
+    while rest:
+        if rest[0] == "R":
+            placements.append(Replicate())
+            rest = rest[1:]
+        elif rest[0] in "SP":
+            kind, argument = rest[0], None
+            if rest[1:2] == "(":
+                close = rest.find(")")
+                if close < 0:
+                    raise ValueError(f"{where}: unclosed '(' in placements {text!r}")
+                argument, rest = rest[2:close], rest[close + 1 :]
+            else:
+                rest = rest[1:]
+            if kind == "S":
+                if argument is None or not argument.isdigit():
+                    raise ValueError(f"{where}: Shard needs a dim, as in 'S(0)', in placements {text!r}")
+                placements.append(Shard(int(argument)))
+            else:
+                placements.append(Partial() if argument is None else Partial(argument))
+        else:
+            raise ValueError(
+                f"{where}: cannot read placements {text!r} at {rest!r}; expected one of S(d), R, P, P(op) per mesh axis"
+            )
+    if not placements:
+        raise ValueError(f"{where}: empty placements {text!r}")
+    return tuple(placements)
+
+
+def parse_groups(text: str, where: str) -> tuple[tuple[Placement, ...] | None, ...]:
+    """``"S(0)R, RR, -"`` -> one placements tuple per tensor (``None`` for ``-``)."""
+    if not text.strip():
+        return ()
+    return tuple(
+        None if part.strip() == "-" else parse_placements(part, f"{where}[{i}]")
+        for i, part in enumerate(text.split(","))
+    )
+
+
 # --------------------------------------------------------------------------- local_map spec
 
 Placements = tuple  # one Placement per mesh axis
@@ -480,6 +573,8 @@ class LocalMapSpec(_FxLiteral):
             value = getattr(self, name)
             if value is None and name == "in_grad_placements":
                 continue
+            if isinstance(value, str):
+                value = parse_groups(value, f"LocalMapSpec({name}=...)")
             if not isinstance(value, (tuple, list)):
                 raise TypeError(f"{name} must be a tuple of per-tensor placements, got {value!r}")
             # None marks a non-tensor input (an int or SymInt the body reads), passed as is.
@@ -499,17 +594,10 @@ class LocalMapSpec(_FxLiteral):
             )
 
     def __repr__(self) -> str:
-        def fmt(groups: tuple[tuple[Placement, ...] | None, ...]) -> str:
-            inner = ", ".join(
-                "None" if g is None else "(" + ", ".join(map(repr, g)) + ("," if len(g) == 1 else "") + ")"
-                for g in groups
-            )
-            return "(" + inner + ("," if len(groups) == 1 else "") + ")"
-
-        grads = "" if self.in_grad_placements is None else f", in_grad_placements={fmt(self.in_grad_placements)}"
+        grads = "" if self.in_grad_placements is None else f", {groups_text(self.in_grad_placements)!r}"
         return (
-            f"hops.LocalMapSpec(mesh={self.mesh!r}, in_placements={fmt(self.in_placements)}, "
-            f"out_placements={fmt(self.out_placements)}{grads})"
+            f"hops.LocalMapSpec({self.mesh!r}, {groups_text(self.in_placements)!r}, "
+            f"{groups_text(self.out_placements)!r}{grads})"
         )
 
     def grad_placements(self) -> tuple[tuple[Placement, ...], ...]:
@@ -559,17 +647,39 @@ class LocalMapSpec(_FxLiteral):
 
 
 # --------------------------------------------------------------------------- text form
+#
+# Every spec value's repr is a call of a registered constructor with literal arguments
+# (numbers, strings, tuples, ``torch.<dtype>``, other spec values). ``spec_from_text`` reads
+# it back without ``eval``: what saved programs (``torch.export``) and the XLA ops' string
+# arguments carry.
 
-_TEXT_CONSTRUCTORS = {
-    cls.__name__: cls for cls in (Mesh, Shard, Replicate, Partial, ShardingSpec, LocalMapSpec)
-}
+_TEXT_CONSTRUCTORS: dict[str, Any] = {}
+
+
+def register_spec_type(name: str, constructor: Any) -> None:
+    """Let ``spec_from_text`` read calls of ``hops.<name>(...)`` (``name`` may be dotted,
+    e.g. ``"Mesh.of"``). Every HOP module registers the spec values its nodes take."""
+    _TEXT_CONSTRUCTORS[name] = constructor
+
+
+for _name, _constructor in (
+    ("Mesh", Mesh),
+    ("Mesh.of", Mesh.of),
+    ("Shard", Shard),
+    ("Replicate", Replicate),
+    ("Partial", Partial),
+    ("ShardingSpec", ShardingSpec),
+    ("LocalMapSpec", LocalMapSpec),
+):
+    register_spec_type(_name, _constructor)
 
 
 def spec_from_text(text: str) -> Any:
     """Parse the ``repr`` of a spec value back into the value, without ``eval``.
 
-    Accepts only calls of this module's constructors (``hops.X(...)`` or ``X(...)``) with
-    literal arguments; anything else is a ``ValueError``.
+    Accepts only calls of registered constructors (``hops.X(...)``, ``X(...)``,
+    ``hops.X.of(...)``) with literal arguments and ``torch`` dtypes; anything else is a
+    ``ValueError``.
     """
     if not isinstance(text, str):
         raise TypeError(f"spec_from_text expects str, got {type(text).__name__}")
@@ -580,19 +690,32 @@ def spec_from_text(text: str) -> Any:
     return _build(tree.body, text)
 
 
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return None if head is None else f"{head}.{node.attr}"
+    return None
+
+
 def _build(node: ast.AST, text: str) -> Any:
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, (ast.Tuple, ast.List)):
         return tuple(_build(e, text) for e in node.elts)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant):
+        return -node.operand.value
+    if isinstance(node, ast.Attribute) and _dotted(node) is not None and _dotted(node).startswith("torch."):
+        import torch
+
+        value = getattr(torch, _dotted(node).removeprefix("torch."), None)
+        if isinstance(value, torch.dtype):
+            return value
     if isinstance(node, ast.Call):
-        func = node.func
-        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "hops":
-            name = func.attr
-        elif isinstance(func, ast.Name):
-            name = func.id
-        else:
-            name = None
+        name = _dotted(node.func)
+        if name is not None and name.startswith("hops."):
+            name = name.removeprefix("hops.")
         if name in _TEXT_CONSTRUCTORS:
             args = [_build(a, text) for a in node.args]
             kwargs = {k.arg: _build(k.value, text) for k in node.keywords if k.arg is not None}

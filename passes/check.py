@@ -2,7 +2,7 @@
 
 A graph states a layout wherever a typed spec meets a region directly:
 - a sharding annotation feeds a region input: its placements must be the input's
-  ``in_placements`` (and, if it has a ``grad_spec``, that must be the input's gradient
+  ``in_placements`` (and, if it has gradient placements, they must be the input's gradient
   placements: the layout the region produces for that gradient);
 - a region output is annotated: the annotation must match the output's ``out_placements``;
 - a region output feeds another region: ``out_placements`` must be the consumer's
@@ -32,13 +32,7 @@ def _stated_layout(value: Any) -> tuple[str, Any, Any, Any] | None:
         return None
     if value.target is sharding_annotation_hop:
         spec = value.args[1]
-        grad_spec = value.args[2] if len(value.args) > 2 else None
-        return (
-            f"annotation {value.name}",
-            spec.mesh,
-            spec.placements,
-            None if grad_spec is None else grad_spec.placements,
-        )
+        return (f"annotation {value.name}", spec.mesh, spec.placements, spec.grad_placements)
     if value.target is operator.getitem and _is_region(value.args[0]):
         region, index = value.args
         spec = region.args[-1]
@@ -77,7 +71,7 @@ def _mismatches(region: fx.Node) -> list[str]:
         index = user.args[1]
         for consumer in user.users:
             if consumer.op == "call_function" and consumer.target is sharding_annotation_hop:
-                annotation: ShardingSpec = consumer.args[1]
+                annotation: ShardingSpec = consumer.args[1]  # its gradient layout is the region's business
                 if annotation.mesh != spec.mesh or annotation.placements != spec.out_placements[index]:
                     problems.append(
                         f"{region.name} output {index}: annotation {consumer.name} lays it out as "

@@ -34,29 +34,26 @@ def register_xla_rule(hop: object):
     return register
 
 
-def _spec_text(node: fx.Node, spec: object, argument: str) -> str:
+def _spec_text(node: fx.Node, spec: object) -> str:
     if not isinstance(spec, ShardingSpec):
         raise PassError(
-            f"lower_to_xla: {node.format_node()}: {argument} must be a hops.ShardingSpec, "
-            f"got {type(spec).__name__}"
+            f"lower_to_xla: {node.format_node()}: the spec must be a hops.ShardingSpec, got {type(spec).__name__}"
         )
-    if spec.has_partial:
-        raise PassError(
-            f"lower_to_xla: {node.format_node()}: {argument} {spec!r} has a Partial placement; "
-            "an XLA sharding describes a whole value, so a sharding annotation cannot be Partial"
-        )
+    for what, layout in (("its value", spec.layout), ("its gradient", spec.grad.layout)):
+        if layout.has_partial:
+            raise PassError(
+                f"lower_to_xla: {node.format_node()}: {spec!r} lays out {what} with a Partial placement; "
+                "an XLA sharding describes a whole value, so a sharding annotation cannot be Partial"
+            )
     return repr(spec)
 
 
 @register_xla_rule(sharding_annotation_hop)
 def lower_sharding_annotation_to_xla(node: fx.Node) -> None:
-    x, spec, *grad_spec = node.args
-    args = (x, _spec_text(node, spec, "spec"))
-    if grad_spec:
-        args += (_spec_text(node, grad_spec[0], "grad_spec"),)
+    x, spec = node.args
     # Rewriting the node in place keeps its name and stack trace.
     node.target = xla_ops.sharding_constraint
-    node.args = args
+    node.args = (x, _spec_text(node, spec))
 
 
 @register_xla_rule(local_map_hop)
@@ -105,7 +102,7 @@ def _spmd() -> bool:
 
 
 @sharding_annotation_hop.py_impl(DispatchKey.XLA)
-def annotate_on_xla(x: torch.Tensor, spec: ShardingSpec, grad_spec: ShardingSpec | None = None) -> torch.Tensor:
+def annotate_on_xla(x: torch.Tensor, spec: ShardingSpec) -> torch.Tensor:
     """The result carries the sharding, as after ``xs.mark_sharding`` (without SPMD there is
     no sharding to state: a copy)."""
     if not _spmd():

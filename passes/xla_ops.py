@@ -21,14 +21,14 @@ from hops.specs import ShardingSpec, spec_from_text
 
 _lib = torch.library.Library("hops_xla", "DEF")
 
-_lib.define("sharding_constraint(Tensor x, str spec, str? grad_spec=None) -> Tensor")
+_lib.define("sharding_constraint(Tensor x, str spec) -> Tensor")
 
 
-def _sharding_constraint_copy(x: torch.Tensor, spec: str, grad_spec: str | None = None):
+def _sharding_constraint_copy(x: torch.Tensor, spec: str):
     return x.clone()
 
 
-def _sharding_constraint_fake(x: torch.Tensor, spec: str, grad_spec: str | None = None):
+def _sharding_constraint_fake(x: torch.Tensor, spec: str):
     return torch.empty_like(x)
 
 
@@ -53,7 +53,7 @@ def xla_op_sharding(spec_text: str, ndim: int) -> Any:
 
 
 def sharding_constraint_on_xla(x: torch.Tensor, spec: str) -> torch.Tensor:
-    """``x`` as a new XLA value that carries the sharding ``spec`` (a ``Sharding`` custom call)."""
+    """``x`` as a new XLA value that carries the layout ``spec`` (a ``Sharding`` custom call)."""
     import torch_xla
 
     # A copy of device data would stay device data and be resharded through the host;
@@ -63,18 +63,24 @@ def sharding_constraint_on_xla(x: torch.Tensor, spec: str) -> torch.Tensor:
     return out
 
 
-def _sharding_constraint_xla(x: torch.Tensor, spec: str, grad_spec: str | None = None):
+def _sharding_constraint_xla(x: torch.Tensor, spec: str):
+    # The XLA sharding states the value's placements (a spec's gradient placements are the
+    # backward's business).
     return sharding_constraint_on_xla(x, spec)
 
 
+@functools.lru_cache(maxsize=None)
+def _gradient_spec_text(spec_text: str) -> str:
+    """The text of the transposed spec: the gradient's layout first."""
+    return repr(spec_from_text(spec_text).grad)
+
+
 def _sharding_constraint_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _, ctx.spec, ctx.grad_spec = inputs
+    _, ctx.spec = inputs
 
 
 def _sharding_constraint_backward(ctx: Any, grad: torch.Tensor):
-    if ctx.grad_spec is None:
-        return sharding_constraint(grad, ctx.spec), None, None
-    return sharding_constraint(grad, ctx.grad_spec, ctx.spec), None, None
+    return sharding_constraint(grad, _gradient_spec_text(ctx.spec)), None
 
 
 _lib.impl("sharding_constraint", _sharding_constraint_copy, "CompositeExplicitAutograd")

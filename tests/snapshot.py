@@ -10,13 +10,16 @@ import torch.fx as fx
 
 from hops._subgraph import strip_detach  # noqa: F401  (re-exported for tests)
 
-_DROP = re.compile(r"^\s*(# No stacktrace found.*|# File: .*|# Annotation: .*)$")
+# Comments differ between torch versions (stack traces, 2.15's backward provenance).
+_DROP = re.compile(r"^\s*(#|# No stacktrace found.*|# File: .*|# Annotation: .*|# Backward of forward node: .*)$")
+# The codegen frees each value after its last use (";  a = b = None"): noise for a reader.
+_FREES = re.compile(r";  (\w+ = )+None$")
 
 
 def normalize(text: str) -> str:
     lines = []
     for line in text.splitlines():
-        line = line.rstrip()
+        line = _FREES.sub("", line.rstrip())
         if not line.strip() or _DROP.match(line):
             continue
         lines.append(line)
@@ -24,7 +27,8 @@ def normalize(text: str) -> str:
 
 
 def readable(gm: fx.GraphModule) -> str:
-    """``gm.print_readable`` without stack traces, blank lines or trailing spaces."""
+    """``gm.print_readable`` without stack traces, blank lines, trailing spaces or the
+    statements that free values after their last use."""
     return normalize(gm.print_readable(print_output=False))
 
 

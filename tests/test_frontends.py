@@ -1,0 +1,177 @@
+"""Every HOP sample (``hop_db``) through every frontend: the HOP stays one node with typed
+spec arguments, the recorded program computes the reference on new inputs, and every pass
+gives the same code with all meta deleted. Graph snapshots live with each sample."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from hop_db import SAMPLES, Sample
+from snapshot import TestCase, aot_trace, compile_trace, delete_meta, readable
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import hops
+import passes
+from hops._subgraph import strip_detach
+
+
+def hop_nodes(gm: fx.GraphModule, hop) -> list[fx.Node]:
+    return [
+        node
+        for module in gm.modules()
+        if isinstance(module, fx.GraphModule)
+        for node in module.graph.nodes
+        if node.op == "call_function" and node.target is hop
+    ]
+
+
+def operations(gm: fx.GraphModule) -> list:
+    """``gm``'s nodes and those of its subgraphs as (op, target, args), nodes by position."""
+    result = []
+    for name, module in sorted(gm.named_modules()):
+        if not isinstance(module, fx.GraphModule):
+            continue
+        position = {node: i for i, node in enumerate(module.graph.nodes)}
+
+        def arg(value):
+            if isinstance(value, fx.Node):
+                return ("node", position[value])
+            return value
+
+        for node in module.graph.nodes:
+            target = node.target if node.op != "get_attr" else "<attribute>"
+            result.append((name, node.op, str(target), pytree.tree_map(arg, (node.args, node.kwargs))))
+    return result
+
+
+def detached(values):
+    return tuple(v.detach() for v in values)
+
+
+def reference_grads(sample: type[Sample], inputs):
+    outputs = sample.reference(*inputs)
+    loss = sum(o.sum() for o in pytree.tree_leaves(outputs))
+    return outputs, torch.autograd.grad(loss, inputs)
+
+
+class Module(torch.nn.Module):
+    def __init__(self, program):
+        super().__init__()
+        self.program = program
+
+    def forward(self, *inputs):
+        return self.program(*inputs)
+
+
+def trace(frontend: str, sample: type[Sample]) -> dict[str, fx.GraphModule]:
+    """The graphs ``frontend`` records for ``sample``, checked against the reference on new inputs."""
+    inputs, fresh = sample.inputs(0), sample.inputs(1)
+    if frontend.startswith("make_fx"):
+        mode = frontend.removeprefix("make_fx_")
+        program = sample.program
+        if mode == "functionalized":
+            program, mode = torch.func.functionalize(program), "fake"
+        gm = make_fx(program, tracing_mode=mode)(*detached(inputs))
+        torch.testing.assert_close(gm(*detached(fresh)), sample.reference(*detached(fresh)))
+        return {"graph": gm}
+    if frontend == "aot":
+        forward, backward, outputs = aot_trace(sample.program, *inputs)
+        expected, expected_grads = reference_grads(sample, fresh)
+        forward_again, backward_again, outputs = aot_trace(sample.program, *fresh)
+        torch.testing.assert_close(outputs, expected)
+        torch.testing.assert_close(tuple(t.grad for t in fresh), expected_grads)
+        return {"forward": forward, "backward": backward}
+    if frontend.startswith("export"):
+        program = torch.export.export(Module(sample.program), detached(inputs), strict=frontend == "export_strict")
+        torch.testing.assert_close(program.module()(*detached(fresh)), sample.reference(*detached(fresh)))
+        return {"graph": program.graph_module}
+    if frontend == "dynamo":
+        graphs, outputs = compile_trace(sample.program, *fresh)
+        expected, expected_grads = reference_grads(sample, sample.inputs(1))
+        torch.testing.assert_close(outputs, expected)
+        torch.testing.assert_close(tuple(t.grad for t in fresh), expected_grads)
+        return graphs
+    raise ValueError(frontend)
+
+
+FRONTENDS = [
+    "make_fx_real",
+    "make_fx_fake",
+    "make_fx_symbolic",
+    "make_fx_functionalized",
+    "aot",
+    "export_strict",
+    "export_non_strict",
+    "dynamo",
+]
+
+
+class TestFrontends(TestCase):
+    """``test_<sample>_<frontend>``: one node with typed specs, and the reference's numbers."""
+
+    def check_frontend(self, sample, frontend):
+        graphs = trace(frontend, sample)
+        nodes = [node for gm in graphs.values() for node in hop_nodes(gm, sample.hop)]
+        self.assertTrue(nodes, f"{sample.name}: no {sample.hop.__name__} node in the {frontend} graphs")
+        for node in nodes:
+            spec = node.args[-1]
+            self.assertTrue(hasattr(spec, "__fx_create_arg__"), f"{node.format_node()} has no typed spec")
+            self.assertEqual(spec, eval(repr(spec), {"hops": hops}))
+        snapshot = getattr(sample, f"snapshot_{frontend}", None)
+        if snapshot is not None:
+            snapshot(self, "".join(readable(strip_detach(gm)) for gm in graphs.values()))
+
+
+class TestGraphsAsData(TestCase):
+    """Recorded graphs are data: passes read node args only (``test_<sample>_<frontend>_meta_free``)
+    and graphs round-trip through pickle and deepcopy with the same code."""
+
+    def check_meta_free(self, sample, frontend):
+        for gm in trace(frontend, sample).values():
+            for run in (passes.inline_hops, passes.lower_to_xla, passes.unroll_scan, passes.check_placements):
+                with_meta, without_meta = copy.deepcopy(gm), copy.deepcopy(gm)
+                delete_meta(without_meta)
+                outcomes = []
+                for graph in (with_meta, without_meta):
+                    try:
+                        run(graph)
+                        outcomes.append({n: m.code for n, m in graph.named_modules() if isinstance(m, fx.GraphModule)})
+                    except passes.PassError as error:
+                        outcomes.append(str(error))
+                self.assertEqual(outcomes[0], outcomes[1])
+
+    def check_round_trip(self, sample, frontend):
+        for gm in trace(frontend, sample).values():
+            # Unpickling re-traces the code, which renames nodes after their targets: the
+            # operations and their arguments are what must come back.
+            for clone in (copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))):
+                self.assertEqual(operations(clone), operations(gm))
+
+
+def _add_tests() -> None:
+    for sample in SAMPLES:
+        for frontend in FRONTENDS:
+            setattr(
+                TestFrontends,
+                f"test_{sample.name}_{frontend}",
+                lambda self, sample=sample, frontend=frontend: self.check_frontend(sample, frontend),
+            )
+        for frontend in ("make_fx_fake", "aot", "dynamo"):
+            setattr(
+                TestGraphsAsData,
+                f"test_{sample.name}_{frontend}_meta_free",
+                lambda self, sample=sample, frontend=frontend: self.check_meta_free(sample, frontend),
+            )
+        for frontend in ("make_fx_fake", "aot"):
+            setattr(
+                TestGraphsAsData,
+                f"test_{sample.name}_{frontend}_round_trip",
+                lambda self, sample=sample, frontend=frontend: self.check_round_trip(sample, frontend),
+            )
+
+
+_add_tests()
