@@ -52,35 +52,49 @@ from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for th
     symbolic_trace_call,
 )
 
-__all__ = ["BodyHOP", "HopFunction", "call_body_hop", "flat_body", "needs_traced_autograd"]
+__all__ = ["BodyHOP", "FlatBody", "HopFunction", "call_body_hop", "flat_body", "needs_traced_autograd"]
 
 
-def flat_body(body: Callable) -> Callable:
-    """``body`` returning the flat tuple of its result's leaves (a subgraph's output form)."""
-    if getattr(body, "hops_flat", False):
-        return body
+class FlatBody:
+    """``body`` returning the flat tuple of its result's leaves, and remembering their
+    structure (``treespec``) from its last call.
 
-    def flat(*inputs: Any) -> tuple:
-        return tuple(pytree.tree_leaves(body(*inputs)))
-
-    flat = named(flat, body_name(body))
-    flat.hops_flat = True
-    flat.hops_known_functional = getattr(body, "hops_known_functional", False)
-    return flat
-
-
-class _StructureRecorder:
-    """Calls ``body`` and remembers the pytree structure of what it returned."""
+    A body HOP's rules see bodies of this form (a subgraph's output is a flat tuple);
+    ``BodyHOP.__call__`` returns the flat results in the structure the body returned."""
 
     def __init__(self, body: Callable) -> None:
         self.body = body
-        self.__name__ = body_name(body)
         self.treespec: Any = None
+        self.__name__ = self.__qualname__ = body_name(body)
+        self.hops_known_functional = getattr(body, "hops_known_functional", False)
+        self.hops_trace_key = getattr(body, "hops_trace_key", body)
 
-    def __call__(self, *inputs: Any) -> Any:
-        result = self.body(*inputs)
-        self.treespec = pytree.tree_structure(result)
-        return result
+    def __call__(self, *inputs: Any) -> tuple:
+        leaves, self.treespec = pytree.tree_flatten(self.body(*inputs))
+        return tuple(leaves)
+
+    def unflatten(self, flat: Sequence[Any]) -> Any:
+        if self.treespec is None:  # no rule ran the body: its results are already flat
+            return flat
+        return pytree.tree_unflatten(list(flat), self.treespec)
+
+
+def flat_body(body: Callable) -> FlatBody:
+    return body if isinstance(body, FlatBody) else FlatBody(body)
+
+
+def set_trace_key(body: Callable, *key: Any) -> None:
+    """Say which user function and call structure ``body`` runs: equal keys in one fake-mode
+    trace reuse one inspection and one traced joint (AOTAutograd's two passes, a scan of
+    the same step twice). Nothing is set if the key is not hashable (e.g. a list argument),
+    or under Dynamo (which traces bodies itself)."""
+    if torch.compiler.is_dynamo_compiling():
+        return
+    try:
+        hash(key)
+    except TypeError:
+        return
+    body.hops_trace_key = key
 
 
 def known_functional(body: Callable) -> Callable:
@@ -169,7 +183,13 @@ class BodyHOP(HigherOrderOperator):
         if not callable(body):
             raise TypeError(f"{self.__name__}: body must be callable, got {type(body).__name__}")
         self.check(body, operands, spec)
-        return super().__call__(body, *operands, spec)
+        if isinstance(body, FlatBody):
+            # A rule calling the HOP again (or torch-function handling re-entering it): rules
+            # speak in flat results.
+            return super().__call__(body, *operands, spec)
+        # Rules see (and trace) the flat body; the caller gets the body's own structure.
+        body = FlatBody(body)
+        return body.unflatten(super().__call__(body, *operands, spec))
 
     # ----------------------------------------------------------------- shared rules
 
@@ -198,11 +218,11 @@ class BodyHOP(HigherOrderOperator):
 
             with disable_proxy_modes_tracing():
                 examples = self.body_inputs(unwrapped, spec)
-            graph = trace_graph(flat_body(body), examples)
+            graph = trace_graph(body, examples)
             self.refuse_mutation(graph, body)
         with ctx.redispatch_to_next():
             if is_tracing(operands):
-                functional = named(ctx.functionalize(_maybe_run_with_interpreter(flat_body(body))), body_name(body))
+                functional = FlatBody(named(ctx.functionalize(_maybe_run_with_interpreter(body)), body_name(body)))
                 outputs = self(known_functional(functional), *unwrapped, spec)
             else:
                 # A device rule (XLA) traces the body itself, on fakes: it gets the body as is.
@@ -236,7 +256,7 @@ class BodyHOP(HigherOrderOperator):
         with disable_proxy_modes_tracing():
             examples = self.body_inputs(operands, spec)
         with _compat.eager_stance():
-            graph = reenter_make_fx(flat_body(body))(*examples)
+            graph = reenter_make_fx(body)(*examples)
         if not getattr(body, "hops_known_functional", False):
             self.refuse_mutation(graph, body)
         clone_aliased_outputs(graph)
@@ -267,6 +287,8 @@ class BodyHOP(HigherOrderOperator):
             with torch._C._AutoDispatchBelowAutograd():
                 return self(body, *operands, spec)
         plan = self.autograd_plan(body, operands, spec)
+        if isinstance(body, FlatBody) and body.treespec is None:  # a plan reused from an equal call
+            body.treespec = plan.treespec
         return HopFunction.apply(plan, *operands)
 
     def dispatch(self, dispatch_key: Any, *args: Any, **kwargs: Any) -> Any:
@@ -315,40 +337,36 @@ def call_body_hop(
     input_names: Callable[[int], str],
     user_function: Any,
 ) -> Any:
-    """Call ``hop`` the way a public function does and return its results in the
-    structure the body returns them: inspect the body once (refusing writes into what it
-    does not own, learning its output structure), and where a tracer or XLA needs them as
-    inputs, lift the tensors it closes over. Under Dynamo, which lifts and checks bodies
-    itself, the HOP's Dynamo rule returns that structure."""
+    """Call ``hop`` the way a public function does: inspect the body once (refusing writes
+    into what it does not own), and where a tracer or XLA needs them as inputs, lift the
+    tensors it closes over. Under Dynamo, which lifts and checks bodies itself, just call it.
+    The results come in the structure the body returns."""
     if torch.compiler.is_dynamo_compiling():
         return hop(body, *operands, spec)
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
     hop.check(body, operands, spec)
     traced = needs_traced_autograd(operands)
-    with disable_proxy_modes_tracing():
-        examples = hop.body_inputs(operands, spec)
-    info = inspect_body(
-        body,
-        examples,
-        what=what,
-        input_names=input_names,
-        user_function=user_function,
-        eager=not traced,
-    )
+    def inspect() -> Any:
+        with disable_proxy_modes_tracing():
+            examples = hop.body_inputs(operands, spec)
+        return inspect_body(
+            body, examples, what=what, input_names=input_names, user_function=user_function, eager=not traced
+        )
+
+    info = cached_per_trace("inspection", inspect, body, operands, spec) if traced else inspect()
     if not info.complete:
-        # The body reads tensor values in Python, so it runs for real only: its structure
-        # is recorded on that run.
-        recorder = _StructureRecorder(body)
-        results = hop(recorder, *operands, spec)
-        return pytree.tree_unflatten(list(results), recorder.treespec)
+        # The body reads tensor values in Python: it runs for real only, uninspected.
+        return hop(body, *operands, spec)
     body = known_functional(body)
     if traced and info.closed:
         _refuse_untraced_closure(info.closed, operands, what, user_function)
+        trace_key = getattr(body, "hops_trace_key", None)
         body = known_functional(lift_closure(body, len(operands), info.read))
+        if trace_key is not None:
+            body.hops_trace_key = (trace_key, tuple(id(t) for t in info.read))
         operands, spec = hop.fold_lifted(operands, spec, tuple(info.closed))
-    results = hop(body, *operands, spec)
-    return pytree.tree_unflatten(list(results), pytree.tree_structure(info.outputs))
+    return hop(body, *operands, spec)
 
 
 # --------------------------------------------------------------------------- traced autograd
@@ -366,6 +384,9 @@ class AutogradPlan:
 
     def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
         raise NotImplementedError
+
+    # The structure of the body's result (the HOP's results are returned in it).
+    treespec: Any = None
 
 
 class HopFunction(torch.autograd.Function):
@@ -405,15 +426,18 @@ class HopFunction(torch.autograd.Function):
 
 import weakref  # noqa: E402
 
-_PLANS: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+# fake mode -> {(kind, body key, operand metadata, spec): inspection or plan}
+_PER_TRACE: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
 
 
-def cached_plan(make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
-    """``make()``, or the plan made for an equal call in the same fake mode: AOTAutograd runs
-    a function twice (metadata, then the joint); an equal call is traced and split once.
+def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
+    """``make()``, or what it made for an equal call in the same fake mode (``kind`` names the
+    cache: an inspection, an autograd plan). AOTAutograd runs a function twice (metadata,
+    then the joint): an equal call is inspected, traced and split once.
 
     Equal means the same body (or the same ``hops_trace_key``: public functions make a new
-    body per call around one user function), operand metadata and requires_grad, and spec."""
+    body per call around one user function), operand metadata and requires_grad, and spec.
+    Outside a fake-tensor trace, or with symbolic shapes, nothing is reused."""
     from torch._guards import detect_fake_mode
 
     from hops._body import _unwrap_functional
@@ -429,12 +453,16 @@ def cached_plan(make: Callable[[], Any], body: Callable, operands: Sequence[Any]
     mode = detect_fake_mode([_unwrap_functional(v) for v in operands])
     if mode is None:
         return make()
-    cache = _PLANS.setdefault(mode, {})
-    key = (getattr(body, "hops_trace_key", body), tuple(metadata), spec)
-    plan = cache.get(key)
-    if plan is None:
-        plan = cache[key] = make()
-    return plan
+    cache = _PER_TRACE.setdefault(mode, {})
+    key = (kind, getattr(body, "hops_trace_key", body), tuple(metadata), spec)
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
+    return value
+
+
+def cached_plan(make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
+    return cached_per_trace("plan", make, body, operands, spec)
 
 
 class RegionPlan(AutogradPlan):
@@ -452,6 +480,7 @@ class RegionPlan(AutogradPlan):
             examples = hop.body_inputs(operands, spec)
         flat = flat_body(body)
         outputs = body_output_examples(flat, examples)
+        self.treespec = flat.treespec
         self.num_outputs = len(outputs)
         self.differentiable = [i for i, o in enumerate(outputs) if is_differentiable(o)]
         # Shape, dtype and device of each output the body computes (for zero cotangents).

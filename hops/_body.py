@@ -91,19 +91,31 @@ def inspection_mode(values: Sequence[Any]) -> Any:
 
 @contextlib.contextmanager
 def fake_run_context() -> Iterator[None]:
-    """Run Python over fake tensors outside any tracer: no proxy recording, no
-    functionalization, and ``torch.compile``d functions run eagerly (Dynamo cannot trace
-    inside our inspection modes, and a compiled step must mean the same as its Python)."""
+    """Run Python over fake tensors outside any tracer or transform: no proxy recording, no
+    functionalization, no torch.func transform, and ``torch.compile``d functions run eagerly
+    (Dynamo cannot trace inside our inspection modes, and a compiled step must mean the
+    same as its Python)."""
     from torch._higher_order_ops.utils import suspend_functionalization
     from torch._subclasses.functional_tensor import disable_functional_mode
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-    with suspend_functionalization(), disable_functional_mode(), disable_proxy_modes_tracing(), _compat.eager_stance():
+    with (
+        suspend_functionalization(),
+        disable_functional_mode(),
+        disable_proxy_modes_tracing(),
+        torch._C._DisableFuncTorch(),
+        _compat.eager_stance(),
+    ):
         yield
 
 
-# Stand-ins made by any inspection: never "outside" tensors for an enclosing inspection.
-_STAND_INS: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+# Stand-ins made by any inspection (by id): never "outside" tensors for an enclosing
+# inspection. (Not a WeakSet: its membership test compares tensors with ==.)
+_STAND_INS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def _is_stand_in(t: torch.Tensor) -> bool:
+    return _STAND_INS.get(id(t)) is t
 
 
 class _ClosureMode(TorchFunctionMode):
@@ -149,13 +161,13 @@ class _SwapOutsideTensors(_ClosureMode):
         self.outside: dict[int, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]] = {}
 
     def map(self, t: torch.Tensor) -> torch.Tensor:
-        if id(t) in self.known or t in _STAND_INS:
+        if id(t) in self.known or _is_stand_in(t):
             return t
         entry = self.outside.get(id(t))
         if entry is None:
             original = self.resolve(t)
             copy = stand_in(original, self.mode)
-            _STAND_INS.add(copy)
+            _STAND_INS[id(copy)] = copy
             entry = self.outside[id(t)] = (original, copy, copy._version, t)
             self.known.add(id(copy))
             self.alive.append(copy)
@@ -195,7 +207,7 @@ def inspect_body(
     mode = inspection_mode(inputs)
     with fake_run_context():
         stand_ins = [stand_in(v, mode) if isinstance(v, torch.Tensor) else v for v in inputs]
-        _STAND_INS.update(v for v in stand_ins if isinstance(v, torch.Tensor))
+        _STAND_INS.update((id(v), v) for v in stand_ins if isinstance(v, torch.Tensor))
         tensors = [(i, v) for i, v in enumerate(stand_ins) if isinstance(v, torch.Tensor)]
         versions = [v._version for _, v in tensors]
         swap = _SwapOutsideTensors(mode, [v for _, v in tensors])

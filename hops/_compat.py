@@ -68,8 +68,8 @@ def dynamo_speculate_subgraph(tx: Any, body: Any, body_inputs: list, hop: Any) -
     (each a TensorVariable whose node's ``example_value`` gives the input's metadata), then
     the lifted closure values; ``lifted`` maps each outer proxy to its inner placeholder, in
     input order. The graph returns the flat leaves of what ``body`` returns, whose structure
-    is ``treespec``. Mutating or aliasing an input, or aliasing between outputs, is a graph
-    break.
+    is ``treespec``. Mutating an input is a graph break; an output that is an input is
+    allowed (the HOP's rules return copies of such outputs, as in eager).
 
     ``speculate_subgraph`` is private but has these arguments from 2.9 to 2.15 (2.13 calls it
     the legacy path; newer torch HOPs use ``speculate_subgraph_with_auto_output_flattening``,
@@ -88,7 +88,7 @@ def dynamo_speculate_subgraph(tx: Any, body: Any, body_inputs: list, hop: Any) -
         should_flatten_outputs=True,
         remove_consts_from_outputs=False,
         supports_input_mutation=False,
-        supports_aliasing=False,
+        supports_aliasing=True,
     )
     return graph, lifted, output_spec.treespec
 

@@ -35,7 +35,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _dynamo, _layout
-from hops._base import BodyHOP, call_body_hop
+from hops._base import BodyHOP, call_body_hop, set_trace_key
 from hops._subgraph import named
 from hops._subgraph import body_name, rename_inner_function
 from hops.specs import LocalMapSpec, Mesh, Placement, Shard, is_placement_like, placements_tuple
@@ -262,6 +262,7 @@ def local_map(
         )
 
         body = make_body(fn, leaves, tensor_positions, args_treespec, out_treespec, out_placements)
+        set_trace_key(body, fn, args_treespec, out_treespec, [leaf for p, leaf in enumerate(leaves) if p not in tensor_positions])
         tensors = [leaves[p] for p in tensor_positions]
         flat_outputs = call_body_hop(
             local_map_hop,
@@ -300,7 +301,8 @@ def _make_body(
             result_leaves = None
         if result_leaves is None or not all(isinstance(r, torch.Tensor) for r in result_leaves):
             raise TypeError(
-                f"local_map({body_name(fn)}) returned {pytree.tree_map(lambda r: type(r).__name__, result)}, "
+                f"local_map({body_name(fn)}) returned "
+                f"{pytree.tree_map(lambda r: 'Tensor' if isinstance(r, torch.Tensor) else type(r).__name__, result)}, "
                 f"which does not match out_placements {out_placements!r}"
             )
         return tuple(result_leaves)

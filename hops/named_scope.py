@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo
-from hops._base import BodyHOP, call_body_hop, fresh_outputs
+from hops._base import BodyHOP, call_body_hop, fresh_outputs, set_trace_key
 from hops._subgraph import body_name, rename_inner_function
 from hops.specs import _FxLiteral, register_spec_type
 
@@ -135,6 +135,7 @@ def named_scope(name: str) -> Callable[[Callable], Callable]:
             leaves, treespec = pytree.tree_flatten((args, kwargs))
             tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
             body = make_body(fn, leaves, tensor_positions, treespec, spec)
+            set_trace_key(body, fn, treespec, [leaf for i, leaf in enumerate(leaves) if i not in tensor_positions])
             tensors = [leaves[i] for i in tensor_positions]
             return call_body_hop(
                 named_scope_hop,

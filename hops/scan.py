@@ -36,7 +36,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _dynamo
-from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, flat_body, fresh_outputs, known_functional
+from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, set_trace_key, flat_body, fresh_outputs, known_functional
 from hops._joint import body_output_examples, is_differentiable, split_joint, trace_joint
 from hops._subgraph import body_name, named, rename_inner_function
 from hops.specs import _FxLiteral, register_spec_type
@@ -278,10 +278,7 @@ def scan(
     # subgraph after the step's closure variable fn instead.
     make_step = _make_step if torch.compiler.is_dynamo_compiling() else _named_step_factories(name)
     step = make_step(fn, carry_treespec, xs_treespec, init_leaves, name)
-    if not torch.compiler.is_dynamo_compiling():
-        # Equal keys run the same fn on the same structure: AOTAutograd's two passes over
-        # one program trace this step's joint once.
-        step.hops_trace_key = (fn, carry_treespec, xs_treespec, len(additional))
+    set_trace_key(step, fn, carry_treespec, xs_treespec, len(additional))
     leaf_names = [
         *(f"carry leaf {i}" for i in range(len(init_leaves))),
         *(f"xs leaf {i}" for i in range(len(xs_leaves))),
@@ -430,6 +427,7 @@ class _ScanPlan(AutogradPlan):
             examples = scan_hop.body_inputs(inputs, spec)
         flat = flat_body(body)
         outputs = body_output_examples(flat, examples)
+        self.treespec = flat.treespec
         _check_step(self.name, outputs, carry)
         # Every float carry carries gradient between steps; xs and additional inputs get one
         # where they ask for it.

@@ -51,9 +51,10 @@ def _spec_text(node: fx.Node, spec: object) -> str:
 @register_xla_rule(sharding_annotation_hop)
 def lower_sharding_annotation_to_xla(node: fx.Node) -> None:
     x, spec = node.args
+    text = _spec_text(node, spec)
     # Rewriting the node in place keeps its name and stack trace.
     node.target = xla_ops.sharding_constraint
-    node.args = (x, _spec_text(node, spec))
+    node.args = (x, text)
 
 
 @register_xla_rule(local_map_hop)

@@ -597,18 +597,18 @@ class GraphModule(torch.nn.Module):
 # --------------------------------------------------------------------------- kernel
 
 
-def _scaled_tanh_backward(x, out, grad, *, scale):
-    return grad * scale * (1 - out * out)
+def _scaled_cube_backward(x, out, grad, *, scale):
+    return grad * scale * 3 * x * x
 
 
-@hops.kernel(abstract=lambda x, *, scale: torch.empty_like(x), backward=_scaled_tanh_backward)
-def scaled_tanh(x, *, scale=1.0):
-    return torch.tanh(x * scale)
+@hops.kernel(abstract=lambda x, *, scale: torch.empty_like(x), backward=_scaled_cube_backward)
+def scaled_cube(x, *, scale=1.0):
+    return scale * x * x * x
 
 
 class Kernel(Sample):
     name = "kernel"
-    hop = scaled_tanh
+    hop = scaled_cube
 
     @staticmethod
     def inputs(seed=0):
@@ -616,11 +616,11 @@ class Kernel(Sample):
 
     @staticmethod
     def program(x):
-        return scaled_tanh(x, scale=2.0) * x
+        return scaled_cube(x, scale=2.0) + x
 
     @staticmethod
     def reference(x):
-        return torch.tanh(x * 2.0) * x
+        return 2.0 * x * x * x + x
 
     # ---- snapshots (filled with EXPECTTEST_ACCEPT=1; one string holds on every torch version)
 
@@ -628,37 +628,35 @@ class Kernel(Sample):
         t.assertExpectedInline(text, """\
 class program(torch.nn.Module):
     def forward(self, x_1: "f32[2, 3]"):
-        hops_kernel_scaled_tanh: "f32[2, 3]" = torch.ops.higher_order.hops_kernel_scaled_tanh(x_1, hops.KernelParams.of(scale=2.0))
-        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(hops_kernel_scaled_tanh, x_1)
-        return mul
+        hops_kernel_scaled_cube: "f32[2, 3]" = torch.ops.higher_order.hops_kernel_scaled_cube(x_1, hops.KernelParams.of(scale=2.0))
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(hops_kernel_scaled_cube, x_1)
+        return add
 """)
 
     def snapshot_aot(t, text):
         t.assertExpectedInline(text, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[2, 3]"):
-        hops_kernel_scaled_tanh: "f32[2, 3]" = torch.ops.higher_order.hops_kernel_scaled_tanh(primals_1, hops.KernelParams.of(scale=2.0))
-        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(hops_kernel_scaled_tanh, primals_1)
-        return (mul, primals_1, hops_kernel_scaled_tanh)
+        hops_kernel_scaled_cube: "f32[2, 3]" = torch.ops.higher_order.hops_kernel_scaled_cube(primals_1, hops.KernelParams.of(scale=2.0))
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(hops_kernel_scaled_cube, primals_1)
+        return (add, primals_1)
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[2, 3]", hops_kernel_scaled_tanh: "f32[2, 3]", tangents_1: "f32[2, 3]"):
-        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(tangents_1, hops_kernel_scaled_tanh)
-        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(tangents_1, primals_1)
-        mul_3: "f32[2, 3]" = torch.ops.aten.mul.Tensor(mul_2, 2.0)
-        mul_4: "f32[2, 3]" = torch.ops.aten.mul.Tensor(hops_kernel_scaled_tanh, hops_kernel_scaled_tanh)
-        rsub: "f32[2, 3]" = torch.ops.aten.rsub.Scalar(mul_4, 1)
-        mul_5: "f32[2, 3]" = torch.ops.aten.mul.Tensor(mul_3, rsub)
-        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_1, mul_5)
-        return (add,)
+    def forward(self, primals_1: "f32[2, 3]", tangents_1: "f32[2, 3]"):
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(tangents_1, 2.0)
+        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(mul, 3)
+        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(mul_1, primals_1)
+        mul_3: "f32[2, 3]" = torch.ops.aten.mul.Tensor(mul_2, primals_1)
+        add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(tangents_1, mul_3)
+        return (add_1,)
 """)
 
     def snapshot_export_strict(t, text):
         t.assertExpectedInline(text, """\
 class GraphModule(torch.nn.Module):
     def forward(self, inputs_0: "f32[2, 3]"):
-        hops_kernel_scaled_tanh: "f32[2, 3]" = torch.ops.higher_order.hops_kernel_scaled_tanh(inputs_0, hops.KernelParams.of(scale=2.0))
-        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(hops_kernel_scaled_tanh, inputs_0)
-        return (mul,)
+        hops_kernel_scaled_cube: "f32[2, 3]" = torch.ops.higher_order.hops_kernel_scaled_cube(inputs_0, hops.KernelParams.of(scale=2.0))
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(hops_kernel_scaled_cube, inputs_0)
+        return (add,)
 """)
 
     def snapshot_dynamo(t, text):
@@ -666,24 +664,22 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, L_x_: "f32[2, 3]"):
         l_x_ = L_x_
-        hops_kernel_scaled_tanh: "f32[2, 3]" = torch.ops.higher_order.hops_kernel_scaled_tanh(l_x_, hops.KernelParams.of(scale=2.0))
-        mul: "f32[2, 3]" = hops_kernel_scaled_tanh * l_x_
-        return (mul,)
+        hops_kernel_scaled_cube: "f32[2, 3]" = torch.ops.higher_order.hops_kernel_scaled_cube(l_x_, hops.KernelParams.of(scale=2.0))
+        add: "f32[2, 3]" = hops_kernel_scaled_cube + l_x_
+        return (add,)
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[2, 3]"):
-        hops_kernel_scaled_tanh: "f32[2, 3]" = torch.ops.higher_order.hops_kernel_scaled_tanh(primals_1, hops.KernelParams.of(scale=2.0))
-        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(hops_kernel_scaled_tanh, primals_1)
-        return (mul, primals_1, hops_kernel_scaled_tanh)
+        hops_kernel_scaled_cube: "f32[2, 3]" = torch.ops.higher_order.hops_kernel_scaled_cube(primals_1, hops.KernelParams.of(scale=2.0))
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(hops_kernel_scaled_cube, primals_1)
+        return (add, primals_1)
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[2, 3]", hops_kernel_scaled_tanh: "f32[2, 3]", tangents_1: "f32[2, 3]"):
-        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(tangents_1, hops_kernel_scaled_tanh)
-        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(tangents_1, primals_1)
-        mul_3: "f32[2, 3]" = torch.ops.aten.mul.Tensor(mul_2, 2.0)
-        mul_4: "f32[2, 3]" = torch.ops.aten.mul.Tensor(hops_kernel_scaled_tanh, hops_kernel_scaled_tanh)
-        rsub: "f32[2, 3]" = torch.ops.aten.rsub.Scalar(mul_4, 1)
-        mul_5: "f32[2, 3]" = torch.ops.aten.mul.Tensor(mul_3, rsub)
-        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul_1, mul_5)
-        return (add,)
+    def forward(self, primals_1: "f32[2, 3]", tangents_1: "f32[2, 3]"):
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(tangents_1, 2.0)
+        mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(mul, 3)
+        mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(mul_1, primals_1)
+        mul_3: "f32[2, 3]" = torch.ops.aten.mul.Tensor(mul_2, primals_1)
+        add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(tangents_1, mul_3)
+        return (add_1,)
 """)
 
 

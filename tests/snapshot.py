@@ -45,9 +45,9 @@ class TestCase(expecttest.TestCase):
     """``expecttest.TestCase`` whose ``assertEqual`` compares tensors (and pytrees of them)."""
 
     def assertEqual(self, actual, expected, msg=None):  # noqa: N802  (unittest's name)
-        if isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor) or (
-            isinstance(actual, (tuple, list)) and any(isinstance(a, torch.Tensor) for a in actual)
-        ):
+        import torch.utils._pytree as pytree
+
+        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves((actual, expected))):
             torch.testing.assert_close(actual, expected, msg=msg)
         else:
             super().assertEqual(actual, expected, msg)

@@ -82,23 +82,24 @@ class TestInsideScanSnapshots(TestCase):
 class recurrent(torch.nn.Module):
     def forward(self, h0_1: "f32[2, 4]", xs_1: "f32[3, 2, 4]", w_1: "f32[4, 4]"):
         lambda_body_0 = self.lambda_body_0
-        hops_scan = torch.ops.higher_order.hops_scan(lambda_body_0, h0_1, xs_1, w_1, hops.ScanSpec(num_carry=1, num_xs=1, length=3));  lambda_body_0 = h0_1 = xs_1 = w_1 = None
+        hops_scan = torch.ops.higher_order.hops_scan(lambda_body_0, h0_1, xs_1, w_1, hops.ScanSpec(1, 1, length=3))
         getitem: "f32[2, 4]" = hops_scan[0]
-        getitem_1: "f32[3, 2, 4]" = hops_scan[1];  hops_scan = None
-        sum_1: "f32[2, 4]" = torch.ops.aten.sum.dim_IntList(getitem_1, [0]);  getitem_1 = None
-        add: "f32[2, 4]" = torch.ops.aten.add.Tensor(sum_1, getitem);  sum_1 = getitem = None
+        getitem_1: "f32[3, 2, 4]" = hops_scan[1]
+        sum_1: "f32[2, 4]" = torch.ops.aten.sum.dim_IntList(getitem_1, [0])
+        add: "f32[2, 4]" = torch.ops.aten.add.Tensor(sum_1, getitem)
         return add
     class lambda_body_0(torch.nn.Module):
         def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[2, 4]", arg2_1: "f32[4, 4]"):
             cell_body_0 = self.cell_body_0
-            hops_named_scope: "f32[2, 4]" = torch.ops.higher_order.hops_named_scope(cell_body_0, arg0_1, arg1_1, arg2_1, hops.ScopeSpec('cell'));  cell_body_0 = arg0_1 = arg1_1 = arg2_1 = None
-            return (hops_named_scope, hops_named_scope)
+            hops_named_scope = torch.ops.higher_order.hops_named_scope(cell_body_0, arg0_1, arg1_1, arg2_1, hops.ScopeSpec('cell'))
+            getitem: "f32[2, 4]" = hops_named_scope[0]
+            return (getitem, getitem)
         class cell_body_0(torch.nn.Module):
             def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[2, 4]", arg2_1: "f32[4, 4]"):
-                hops_kernel_einsum: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_einsum(arg0_1, arg2_1, hops.KernelParams.of(equation='bi,oi->bo'));  arg0_1 = arg2_1 = None
-                add: "f32[2, 4]" = torch.ops.aten.add.Tensor(hops_kernel_einsum, arg1_1);  hops_kernel_einsum = arg1_1 = None
-                hops_kernel_scaled_tanh: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_scaled_tanh(add, hops.KernelParams.of(scale=0.5));  add = None
-                return hops_kernel_scaled_tanh
+                hops_kernel_einsum: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_einsum(arg0_1, arg2_1, hops.KernelParams.of(equation='bi,oi->bo'))
+                add: "f32[2, 4]" = torch.ops.aten.add.Tensor(hops_kernel_einsum, arg1_1)
+                hops_kernel_scaled_tanh: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_scaled_tanh(add, hops.KernelParams.of(scale=0.5))
+                return (hops_kernel_scaled_tanh,)
 """)
 
     def test_aot_forward_and_backward_graphs(self):
@@ -109,57 +110,61 @@ class recurrent(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[2, 4]", primals_2: "f32[3, 2, 4]", primals_3: "f32[4, 4]"):
         lambda_body_0 = self.lambda_body_0
-        hops_scan = torch.ops.higher_order.hops_scan(lambda_body_0, primals_1, primals_2, primals_3, hops.ScanSpec(num_carry=1, num_xs=1, length=3));  lambda_body_0 = primals_1 = None
+        hops_scan = torch.ops.higher_order.hops_scan(lambda_body_0, primals_1, primals_2, primals_3, primals_3, hops.ScanSpec(1, 1, length=3))
         getitem: "f32[2, 4]" = hops_scan[0]
         getitem_1: "f32[3, 2, 4]" = hops_scan[1]
         getitem_2: "f32[3, 2, 4]" = hops_scan[2]
-        getitem_3: "f32[3, 2, 4]" = hops_scan[3];  hops_scan = None
-        sum_1: "f32[2, 4]" = torch.ops.aten.sum.dim_IntList(getitem_1, [0]);  getitem_1 = None
-        add: "f32[2, 4]" = torch.ops.aten.add.Tensor(sum_1, getitem);  sum_1 = getitem = None
-        return (add, primals_2, primals_3, getitem_2, getitem_3)
+        getitem_3: "f32[3, 2, 4]" = hops_scan[3]
+        sum_1: "f32[2, 4]" = torch.ops.aten.sum.dim_IntList(getitem_1, [0])
+        add: "f32[2, 4]" = torch.ops.aten.add.Tensor(sum_1, getitem)
+        return (add, primals_3, getitem_2, getitem_3)
     class lambda_body_0(torch.nn.Module):
-        def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[2, 4]", arg2_1: "f32[4, 4]"):
+        def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[2, 4]", arg2_1: "f32[4, 4]", arg3_1: "f32[4, 4]"):
             cell_body_0 = self.cell_body_0
-            hops_named_scope = torch.ops.higher_order.hops_named_scope(cell_body_0, arg0_1, arg1_1, arg2_1, hops.ScopeSpec('cell'));  cell_body_0 = arg1_1 = arg2_1 = None
-            getitem_1: "f32[2, 4]" = hops_named_scope[1];  hops_named_scope = None
-            clone: "f32[2, 4]" = torch.ops.aten.clone.default(arg0_1);  arg0_1 = None
-            return (getitem_1, getitem_1, clone, getitem_1)
+            hops_named_scope = torch.ops.higher_order.hops_named_scope(cell_body_0, arg0_1, arg1_1, arg3_1, hops.ScopeSpec('cell'))
+            getitem: "f32[2, 4]" = hops_named_scope[0]
+            getitem_1: "f32[2, 4]" = hops_named_scope[1]
+            clone: "f32[2, 4]" = torch.ops.aten.clone.default(arg0_1)
+            return (getitem, getitem, clone, getitem_1)
         class cell_body_0(torch.nn.Module):
             def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[2, 4]", arg2_1: "f32[4, 4]"):
-                hops_kernel_einsum: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_einsum(arg0_1, arg2_1, hops.KernelParams.of(equation='bi,oi->bo'));  arg0_1 = arg2_1 = None
-                add: "f32[2, 4]" = torch.ops.aten.add.Tensor(hops_kernel_einsum, arg1_1);  hops_kernel_einsum = arg1_1 = None
-                hops_kernel_scaled_tanh: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_scaled_tanh(add, hops.KernelParams.of(scale=0.5));  add = None
+                hops_kernel_einsum: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_einsum(arg0_1, arg2_1, hops.KernelParams.of(equation='bi,oi->bo'))
+                add: "f32[2, 4]" = torch.ops.aten.add.Tensor(hops_kernel_einsum, arg1_1)
+                hops_kernel_scaled_tanh: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_scaled_tanh(add, hops.KernelParams.of(scale=0.5))
                 return (hops_kernel_scaled_tanh, hops_kernel_scaled_tanh)
 """)
         self.assertExpectedInline(readable(backward), """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_2: "f32[3, 2, 4]", primals_3: "f32[4, 4]", getitem_2: "f32[3, 2, 4]", getitem_3: "f32[3, 2, 4]", tangents_1: "f32[2, 4]"):
+    def forward(self, primals_3: "f32[4, 4]", getitem_2: "f32[3, 2, 4]", getitem_3: "f32[3, 2, 4]", tangents_1: "f32[2, 4]"):
         unsqueeze: "f32[1, 2, 4]" = torch.ops.aten.unsqueeze.default(tangents_1, 0)
-        expand: "f32[3, 2, 4]" = torch.ops.aten.expand.default(unsqueeze, [3, 2, 4]);  unsqueeze = None
-        zeros_like: "f32[4, 4]" = torch.ops.aten.zeros_like.default(primals_3, pin_memory = False)
+        expand: "f32[3, 2, 4]" = torch.ops.aten.expand.default(unsqueeze, [3, 2, 4])
+        new_zeros: "f32[4, 4]" = torch.ops.aten.new_zeros.default(tangents_1, [4, 4], dtype = torch.float32, pin_memory = False)
+        new_zeros_1: "f32[4, 4]" = torch.ops.aten.new_zeros.default(tangents_1, [4, 4], dtype = torch.float32, pin_memory = False)
         lambda_bwd_body_0 = self.lambda_bwd_body_0
-        hops_scan_1 = torch.ops.higher_order.hops_scan(lambda_bwd_body_0, tangents_1, zeros_like, getitem_2, getitem_3, primals_2, expand, primals_3, hops.ScanSpec(num_carry=2, num_xs=4, length=3, reverse=True));  lambda_bwd_body_0 = tangents_1 = zeros_like = getitem_2 = getitem_3 = primals_2 = expand = primals_3 = None
+        hops_scan_1 = torch.ops.higher_order.hops_scan(lambda_bwd_body_0, tangents_1, new_zeros, new_zeros_1, getitem_2, getitem_3, expand, primals_3, primals_3, hops.ScanSpec(3, 3, length=3, reverse=True))
         getitem_4: "f32[2, 4]" = hops_scan_1[0]
-        getitem_5: "f32[4, 4]" = hops_scan_1[1]
-        getitem_6: "f32[3, 2, 4]" = hops_scan_1[2];  hops_scan_1 = None
-        return (getitem_4, getitem_6, getitem_5)
+        getitem_6: "f32[4, 4]" = hops_scan_1[2]
+        getitem_7: "f32[3, 2, 4]" = hops_scan_1[3]
+        return (getitem_4, getitem_7, getitem_6)
     class lambda_bwd_body_0(torch.nn.Module):
-        def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[4, 4]", arg2_1: "f32[2, 4]", arg3_1: "f32[2, 4]", arg4_1: "f32[2, 4]", arg5_1: "f32[2, 4]", arg6_1: "f32[4, 4]"):
-            add: "f32[2, 4]" = torch.ops.aten.add.Tensor(arg0_1, arg5_1);  arg0_1 = arg5_1 = None
+        def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[4, 4]", arg2_1: "f32[4, 4]", arg3_1: "f32[2, 4]", arg4_1: "f32[2, 4]", arg5_1: "f32[2, 4]", arg6_1: "f32[4, 4]", arg7_1: "f32[4, 4]"):
+            add: "f32[2, 4]" = torch.ops.aten.add.Tensor(arg0_1, arg5_1)
             cell_bwd_body_0 = self.cell_bwd_body_0
-            hops_named_scope = torch.ops.higher_order.hops_named_scope(cell_bwd_body_0, arg2_1, arg6_1, arg3_1, add, hops.ScopeSpec('cell/bwd'));  cell_bwd_body_0 = arg2_1 = arg6_1 = arg3_1 = add = None
+            hops_named_scope = torch.ops.higher_order.hops_named_scope(cell_bwd_body_0, arg3_1, arg7_1, arg4_1, add, hops.ScopeSpec('cell/bwd'))
             getitem: "f32[2, 4]" = hops_named_scope[0]
             getitem_1: "f32[2, 4]" = hops_named_scope[1]
-            getitem_2: "f32[4, 4]" = hops_named_scope[2];  hops_named_scope = None
-            add_1: "f32[4, 4]" = torch.ops.aten.add.Tensor(arg1_1, getitem_2);  arg1_1 = getitem_2 = None
-            return (getitem, add_1, getitem_1)
+            getitem_2: "f32[4, 4]" = hops_named_scope[2]
+            zeros_like: "f32[4, 4]" = torch.ops.aten.zeros_like.default(arg7_1, pin_memory = False)
+            add_1: "f32[4, 4]" = torch.ops.aten.add.Tensor(arg1_1, zeros_like)
+            add_2: "f32[4, 4]" = torch.ops.aten.add.Tensor(arg2_1, getitem_2)
+            return (getitem, add_1, add_2, getitem_1)
         class cell_bwd_body_0(torch.nn.Module):
             def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[4, 4]", arg2_1: "f32[2, 4]", arg3_1: "f32[2, 4]"):
-                mul: "f32[2, 4]" = torch.ops.aten.mul.Tensor(arg3_1, 0.5);  arg3_1 = None
-                mul_1: "f32[2, 4]" = torch.ops.aten.mul.Tensor(arg2_1, arg2_1);  arg2_1 = None
-                rsub: "f32[2, 4]" = torch.ops.aten.rsub.Scalar(mul_1, 1);  mul_1 = None
-                mul_2: "f32[2, 4]" = torch.ops.aten.mul.Tensor(mul, rsub);  mul = rsub = None
-                hops_kernel_einsum: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_einsum(mul_2, arg1_1, hops.KernelParams.of(equation='bo,oi->bi'));  arg1_1 = None
-                hops_kernel_einsum_1: "f32[4, 4]" = torch.ops.higher_order.hops_kernel_einsum(mul_2, arg0_1, hops.KernelParams.of(equation='bo,bi->oi'));  arg0_1 = None
-                return (hops_kernel_einsum, mul_2, hops_kernel_einsum_1)
+                mul: "f32[2, 4]" = torch.ops.aten.mul.Tensor(arg3_1, 0.5)
+                mul_1: "f32[2, 4]" = torch.ops.aten.mul.Tensor(arg2_1, arg2_1)
+                rsub: "f32[2, 4]" = torch.ops.aten.rsub.Scalar(mul_1, 1)
+                mul_2: "f32[2, 4]" = torch.ops.aten.mul.Tensor(mul, rsub)
+                hops_kernel_einsum: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_einsum(mul_2, arg1_1, hops.KernelParams.of(equation='bo,oi->bi'))
+                hops_kernel_einsum_1: "f32[4, 4]" = torch.ops.higher_order.hops_kernel_einsum(mul_2, arg0_1, hops.KernelParams.of(equation='bo,bi->oi'))
+                return (hops_kernel_einsum, mul_2, hops_kernel_einsum_1, rsub, mul_2)
 """)

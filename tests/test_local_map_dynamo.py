@@ -71,13 +71,13 @@ class GraphModule(torch.nn.Module):
         l_x_ = L_x_
         l_w_ = L_w_
         matmul_body_0 = self.matmul_body_0
-        hops_local_map = torch.ops.higher_order.hops_local_map(matmul_body_0, l_x_, l_w_, (), hops.LocalMapSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), in_placements=((hops.Shard(0), hops.Shard(1)), (hops.Replicate(), hops.Shard(0))), out_placements=((hops.Shard(0), hops.Partial()),)));  matmul_body_0 = l_x_ = l_w_ = None
-        getitem: "f32[8, 4]" = hops_local_map[0];  hops_local_map = None
-        mul: "f32[8, 4]" = getitem * 2;  getitem = None
+        hops_local_map = torch.ops.higher_order.hops_local_map(matmul_body_0, l_x_, l_w_, (), hops.LocalMapSpec(hops.Mesh.of(data=2, model=2), 'S(0)S(1), RS(0)', 'S(0)P'))
+        getitem: "f32[8, 4]" = hops_local_map[0]
+        mul: "f32[8, 4]" = getitem * 2
         return (mul,)
     class matmul_body_0(torch.nn.Module):
         def forward(self, l_x_: "f32[4, 3]", l_w_: "f32[3, 4]"):
-            result: "f32[4, 4]" = l_x_ @ l_w_;  l_x_ = l_w_ = None
+            result: "f32[4, 4]" = l_x_ @ l_w_
             return (result,)
 """)
 
@@ -99,19 +99,19 @@ class GraphModule(torch.nn.Module):
         self.assertExpectedInline(readable(graphs["backward"]), """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[8, 6]", primals_2: "f32[6, 4]", tangents_1: "f32[8, 4]"):
-        mul_1: "f32[8, 4]" = torch.ops.aten.mul.Tensor(tangents_1, 2);  tangents_1 = None
+        mul_1: "f32[8, 4]" = torch.ops.aten.mul.Tensor(tangents_1, 2)
         matmul_bwd_body_0 = self.matmul_bwd_body_0
-        hops_local_map_1 = torch.ops.higher_order.hops_local_map(matmul_bwd_body_0, primals_1, primals_2, mul_1, hops.LocalMapSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), in_placements=((hops.Shard(0), hops.Shard(1)), (hops.Replicate(), hops.Shard(0)), (hops.Shard(0), hops.Replicate())), out_placements=((hops.Shard(0), hops.Shard(1)), (hops.Partial(), hops.Shard(0)))));  matmul_bwd_body_0 = primals_1 = primals_2 = mul_1 = None
+        hops_local_map_1 = torch.ops.higher_order.hops_local_map(matmul_bwd_body_0, primals_1, primals_2, mul_1, hops.LocalMapSpec(hops.Mesh.of(data=2, model=2), 'S(0)S(1), RS(0), S(0)R', 'S(0)S(1), PS(0)'))
         getitem_1: "f32[8, 6]" = hops_local_map_1[0]
-        getitem_2: "f32[6, 4]" = hops_local_map_1[1];  hops_local_map_1 = None
+        getitem_2: "f32[6, 4]" = hops_local_map_1[1]
         return (getitem_1, getitem_2)
     class matmul_bwd_body_0(torch.nn.Module):
         def forward(self, arg0_1: "f32[4, 3]", arg1_1: "f32[3, 4]", arg2_1: "f32[4, 4]"):
-            t: "f32[3, 4]" = torch.ops.aten.t.default(arg0_1);  arg0_1 = None
-            mm_1: "f32[3, 4]" = torch.ops.aten.mm.default(t, arg2_1);  t = None
-            t_1: "f32[4, 3]" = torch.ops.aten.t.default(arg1_1);  arg1_1 = None
-            mm_2: "f32[4, 3]" = torch.ops.aten.mm.default(arg2_1, t_1);  arg2_1 = t_1 = None
-            return (mm_2, mm_1)
+            t: "f32[3, 4]" = torch.ops.aten.t.default(arg0_1)
+            mm: "f32[3, 4]" = torch.ops.aten.mm.default(t, arg2_1)
+            t_1: "f32[4, 3]" = torch.ops.aten.t.default(arg1_1)
+            mm_1: "f32[4, 3]" = torch.ops.aten.mm.default(arg2_1, t_1)
+            return (mm_1, mm)
 """)
 
     def test_a_different_placement_recompiles(self):
@@ -129,22 +129,3 @@ class GraphModule(torch.nn.Module):
         specs = [next(n.args[-1] for n in g.graph.nodes if n.target is hops.local_map_hop) for g in graphs]
         self.assertEqual([s.in_placements[0] for s in specs], [(Shard(0), Replicate()), (Replicate(), Shard(0))])
 
-
-class TestLocalMapExport(TestCase):
-    def test_export_strict(self):
-        x, w = torch.randn(8, 6), torch.randn(6, 4)
-        ep = torch.export.export(Block(), (x, w), strict=True)
-        self.assertExpectedInline(readable(ep.graph_module), """\
-class GraphModule(torch.nn.Module):
-    def forward(self, x: "f32[8, 6]", w: "f32[6, 4]"):
-        matmul_body_0 = self.matmul_body_0
-        hops_local_map = torch.ops.higher_order.hops_local_map(matmul_body_0, x, w, hops.LocalMapSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), in_placements=((hops.Shard(0), hops.Shard(1)), (hops.Replicate(), hops.Shard(0))), out_placements=((hops.Shard(0), hops.Partial()),)));  matmul_body_0 = x = w = None
-        getitem: "f32[8, 4]" = hops_local_map[0];  hops_local_map = None
-        mul: "f32[8, 4]" = torch.ops.aten.mul.Tensor(getitem, 2);  getitem = None
-        return (mul,)
-    class matmul_body_0(torch.nn.Module):
-        def forward(self, arg0_1: "f32[4, 3]", arg1_1: "f32[3, 4]"):
-            matmul: "f32[4, 4]" = torch.ops.aten.matmul.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
-            return (matmul,)
-""")
-        self.assertEqual(ep.module()(x, w), block(x, w))

@@ -57,7 +57,7 @@ class TestInline(TestCase):
         self.assertExpectedInline(readable(inlined.true_graph_0), """\
 class GraphModule(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 4]"):
-        sin: "f32[4, 4]" = torch.ops.aten.sin.default(arg0_1);  arg0_1 = None
+        sin: "f32[4, 4]" = torch.ops.aten.sin.default(arg0_1)
         return (sin,)
 """)
 
@@ -81,8 +81,8 @@ class TestLowerToXla(TestCase):
         self.assertExpectedInline(readable(gm.false_graph_0), """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 4]"):
-        cos: "f32[4, 4]" = torch.ops.aten.cos.default(arg0_1);  arg0_1 = None
-        hops_sharding_annotation: "f32[4, 4]" = torch.ops.hops_xla.sharding_constraint.default(cos, "hops.ShardingSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), placements=(hops.Replicate(), hops.Shard(1)))", "hops.ShardingSpec(mesh=hops.Mesh(shape=(2, 2), axis_names=('data', 'model')), placements=(hops.Shard(0), hops.Replicate()))");  cos = None
+        cos: "f32[4, 4]" = torch.ops.aten.cos.default(arg0_1)
+        hops_sharding_annotation: "f32[4, 4]" = torch.ops.hops_xla.sharding_constraint.default(cos, "hops.ShardingSpec(hops.Mesh.of(data=2, model=2), 'RS(1)', 'S(0)R')")
         return (hops_sharding_annotation,)
 """)
         # Off XLA the lowered ops are identities, so the graph still computes the same values.
@@ -97,7 +97,7 @@ class <lambda>(torch.nn.Module):
     def test_partial_annotation_is_refused_naming_the_node(self):
         partial = ShardingSpec(MESH, (Partial(), Replicate()))
         gm = make_fx(lambda x: hops.annotate_sharding(x * 2, partial))(torch.randn(4, 4))
-        with self.assertRaisesRegex(passes.PassError, r"hops_sharding_annotation.*spec .* has a Partial placement"):
+        with self.assertRaisesRegex(passes.PassError, r"hops_sharding_annotation.* lays out its value with a Partial placement"):
             passes.lower_to_xla(gm)
 
     def test_a_hand_edited_node_with_a_non_spec_is_refused(self):

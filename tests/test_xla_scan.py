@@ -372,32 +372,3 @@ def test_torch_xla_aborts_on_a_manual_region_inside_its_own_scan():
     result = subprocess.run([sys.executable, "-c", MANUAL_REGION_IN_TORCH_XLA_SCAN], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode != 0 and "Check failed: !IsManual()" in result.stderr
 
-
-def test_torch_xla_experimental_scan_on_the_same_body_for_the_record():
-    """The anchor: torch_xla's own scan traces its body with AOTAutograd."""
-    import torch_xla.distributed.spmd as xs
-    from torch_xla.experimental.scan import scan as xla_scan
-
-    h, x_steps, w = (a.detach().to(device()) for a in inputs())
-
-    # (The weight rides in the carry: torch_xla's tracing refuses closed-over tensors.)
-    # 1. In-place mark_sharding in the body fails while tracing (pytorch/xla#8691).
-    def marked_step(carry, x):
-        h, w = carry
-        h = torch.tanh(h @ w + x)
-        xs.mark_sharding(h, MESH.to_xla(), ("data", None))
-        return (h, w * 1), h.sum(-1)
-
-    with pytest.raises(RuntimeError, match="Expected XLA tensor"):
-        xla_scan(marked_step, (h, w), x_steps)
-
-    # 2. Our annotation in its body runs, but AOTAutograd decomposes the HOP away: its HLO
-    #    has the While and no Sharding custom call. Lowered by this package, it has both.
-    def carried_step(carry, x):
-        h, w = carry
-        h, y = annotated_step(h, x, w)
-        return (h, w * 1), y
-
-    (last, _), _ = xla_scan(carried_step, (h, w), x_steps)
-    dropped = hlo_text(last)
-    assert " while(" in dropped and 'custom_call_target="Sharding"' not in dropped
