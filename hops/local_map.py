@@ -201,7 +201,7 @@ def local_map(
     gradients and sharded inputs keep their shard. Bad placements raise ``TypeError`` /
     ``ValueError`` naming ``fn`` and the argument.
     """
-    name = getattr(fn, "__name__", "fn")
+    name = body_name(fn)
     if not callable(fn):
         raise TypeError(f"local_map(fn=...) must be callable, got {type(fn).__name__}")
     if not isinstance(mesh, Mesh):

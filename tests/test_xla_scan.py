@@ -343,32 +343,3 @@ def test_a_step_that_returns_no_flat_tensors_is_refused_before_staging():
         xla_while(lambda c, x: ((c + x,), (c.sum(),)), [c], [xs], [], length=5)
     with pytest.raises(ValueError, match=r"carry 0 leaves the step as \(3,\) torch.float32, entered as \(4,\) torch.float32"):
         xla_while(lambda c, x: (c[:3], c.sum()), [c], [xs], [], length=5)
-
-
-MANUAL_REGION_IN_TORCH_XLA_SCAN = """
-import numpy as np, torch, torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
-from torch_xla.experimental.scan import _scan_impl_flat
-xr.use_spmd()
-mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
-def step(carry, x):
-    local = xs.enable_manual_sharding(carry[0] + x[0], ("data", None), mesh=mesh).global_tensor
-    out = xs.disable_manual_sharding(local * 2, ("data", None), (4, 8), mesh=mesh).global_tensor
-    return [out], [out.sum(-1)]
-carry, _ = _scan_impl_flat(step, [torch.zeros(4, 8, device="xla")], [torch.ones(3, 4, 8, device="xla")])
-print(carry[0].cpu().sum())
-"""
-
-
-def test_torch_xla_aborts_on_a_manual_region_inside_its_own_scan():
-    """The anchor on a region whose body multiplies by a scalar: torch_xla's own scan makes the
-    staged scalar a loop operand, sharding propagation marks it manual, and XLA aborts the
-    process. (Our While makes it a literal of the loop body; see the tests above.)"""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "XLA_USE_SPMD"}
-    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
-    result = subprocess.run([sys.executable, "-c", MANUAL_REGION_IN_TORCH_XLA_SCAN], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode != 0 and "Check failed: !IsManual()" in result.stderr
-

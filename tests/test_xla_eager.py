@@ -1,0 +1,117 @@
+"""HOPs called on XLA tensors outside any tracer, the way torch_xla programs run: under
+SPMD on 4 CPU devices they shard (and read the real HLO), and their numbers equal eager
+PyTorch on CPU."""
+
+import numpy as np
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import hops
+from hops import Mesh, Replicate, Shard, ShardingSpec
+
+pytestmark = pytest.mark.xla
+
+MESH = Mesh((2, 2), ("data", "model"))
+ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
+
+
+def device():
+    import torch_xla
+
+    return torch_xla.device()
+
+
+def hlo_text(*tensors):
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
+
+
+def sharding_of(t):
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(t)
+
+
+def test_an_annotation_shards_like_mark_sharding_forward_and_backward():
+    import torch_xla.distributed.spmd as xs
+
+    x = torch.randn(8, 4)
+    spec = ShardingSpec(MESH, (Shard(0), Replicate()), (Replicate(), Shard(1)))
+    on_xla = x.to(device()).requires_grad_()
+    y = hops.annotate_sharding(on_xla * 2, spec)
+    reference = (x.to(device()) * 2)
+    xs.mark_sharding(reference, MESH.to_xla(), ("data", None))
+    assert 'custom_call_target="Sharding"' in hlo_text(y)
+    assert sharding_of(y) == sharding_of(reference)
+    torch.testing.assert_close(y.cpu(), x * 2)
+    (grad,) = torch.autograd.grad(y.sum(), on_xla)
+    # The gradient carries the gradient layout: columns over "model".
+    assert "Sharding" in hlo_text(grad) and "{devices=[1,2,2]0,2,1,3 last_tile_dim_replicate}" in hlo_text(grad)
+    torch.testing.assert_close(grad.cpu(), torch.full((8, 4), 2.0))
+
+
+def test_a_local_map_with_two_chunks_of_one_tensor_is_a_manual_region_with_the_simulations_numbers():
+    x = torch.randn(8, 4)
+    f = hops.local_map(lambda t: t * 2 + t.sum(), mesh=MESH, in_placements=((Shard(0), Shard(1)),), out_placements=(Shard(0), Shard(1)))
+    expected = f(x)  # CPU: the SPMD simulation
+    on_xla = x.to(device()).requires_grad_()
+    out = f(on_xla)
+    hlo = hlo_text(out)
+    assert "SPMDFullToShardShape" in hlo and "SPMDShardToFullShape" in hlo
+    torch.testing.assert_close(out.cpu(), expected)
+    (grad,) = torch.autograd.grad(out.sum(), on_xla)
+    cpu_x = x.clone().requires_grad_()
+    (expected_grad,) = torch.autograd.grad(f(cpu_x).sum(), cpu_x)
+    torch.testing.assert_close(grad.cpu(), expected_grad)
+
+
+def test_an_einsum_step_scan_equals_the_loop():
+    def step(c, w):
+        return c, torch.einsum("bnsk,bnkh->bnsh", c, w)
+
+    c0, ws = torch.randn(2, 2, 4, 4), torch.randn(3, 2, 2, 4, 4)
+    _, ys = hops.scan(step, c0.to(device()), ws.to(device()))
+    expected = torch.stack([torch.einsum("bnsk,bnkh->bnsh", c0, w) for w in ws])
+    torch.testing.assert_close(ys.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_outputs_of_scans_and_annotations_feed_later_scans():
+    def step(c, x):
+        return c + x, c * 2
+
+    xs = torch.randn(3, 4)
+    c1, ys1 = hops.scan(step, torch.zeros(4, device=device()), xs.to(device()))
+    c2, _ = hops.scan(step, c1, ys1)
+    expected_c1, expected_ys1 = hops.scan(step, torch.zeros(4), xs)
+    torch.testing.assert_close(c2.cpu(), hops.scan(step, expected_c1, expected_ys1)[0])
+    annotated = hops.annotate_sharding(torch.randn(8, 4).to(device()), ROWS)
+    c3, _ = hops.scan(step, annotated[0], annotated)
+    torch.testing.assert_close(c3.cpu(), hops.scan(step, annotated.cpu()[0], annotated.cpu())[0])
+
+
+def test_make_fx_in_real_mode_over_xla_tensors_is_refused_not_baked():
+    def step(c, x):
+        return c + x, c * 2
+
+    with pytest.raises(RuntimeError, match="make_fx in real mode does not track XLA tensors"):
+        make_fx(lambda c, x: hops.scan(step, c, x))(torch.zeros(4, device=device()), torch.ones(3, 4, device=device()))
+
+
+def test_mark_sharding_with_gradients_inside_a_scan_body():
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.Mesh(np.arange(4), (4,), ("x",))
+
+    def step(c, x):
+        c = xs.mark_sharding_with_gradients(c + x, mesh, ("x",))
+        return c, c.sum()
+
+    xs_cpu = torch.randn(3, 8)
+    init = torch.zeros(8, device=device(), requires_grad=True)
+    last, ys = hops.scan(step, init, xs_cpu.to(device()))
+    torch.testing.assert_close(last.cpu(), xs_cpu.sum(0))
+    torch.testing.assert_close(ys.cpu(), torch.stack([xs_cpu[:i].sum() for i in range(1, 4)]))
+    (grad,) = torch.autograd.grad(last.sum() + ys.sum(), init)
+    torch.testing.assert_close(grad.cpu(), torch.full((8,), 4.0))
