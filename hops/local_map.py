@@ -38,7 +38,7 @@ from hops import _dynamo, _layout
 from hops._base import BodyHOP, call_body_hop, set_trace_key
 from hops._subgraph import named
 from hops._subgraph import body_name, rename_inner_function
-from hops.specs import LocalMapSpec, Mesh, Placement, Shard, is_placement_like, placements_tuple
+from hops.specs import LocalMapSpec, Mesh, Placement, Replicate, Shard, is_placement_like, placements_tuple
 
 __all__ = ["local_map", "local_map_hop"]
 
@@ -84,18 +84,13 @@ class LocalMap(BodyHOP):
         )
 
     def backward_spec(self, spec, split, residuals, needs_grad, present) -> LocalMapSpec:
-        from hops.specs import transpose_placement
-
         per_device = _per_device(spec.mesh)
         return LocalMapSpec(
             spec.mesh,
             (
                 *(spec.in_placements[i] for i in split.primals_in_backward),
                 *(per_device for _ in residuals),
-                *(
-                    tuple(transpose_placement(p, f"out_placements[{j}]") for p in spec.out_placements[j])
-                    for j in present
-                ),
+                *(spec.cotangent_placement(j) for j in present),
             ),
             tuple(spec.grad_placement(i) for i, need in enumerate(needs_grad) if need),
         )
@@ -142,6 +137,21 @@ def _check_call(body: Any, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
 
 # --------------------------------------------------------------------------- public API
 
+
+class LocalMapArgumentError(AssertionError, ValueError):
+    """Placements that do not fit the call (as ``AssertionError``, the class torch's
+    ``local_map`` raises for these, and as ``ValueError``)."""
+
+
+class LocalMapTypeError(AssertionError, TypeError):
+    """Placements given for a value that cannot take them (``AssertionError`` in torch)."""
+
+
+def _is_placements(value: Any) -> bool:
+    """One tensor's placements: a non-empty sequence of placements (ours or DTensor's)."""
+    return isinstance(value, (tuple, list)) and len(value) > 0 and all(is_placement_like(p) for p in value)
+
+
 def _is_placements_leaf(value: Any) -> bool:
     """A placements tuple (or None) in a normalized placements tree."""
     return value is None or (
@@ -150,22 +160,18 @@ def _is_placements_leaf(value: Any) -> bool:
 
 
 def _normalize(tree: Any, mesh: Mesh, where: str) -> Any:
-    """Placements tree with every leaf a tuple of this package's placements (or None).
-
-    Done once in ``local_map``, so each call (possibly traced by Dynamo) only walks
-    ready-made values.
-    """
+    """Placements tree with every leaf a tuple of this package's placements (or None)."""
     if tree is None:
         return None
-    if isinstance(tree, (tuple, list)) and tree and all(is_placement_like(p) for p in tree):
+    if _is_placements(tree):
         return placements_tuple(tree, mesh, where)
     if isinstance(tree, (tuple, list)):
         return tuple(_normalize(t, mesh, f"{where}[{i}]") for i, t in enumerate(tree))
     if isinstance(tree, dict):
         return {k: _normalize(v, mesh, f"{where}[{k!r}]") for k, v in tree.items()}
-    raise TypeError(
-        f"{where} must be a placements tuple (one placement per mesh axis {mesh.axis_names}), "
-        f"None, or a tuple/list/dict of those, got {tree!r}"
+    raise LocalMapTypeError(
+        f"{where} must be placements (one per mesh axis {mesh.axis_names}), None, or a "
+        f"tuple/list/dict of those, got {tree!r}"
     )
 
 
@@ -177,103 +183,282 @@ def _broadcast(prefix: Any, tree: Any, where: str) -> list[Any]:
         return [p for i, (sub, t) in enumerate(zip(prefix, tree)) for p in _broadcast(sub, t, f"{where}[{i}]")]
     if isinstance(prefix, dict) and isinstance(tree, dict) and prefix.keys() == tree.keys():
         return [p for k in tree for p in _broadcast(prefix[k], tree[k], f"{where}[{k!r}]")]
-    raise ValueError(
-        f"{where} does not match its argument: expected a placements tuple, None, or the same "
+    raise LocalMapArgumentError(
+        f"{where} does not match its argument: expected placements, None, or the same "
         f"structure as the argument ({type(tree).__name__}), got {prefix!r}"
     )
 
 
+def _per_leaf(placements: Any, args: tuple, leaves: list, where: str) -> list[Any]:
+    """One placements tuple (or None) per flattened argument leaf.
+
+    As torch's ``local_map``: one entry per flattened input. Also accepted: one entry per
+    positional argument, applied to every tensor in it (or a tree matching it)."""
+    if placements is None:
+        return [None] * len(leaves)
+    if isinstance(placements, tuple) and len(placements) == len(leaves) and all(_is_placements_leaf(p) for p in placements):
+        return list(placements)
+    if isinstance(placements, tuple) and len(placements) == len(args):
+        return _broadcast(placements, args, where)
+    raise LocalMapArgumentError(
+        f"{where} length {len(placements) if isinstance(placements, tuple) else placements!r} does not match "
+        f"the number of input args {len(leaves)} (one entry per flattened input, or one per positional argument)"
+    )
+
+
+def _mesh_of(mesh: Any, device_mesh: Any, name: str) -> Mesh | None:
+    if mesh is not None and device_mesh is not None and mesh != device_mesh:
+        raise LocalMapArgumentError(f"local_map({name}): mesh= and device_mesh= disagree: {mesh!r} vs {device_mesh!r}")
+    given = mesh if mesh is not None else device_mesh
+    if given is None or isinstance(given, Mesh):
+        return given
+    if hasattr(given, "mesh") and hasattr(given, "mesh_dim_names"):  # a DTensor DeviceMesh
+        return Mesh.from_device_mesh(given)
+    raise TypeError(f"local_map({name}): the mesh must be a hops.Mesh or a DeviceMesh, got {type(given).__name__}")
+
+
 def local_map(
-    fn: Callable,
+    func: Callable | None = None,
+    out_placements: Any = None,
+    in_placements: Any = None,
+    in_grad_placements: Any = None,
+    device_mesh: Any = None,
     *,
-    mesh: Mesh,
-    in_placements: Sequence[Any],
-    out_placements: Any,
-    in_grad_placements: Sequence[Any] | None = None,
+    redistribute_inputs: bool = False,
+    mesh: Mesh | None = None,
 ) -> Callable:
-    """Wrap ``fn`` so that it runs on local shards of global tensors (DTensor's ``local_map``).
+    """Wrap ``func`` so that it runs on each device's local shards of global tensors.
 
-    ``in_placements`` has one entry per positional argument: a tuple with one placement per
-    mesh axis (applied to every tensor in that argument), ``None`` for a non-tensor argument,
-    or a pytree matching the argument. ``out_placements`` mirrors the structure ``fn``
-    returns, with a placements tuple per tensor. ``in_grad_placements`` (same structure as
-    ``in_placements``) lays out input gradients; by default replicated inputs get ``Partial``
-    gradients and sharded inputs keep their shard. Bad placements raise ``TypeError`` /
-    ``ValueError`` naming ``fn`` and the argument.
+    The calling convention is torch's ``local_map`` (``torch.distributed.tensor.experimental``),
+    also as a decorator ``@local_map(out_placements=..., in_placements=..., device_mesh=...)``:
+
+    - ``out_placements``: for the *flattened* outputs, a tuple with one entry per output
+      (placements, or ``None`` for a non-tensor output); a function returning one tensor may
+      give its placements alone (``[Shard(0)]`` or ``(Shard(0), Replicate())``). A tree
+      mirroring the output (a dict) works too.
+    - ``in_placements``: one entry per flattened input (``None`` for a non-tensor), or one
+      per positional argument applied to every tensor in it; ``None`` (or a ``None`` entry
+      for a tensor) means the tensor is whole on every device (``Replicate``).
+    - ``in_grad_placements``: the layout of each input's gradient, same forms; by default a
+      replicated input's gradient is a pending sum (``Partial``: each device contributes)
+      and a sharded input's keeps its shard.
+    - ``device_mesh``: a ``DeviceMesh`` or a ``hops.Mesh`` (``mesh=`` is the same).
+    - ``redistribute_inputs``: for DTensor inputs, reshard them to ``in_placements`` instead
+      of refusing a mismatch (global tensors need no redistribution).
+
+    Keyword arguments of the call are passed to ``func`` (tensors whole on every device).
+    Plain tensors are global values; DTensor inputs run torch's own ``local_map`` on their
+    shards. Without a mesh and without DTensor inputs, ``func`` runs as is (as torch's does).
+    Placements that do not fit raise errors naming ``func`` and the argument (torch's error
+    classes: ``AssertionError`` where it raises that, also catchable as ``ValueError`` /
+    ``TypeError``).
     """
-    name = body_name(fn)
-    if not callable(fn):
-        raise TypeError(f"local_map(fn=...) must be callable, got {type(fn).__name__}")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"local_map({name}): mesh must be a hops.Mesh, got {type(mesh).__name__}")
-    if not isinstance(in_placements, (tuple, list)):
-        raise TypeError(
-            f"local_map({name}): in_placements must have one entry per positional argument, got {in_placements!r}"
+    if func is None:
+        return lambda f: local_map(
+            f, out_placements, in_placements, in_grad_placements, device_mesh, redistribute_inputs=redistribute_inputs, mesh=mesh
         )
-    if in_grad_placements is not None and (
-        not isinstance(in_grad_placements, (tuple, list)) or len(in_grad_placements) != len(in_placements)
-    ):
-        raise ValueError(
-            f"local_map({name}): in_grad_placements must have one entry per positional argument "
-            f"({len(in_placements)}), got {in_grad_placements!r}"
-        )
-    # Validate and normalize every placement now, before any call.
-    in_placements = _normalize(tuple(in_placements), mesh, f"local_map({name}) in_placements")
-    if in_grad_placements is not None:
-        in_grad_placements = _normalize(tuple(in_grad_placements), mesh, f"local_map({name}) in_grad_placements")
-    out_placements = _normalize(out_placements, mesh, f"local_map({name}) out_placements")
-    out_leaves, out_treespec = pytree.tree_flatten(out_placements, is_leaf=_is_placements_leaf)
-    if not out_leaves or any(p is None for p in out_leaves):
-        raise ValueError(f"local_map({name}): out_placements needs a placements tuple for every output")
+    name = body_name(func)
+    if not callable(func):
+        raise TypeError(f"local_map(func=...) must be callable, got {type(func).__name__}")
+    fixed_mesh = _mesh_of(mesh, device_mesh, name)
+    plans: dict[Mesh, _Placements] = {}
 
-    make_body = rename_inner_function(_make_body, "body", body_name(fn))
+    def placements_on(mesh: Mesh) -> _Placements:
+        if mesh not in plans:
+            plans[mesh] = _Placements(name, mesh, in_placements, out_placements, in_grad_placements)
+        return plans[mesh]
 
-    @functools.wraps(fn)
-    def call(*args: Any) -> Any:
-        if len(args) != len(in_placements):
-            raise TypeError(
-                f"local_map({name}): called with {len(args)} positional arguments but in_placements "
-                f"has {len(in_placements)} entries"
-            )
-        leaves, args_treespec = pytree.tree_flatten(args)
-        per_leaf = _broadcast(in_placements, args, f"local_map({name}) in_placements")
-        grads_per_leaf = (
-            None
-            if in_grad_placements is None
-            else _broadcast(in_grad_placements, args, f"local_map({name}) in_grad_placements")
-        )
+    if fixed_mesh is not None:
+        placements_on(fixed_mesh)  # validate now, before any call
+    make_body = rename_inner_function(_make_body, "body", name)
+
+    @functools.wraps(func)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        dtensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if _is_dtensor(leaf)]
+        if dtensors:
+            return _torch_local_map(
+                func, placements_on(fixed_mesh or Mesh.from_device_mesh(dtensors[0].device_mesh)), device_mesh, redistribute_inputs
+            )(*args, **kwargs)
+        if fixed_mesh is None:
+            return func(*args, **kwargs)
+        plan = placements_on(fixed_mesh)
+        leaves, args_treespec = pytree.tree_flatten((args, kwargs))
+        num_arg_leaves = len(pytree.tree_leaves(args))
+        per_leaf = plan.inputs(args, leaves[:num_arg_leaves]) + [None] * (len(leaves) - num_arg_leaves)
+        grads_per_leaf = plan.input_grads(args, leaves[:num_arg_leaves]) + [None] * (len(leaves) - num_arg_leaves)
         tensor_positions = []
         for position, (leaf, placements) in enumerate(zip(leaves, per_leaf)):
-            is_tensor = isinstance(leaf, torch.Tensor)
-            if is_tensor and placements is None:
-                raise ValueError(f"local_map({name}): tensor argument leaf {position} has no in_placements (None)")
-            if not is_tensor and placements is not None:
-                raise TypeError(
-                    f"local_map({name}): in_placements gives placements for leaf {position}, which is "
-                    f"a {type(leaf).__name__}, not a tensor; use None for non-tensor arguments"
-                )
-            if is_tensor:
+            if isinstance(leaf, torch.Tensor):
                 tensor_positions.append(position)
+            elif placements is not None:
+                raise LocalMapTypeError(
+                    f"local_map({name}): in_placements gives placements for input leaf {position}, which is "
+                    f"a {type(leaf).__name__}, not a tensor; use None for non-tensor inputs"
+                )
+        replicated = tuple(Replicate() for _ in fixed_mesh.shape)
         spec = LocalMapSpec(
-            mesh,
-            tuple(per_leaf[p] for p in tensor_positions),
-            tuple(out_leaves),
-            None if grads_per_leaf is None else tuple(grads_per_leaf[p] for p in tensor_positions),
+            fixed_mesh,
+            tuple(per_leaf[p] or replicated for p in tensor_positions),
+            plan.tensor_outputs,
+            plan.grads_spec(tensor_positions, per_leaf, grads_per_leaf, replicated),
         )
-
-        body = make_body(fn, leaves, tensor_positions, args_treespec, out_treespec, out_placements)
-        set_trace_key(body, fn, args_treespec, out_treespec, [leaf for p, leaf in enumerate(leaves) if p not in tensor_positions])
+        # Under Dynamo the body returns the caller's result itself (Dynamo's rule hands back
+        # the body's structure, and a body may not record anything on the side there).
+        structured = torch.compiler.is_dynamo_compiling()
+        body = make_body(func, leaves, tensor_positions, args_treespec, plan, structured)
+        set_trace_key(body, func, args_treespec, plan, [leaf for p, leaf in enumerate(leaves) if p not in tensor_positions])
         tensors = [leaves[p] for p in tensor_positions]
-        flat_outputs = call_body_hop(
+        outputs = call_body_hop(
             local_map_hop,
             body,
             tensors,
             spec,
             what=f"local_map({name})",
-            input_names=lambda i: f"argument leaf {tensor_positions[i]}",
-            user_function=fn,
+            input_names=lambda i: f"leaf {tensor_positions[i]}",
+            user_function=func,
         )
-        return pytree.tree_unflatten(list(flat_outputs), out_treespec)
+        return outputs if structured else plan.restructure(outputs, body)
+
+    return call
+
+
+class _Placements:
+    """A local_map's placements normalized on one mesh, and how outputs map to them."""
+
+    def __init__(self, name: str, mesh: Mesh, in_placements: Any, out_placements: Any, in_grad_placements: Any) -> None:
+        self.name, self.mesh = name, mesh
+        for argument, value in (("in_placements", in_placements), ("in_grad_placements", in_grad_placements)):
+            if value is not None and not isinstance(value, (tuple, list)):
+                raise LocalMapTypeError(
+                    f"local_map({name}): {argument} must have one entry per flattened input (or per positional "
+                    f"argument), got {value!r}"
+                )
+        if in_placements is not None and in_grad_placements is not None and len(in_grad_placements) != len(in_placements):
+            raise LocalMapArgumentError(
+                f"local_map({name}): in_grad_placements has {len(in_grad_placements)} entries but in_placements has "
+                f"{len(in_placements)}: give one per input, as in_placements does"
+            )
+        self.in_placements = None if in_placements is None else _normalize(tuple(in_placements), mesh, f"local_map({name}) in_placements")
+        self.in_grad_placements = (
+            None if in_grad_placements is None else _normalize(tuple(in_grad_placements), mesh, f"local_map({name}) in_grad_placements")
+        )
+        if out_placements is None:
+            raise LocalMapArgumentError(f"local_map({name}): out_placements is required (one entry per flattened output)")
+        if _is_placements(out_placements):
+            # One output's placements given alone: [Shard(0)] or (Shard(0), Replicate()).
+            self.out_tree = None
+            self.out_flat: list[Any] = [placements_tuple(out_placements, mesh, f"local_map({name}) out_placements")]
+            self.single = True
+        else:
+            normalized = _normalize(out_placements, mesh, f"local_map({name}) out_placements")
+            self.single = False
+            if isinstance(normalized, tuple) and all(_is_placements_leaf(p) for p in normalized):
+                # torch's form: one entry per flattened output.
+                self.out_tree, self.out_flat = None, list(normalized)
+            else:
+                # A tree mirroring the output (a dict, nested tuples).
+                self.out_flat, self.out_tree = pytree.tree_flatten(normalized, is_leaf=_is_placements_leaf)
+        self.tensor_outputs = tuple(p for p in self.out_flat if p is not None)
+        if not self.tensor_outputs:
+            raise LocalMapArgumentError(f"local_map({name}): out_placements gives placements for no tensor output")
+
+    def inputs(self, args: tuple, leaves: list) -> list[Any]:
+        return _per_leaf(self.in_placements, args, leaves, f"local_map({self.name}) in_placements")
+
+    def input_grads(self, args: tuple, leaves: list) -> list[Any]:
+        return _per_leaf(self.in_grad_placements, args, leaves, f"local_map({self.name}) in_grad_placements")
+
+    def grads_spec(self, positions: list[int], per_leaf: list, grads_per_leaf: list, replicated: tuple) -> Any:
+        if self.in_grad_placements is None:
+            return None
+        inputs = LocalMapSpec(self.mesh, tuple(per_leaf[p] or replicated for p in positions), self.tensor_outputs)
+        # Derived only where none is given (a Partial('avg') input has none to derive).
+        return tuple(grads_per_leaf[p] or inputs.grad_placement(i) for i, p in enumerate(positions))
+
+    def output_leaves(self, result: Any) -> list[Any]:
+        """The body's result as the flat list out_placements describes (``None`` entries are
+        non-tensor outputs), or a ``LocalMapArgumentError``."""
+        if self.single:
+            leaves = [result] if isinstance(result, torch.Tensor) else pytree.tree_leaves(result)
+        elif self.out_tree is not None:
+            try:
+                leaves = self.out_tree.flatten_up_to(result)  # dict key order does not matter
+            except (ValueError, TypeError):
+                leaves = None
+        else:
+            leaves = pytree.tree_leaves(result)
+        described = "Tensor" if isinstance(result, torch.Tensor) else pytree.tree_map(
+            lambda r: "Tensor" if isinstance(r, torch.Tensor) else type(r).__name__, result
+        )
+        if leaves is None or len(leaves) != len(self.out_flat):
+            raise LocalMapArgumentError(
+                f"local_map({self.name}) returned {described}, which does not match out_placements: "
+                f"{len(self.out_flat)} placements for {'?' if leaves is None else len(leaves)} outputs"
+            )
+        for i, (leaf, placements) in enumerate(zip(leaves, self.out_flat)):
+            if isinstance(leaf, torch.Tensor) and placements is None:
+                raise LocalMapArgumentError(f"local_map({self.name}): output {i} is a tensor but its out_placements entry is None")
+            if not isinstance(leaf, torch.Tensor) and placements is not None:
+                raise LocalMapTypeError(
+                    f"local_map({self.name}) returned {described}, which does not match out_placements: output {i} is "
+                    f"a {type(leaf).__name__}, which takes None placements"
+                )
+        return leaves
+
+    def structure(self, leaves: list[Any], result: Any) -> Any:
+        """``leaves`` (in out_placements order) in the structure the caller gets."""
+        if self.out_tree is not None:
+            return pytree.tree_unflatten(leaves, self.out_tree)
+        return leaves[0] if isinstance(result, torch.Tensor) else pytree.tree_unflatten(leaves, pytree.tree_structure(result))
+
+    def restructure(self, tensor_outputs: Any, body: Callable) -> Any:
+        """The caller's result: the region's tensors, the body's non-tensor outputs, in the
+        structure the body returned."""
+        tensors = iter(tensor_outputs)
+        leaves = [next(tensors) if p is not None else v for p, v in zip(self.out_flat, body.hops_constants)]
+        if self.single:
+            return leaves[0] if body.hops_result_treespec is None else pytree.tree_unflatten(leaves, body.hops_result_treespec)
+        if self.out_tree is not None:
+            return pytree.tree_unflatten(leaves, self.out_tree)
+        if body.hops_result_treespec is None:  # the body returned one tensor
+            return leaves[0]
+        return pytree.tree_unflatten(leaves, body.hops_result_treespec)
+
+
+def _is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch.distributed absent
+        return False
+    return isinstance(value, DTensor)
+
+
+def _torch_local_map(func: Callable, plan: _Placements, device_mesh: Any, redistribute_inputs: bool) -> Callable:
+    """torch's own local_map for DTensor inputs, with this package's gradient layouts (a
+    replicated input's gradient is a pending sum unless given)."""
+    from torch.distributed.tensor.experimental import local_map as torch_local_map
+
+    def dtensor(placements: Any) -> Any:
+        # A list: torch reads a tuple out_placements as one entry per output.
+        return None if placements is None else [p.to_dtensor() for p in placements]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        leaves = pytree.tree_leaves(args)
+        per_leaf = plan.inputs(args, leaves)
+        grads = plan.input_grads(args, leaves)
+        derived = [
+            None if p is None else LocalMapSpec(plan.mesh, (p,), plan.tensor_outputs).grad_placement(0)
+            for p in per_leaf
+        ]
+        out = tuple(dtensor(p) for p in plan.out_flat)
+        return torch_local_map(
+            func,
+            out_placements=out[0] if plan.single else out,
+            in_placements=tuple(dtensor(p) for p in per_leaf),
+            in_grad_placements=tuple(dtensor(g or d) for g, d in zip(grads, derived)),
+            device_mesh=device_mesh,
+            redistribute_inputs=redistribute_inputs,
+        )(*args, **kwargs)
 
     return call
 
@@ -283,29 +468,34 @@ def _make_body(
     leaves: list[Any],
     tensor_positions: list[int],
     args_treespec: Any,
-    out_treespec: Any,
-    out_placements: Any,
+    plan: _Placements,
+    structured: bool,
 ) -> Callable:
-    """The region body: ``fn`` on local tensors, with non-tensor arguments baked in, returning
-    a flat tuple of tensors. ``local_map`` compiles ``body`` under the user function's name."""
+    """The region body: ``fn`` on local tensors, with non-tensor arguments baked in.
 
-    def body(*local_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    It returns the flat tuple of its tensor outputs, in the order of the spec's
+    out_placements, and keeps its non-tensor outputs and its result's structure on itself
+    for the caller; or (``structured``) the result in the structure the caller gets, which
+    must then hold tensors only. ``local_map`` compiles ``body`` under the user function's
+    name."""
+
+    def body(*local_tensors: torch.Tensor) -> Any:
         local_leaves = list(leaves)
         for position, tensor in zip(tensor_positions, local_tensors):
             local_leaves[position] = tensor
-        result = fn(*pytree.tree_unflatten(local_leaves, args_treespec))
-        try:
-            # Flattened against the declared structure: dict key order does not matter.
-            result_leaves = out_treespec.flatten_up_to(result)
-        except (ValueError, TypeError):
-            result_leaves = None
-        if result_leaves is None or not all(isinstance(r, torch.Tensor) for r in result_leaves):
-            raise TypeError(
-                f"local_map({body_name(fn)}) returned "
-                f"{pytree.tree_map(lambda r: 'Tensor' if isinstance(r, torch.Tensor) else type(r).__name__, result)}, "
-                f"which does not match out_placements {out_placements!r}"
-            )
-        return tuple(result_leaves)
+        args, kwargs = pytree.tree_unflatten(local_leaves, args_treespec)
+        result = fn(*args, **kwargs)
+        outputs = plan.output_leaves(result)
+        if structured:
+            if not all(isinstance(o, torch.Tensor) for o in outputs):
+                raise LocalMapTypeError(
+                    f"local_map({plan.name}): under torch.compile the outputs must all be tensors; "
+                    "return the non-tensor values from outside the region"
+                )
+            return plan.structure(outputs, result)
+        body.hops_constants = [None if isinstance(o, torch.Tensor) else o for o in outputs]
+        body.hops_result_treespec = None if isinstance(result, torch.Tensor) else pytree.tree_structure(result)
+        return tuple(o for o in outputs if isinstance(o, torch.Tensor))
 
     return body
 
@@ -381,9 +571,42 @@ def simulate(body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> tupl
         for j, output in enumerate(outputs):
             pieces[j][coordinate] = output
     return tuple(
-        _layout.assemble(p, placements, spec.mesh, f"local_map {name}: output {j}")
+        _assemble_output(p, placements, spec, f"local_map {name}: output {j}")
         for j, (p, placements) in enumerate(zip(pieces, spec.out_placements))
     )
+
+
+def _assemble_output(pieces: dict, placements: tuple, spec: LocalMapSpec, what: str) -> torch.Tensor:
+    """An output from its per-device pieces. In the whole-cotangent convention, every device
+    of a replicated axis receives the whole cotangent (autograd alone would give it to the
+    device whose piece is kept)."""
+    if spec.replicated_cotangents and any(isinstance(p, Replicate) for p in placements):
+        coordinates = list(pieces)
+        values = _WholeCotangents.apply(placements, spec.mesh, what, *(pieces[c] for c in coordinates))
+        pieces = dict(zip(coordinates, values))
+    return _layout.assemble(pieces, placements, spec.mesh, what)
+
+
+class _WholeCotangents(torch.autograd.Function):
+    """Pieces of an output as they are; in the backward, each piece replicated along an axis
+    gets the cotangent its whole replicated group receives (the identity on values)."""
+
+    @staticmethod
+    def forward(ctx: Any, placements: tuple, mesh: Mesh, what: str, *pieces: torch.Tensor):
+        ctx.placements, ctx.mesh = placements, mesh
+        return tuple(p.clone() for p in pieces)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any):
+        coordinates = _layout.device_coordinates(ctx.mesh)
+        by_coordinate = dict(zip(coordinates, grads))
+        spread = []
+        for coordinate in coordinates:
+            # The cotangent reaching this group: what its first device along each replicated axis got.
+            source = tuple(0 if isinstance(p, Replicate) else c for p, c in zip(ctx.placements, coordinate))
+            grad = by_coordinate[source]
+            spread.append(None if grad is None else grad.clone())
+        return (None, None, None, *spread)
 
 
 @local_map_hop.py_impl(DispatchKey.CompositeExplicitAutograd)

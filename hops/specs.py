@@ -555,8 +555,16 @@ class LocalMapSpec(_FxLiteral):
     ``in_placements[i]`` / ``out_placements[j]`` / ``in_grad_placements[i]`` are tuples with
     one placement per mesh axis, for the i-th flat input / j-th flat tensor output; ``None``
     marks a non-tensor input (an int or SymInt the body reads as is).
-    ``in_grad_placements`` (``None``: derived by ``transpose_placement``) is the layout of
-    the gradient of each input.
+
+    Gradients follow one of two conventions for the cotangent of a ``Replicate`` output:
+
+    - without ``in_grad_placements`` it enters the backward as a pending sum (the first
+      device along the axis holds it): then every replicated input's gradient is a pending
+      sum (``Partial``), which is right whatever the outputs are;
+    - with ``in_grad_placements`` (torch's ``local_map`` convention, for code written for it)
+      every device receives the whole cotangent, and the given layouts are taken as torch
+      takes them; an entry left ``None`` is derived in that convention (``Replicate`` on an
+      axis where every output is replicated, ``Partial`` where none is).
     """
 
     mesh: Mesh
@@ -600,20 +608,56 @@ class LocalMapSpec(_FxLiteral):
             f"{groups_text(self.out_placements)!r}{grads})"
         )
 
+    @property
+    def replicated_cotangents(self) -> bool:
+        """Whether a replicated output's cotangent reaches every device whole (torch's
+        convention, chosen by giving ``in_grad_placements``; see the class docstring)."""
+        return self.in_grad_placements is not None
+
+    def cotangent_placement(self, index: int) -> tuple[Placement, ...]:
+        """The layout of output ``index``'s cotangent as the backward region takes it."""
+        return tuple(
+            Replicate()
+            if isinstance(p, Replicate) and self.replicated_cotangents
+            else transpose_placement(p, f"out_placements[{index}]")
+            for p in self.out_placements[index]
+        )
+
     def grad_placements(self) -> tuple[tuple[Placement, ...], ...]:
-        """``in_grad_placements`` if given, else each input's placements transposed."""
+        """The layout of each input's gradient (see ``grad_placement``)."""
         return tuple(self.grad_placement(i) for i in range(len(self.in_placements)))
 
     def grad_placement(self, index: int) -> tuple[Placement, ...] | None:
-        """The layout of input ``index``'s gradient: given, or its placements transposed."""
-        if self.in_grad_placements is not None:
+        """The layout of input ``index``'s gradient: given, or derived in the spec's convention."""
+        if self.in_grad_placements is not None and self.in_grad_placements[index] is not None:
             return self.in_grad_placements[index]
         group = self.in_placements[index]
-        return None if group is None else tuple(transpose_placement(p, f"in_placements[{index}]") for p in group)
+        if group is None:
+            return None
+        where = f"in_placements[{index}]"
+        if not self.replicated_cotangents:
+            return tuple(transpose_placement(p, where) for p in group)
+        grads = []
+        for axis, placement in enumerate(group):
+            if not isinstance(placement, Replicate):
+                grads.append(transpose_placement(placement, where))
+                continue
+            replicated = [isinstance(out[axis], Replicate) for out in self.out_placements]
+            if all(replicated):
+                grads.append(Replicate())  # every device computed the same: each holds the gradient
+            elif not any(replicated):
+                grads.append(Partial())  # each device contributed: the gradient is their sum
+            else:
+                raise ValueError(
+                    f"in_grad_placements[{index}]: the input is replicated on mesh axis {self.mesh.axis_names[axis]!r}, "
+                    "where some outputs are replicated and some are not; no layout of its gradient is right with "
+                    "whole cotangents on every device: give in_grad_placements=None (pending-sum cotangents)"
+                )
+        return tuple(grads)
 
     def with_lifted(self, lifted: Sequence[Any]) -> LocalMapSpec:
         """This spec for inputs extended by values the body closed over (lifted by tracing):
-        a tensor is seen whole by every device (``Replicate``), so its gradient is ``Partial``."""
+        a tensor is seen whole by every device (``Replicate``); its gradient is derived."""
         import torch
 
         extra = tuple(
@@ -622,28 +666,8 @@ class LocalMapSpec(_FxLiteral):
         )
         grads = None
         if self.in_grad_placements is not None:
-            grads = self.in_grad_placements + tuple(
-                None if e is None else tuple(Partial() for _ in e) for e in extra
-            )
+            grads = self.in_grad_placements + tuple(None for _ in extra)  # derived in the spec's convention
         return LocalMapSpec(self.mesh, self.in_placements + extra, self.out_placements, grads)
-
-    def backward_spec(self, needs_grad: Sequence[bool], has_cotangent: Sequence[bool] | None = None) -> LocalMapSpec:
-        """The spec of the backward region: inputs are the primals and the cotangents of
-        the outputs with ``has_cotangent`` (default all); outputs are the gradients of the
-        inputs with ``needs_grad``."""
-        if has_cotangent is None:
-            has_cotangent = [True] * len(self.out_placements)
-        cotangents = tuple(
-            tuple(transpose_placement(p, f"out_placements[{j}]") for p in group)
-            for j, (group, given) in enumerate(zip(self.out_placements, has_cotangent))
-            if given
-        )
-        grads = self.grad_placements()
-        return LocalMapSpec(
-            self.mesh,
-            self.in_placements + cotangents,
-            tuple(g for g, needed in zip(grads, needs_grad) if needed),
-        )
 
 
 # --------------------------------------------------------------------------- text form

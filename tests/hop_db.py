@@ -232,8 +232,8 @@ class GraphModule(torch.nn.Module):
         l_w_ = L_w_
         scaled_matmul_body_0 = self.scaled_matmul_body_0
         hops_local_map = torch.ops.higher_order.hops_local_map(scaled_matmul_body_0, l_x_, l_w_, (), hops.LocalMapSpec(hops.Mesh.of(data=2, model=2), 'S(0)R, RR', 'S(0)R'))
-        getitem: "f32[4, 2]" = hops_local_map[0]
-        return (getitem,)
+        outputs: "f32[4, 2]" = hops_local_map[0]
+        return (outputs,)
     class scaled_matmul_body_0(torch.nn.Module):
         def forward(self, l_x_: "f32[2, 3]", l_w_: "f32[3, 2]"):
             matmul: "f32[2, 2]" = l_x_ @ l_w_

@@ -72,8 +72,8 @@ class GraphModule(torch.nn.Module):
         l_w_ = L_w_
         matmul_body_0 = self.matmul_body_0
         hops_local_map = torch.ops.higher_order.hops_local_map(matmul_body_0, l_x_, l_w_, (), hops.LocalMapSpec(hops.Mesh.of(data=2, model=2), 'S(0)S(1), RS(0)', 'S(0)P'))
-        getitem: "f32[8, 4]" = hops_local_map[0]
-        mul: "f32[8, 4]" = getitem * 2
+        outputs: "f32[8, 4]" = hops_local_map[0]
+        mul: "f32[8, 4]" = outputs * 2
         return (mul,)
     class matmul_body_0(torch.nn.Module):
         def forward(self, l_x_: "f32[4, 3]", l_w_: "f32[3, 4]"):
