@@ -91,22 +91,31 @@ def inspection_mode(values: Sequence[Any]) -> Any:
 
 @contextlib.contextmanager
 def fake_run_context() -> Iterator[None]:
-    """Run Python over fake tensors outside any tracer or transform: no proxy recording, no
-    functionalization, no torch.func transform, and ``torch.compile``d functions run eagerly
-    (Dynamo cannot trace inside our inspection modes, and a compiled step must mean the
-    same as its Python)."""
+    """Run Python over fake tensors outside any tracer, mode or transform, unseen: no proxy
+    recording, no functionalization, no torch.func transform, no dispatch mode of the caller
+    (activation checkpointing's caches, a FLOP counter), no saved-tensor hooks of the caller
+    (an offloading hook must see only real tensors), and ``torch.compile``d functions run
+    eagerly (Dynamo cannot trace inside our inspection modes, and a compiled step must mean
+    the same as its Python)."""
     from torch._higher_order_ops.utils import suspend_functionalization
     from torch._subclasses.functional_tensor import disable_functional_mode
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+    from torch.utils._python_dispatch import _disable_current_modes
 
     with (
         suspend_functionalization(),
         disable_functional_mode(),
         disable_proxy_modes_tracing(),
+        _disable_current_modes(),
         torch._C._DisableFuncTorch(),
+        torch.autograd.graph.saved_tensors_hooks(_keep, _keep),
         _compat.eager_stance(),
     ):
         yield
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 # Stand-ins made by any inspection (by id): never "outside" tensors for an enclosing

@@ -227,25 +227,39 @@ def scan(
     fn: Callable,
     init: Any,
     xs: Any = None,
-    *,
-    length: int | None = None,
+    length: Any = None,
     reverse: bool = False,
     unroll: int | bool = 1,
+    *,
     additional_inputs: Sequence[torch.Tensor] = (),
     remat: bool = False,
+    partition_fn: Callable | None = None,
+    is_fn_pure: bool = True,
 ) -> tuple[Any, Any]:
     """``jax.lax.scan``: ``fn(carry, x, *additional_inputs) -> (new_carry, y)`` over dim 0 of ``xs``.
 
     Returns ``(final_carry, ys)`` with ys stacked along dim 0 in slice order (also when
     ``reverse``). ``xs=None`` needs ``length`` and gives ``x=None``; ``y=None`` gives no ys.
     Python numbers in ``init`` or returned as carry or y become 0-d tensors (a carry keeps its
-    init's dtype). ``unroll`` runs that many steps per loop iteration where the scan lowers to
-    a loop (``True``: all of them), with the same values. ``remat`` recomputes each step in the
-    backward instead of saving its activations. Errors name the leaf: a carry changing shape,
-    dtype or structure (``TypeError``), xs of different lengths, non-tensor outputs, a step
-    writing into its inputs or a tensor it closes over.
+    init's dtype; a new one otherwise gets torch's default dtype, as JAX's weak types do).
+    ``unroll`` runs that many steps per loop iteration where the scan lowers to a loop
+    (``True``: all of them), with the same values. ``remat`` recomputes each step in the
+    backward instead of saving its activations.
+
+    torch_xla's ``scan(fn, init, xs, partition_fn, is_fn_pure)`` works too:
+    ``functorch.compile.min_cut_rematerialization_partition`` as ``partition_fn`` means
+    ``remat=True``, ``default_partition`` means saving activations; ``is_fn_pure`` is
+    accepted (every call is traced on its own).
+
+    Errors name the leaf: a carry changing shape, dtype or structure (``TypeError``, as in
+    JAX), xs of different lengths, non-tensor outputs, a step writing into its inputs or a
+    tensor it closes over.
     """
     name = body_name(fn)
+    if callable(length):
+        # torch_xla's positional order: scan(fn, init, xs, partition_fn, is_fn_pure).
+        partition_fn, is_fn_pure, length, reverse = length, reverse, None, False
+    remat = remat or _remat_of(partition_fn, name)
     if not callable(fn):
         raise TypeError(f"scan(fn=...) must be callable, got {type(fn).__name__}")
     init_leaves, carry_treespec = pytree.tree_flatten(init)
@@ -295,6 +309,24 @@ def scan(
     )
     # The results have the step's structure: (carry, ys), or (carry,) for a step without y.
     return result[0], (result[1] if len(result) == 2 else None)
+
+
+def _remat_of(partition_fn: Callable | None, name: str) -> bool:
+    """Whether torch_xla's ``partition_fn`` asks to recompute activations (its min-cut
+    partitioner) or to save them (its default one)."""
+    if partition_fn is None:
+        return False
+    from functorch.compile import default_partition, min_cut_rematerialization_partition
+
+    if partition_fn is min_cut_rematerialization_partition:
+        return True
+    if partition_fn is default_partition:
+        return False
+    raise TypeError(
+        f"scan({name}): partition_fn={getattr(partition_fn, '__name__', partition_fn)!r} is not one this "
+        "scan can honour: it saves a step's activations (default_partition) or recomputes them "
+        "(min_cut_rematerialization_partition, or remat=True)"
+    )
 
 
 @functools.lru_cache(maxsize=None)
