@@ -39,18 +39,18 @@ from torch._C import DispatchKey
 from torch._ops import HigherOrderOperator
 
 from hops import _compat
-from hops._body import inspect_body, lift_closure
-from hops._targets import load_device_rules
+from hops._body import distinct_tensors, inspect_body, lift_closure
 from hops._joint import is_tracing
 from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for the HOP modules)
     body_name,
-    fresh_outputs,
     clone_aliased_outputs,
     find_input_mutation_and_aliasing,
+    fresh_outputs,
     named,
     refuse_untracked_xla_operands,
     symbolic_trace_call,
 )
+from hops._targets import load_device_rules
 
 __all__ = ["BodyHOP", "FlatBody", "HopFunction", "call_body_hop", "flat_body", "needs_traced_autograd"]
 
@@ -212,9 +212,9 @@ class BodyHOP(HigherOrderOperator):
             return self.run(body, operands, spec)
         unwrapped = ctx.unwrap_tensors(list(operands))
         if not getattr(body, "hops_known_functional", False):
-            from hops._joint import trace_graph
-
             from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+            from hops._joint import trace_graph
 
             with disable_proxy_modes_tracing():
                 examples = self.body_inputs(unwrapped, spec)
@@ -254,7 +254,7 @@ class BodyHOP(HigherOrderOperator):
         name = body_name(body)
         refuse_untracked_xla_operands(mode, operands, f"{self.__name__} {name}")
         with disable_proxy_modes_tracing():
-            examples = self.body_inputs(operands, spec)
+            examples = distinct_tensors(self.body_inputs(operands, spec))
         with _compat.eager_stance():
             graph = reenter_make_fx(body)(*examples)
         if not getattr(body, "hops_known_functional", False):

@@ -79,6 +79,32 @@ def stand_in(t: torch.Tensor, mode: Any) -> torch.Tensor:
     return fresh
 
 
+def distinct_tensors(values: Sequence[Any]) -> list[Any]:
+    """``values`` with every tensor a new object like it, for tracing a body on them.
+
+    make_fx knows a traced value by its tensor object, and a lifted closure is substituted
+    by identity. A tensor given twice (a carry that is also an additional input) would make
+    one placeholder stand for both, and an operand that is also a closure tensor
+    (``scan(lambda d, x: d + x * c, c, xs)``) would have its reads as ``d`` substituted too:
+    either way the body would read the wrong input. So no body is traced on the caller's
+    tensor objects: a fake stand-in of a fake tensor, a detached alias of a real one (no
+    copy), made unseen by any tracer."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    result = []
+    with disable_proxy_modes_tracing():
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                mode = detect_fake_mode([_unwrap_functional(value)])
+                if mode is not None:
+                    value = stand_in(value, mode)
+                else:
+                    value = value.detach().requires_grad_(value.requires_grad)
+            result.append(value)
+    return result
+
+
 def inspection_mode(values: Sequence[Any]) -> Any:
     """The fake mode the values already live in (tracing), else a fresh one (eager)."""
     from torch._guards import detect_fake_mode

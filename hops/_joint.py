@@ -116,9 +116,11 @@ def trace_graph(fn: Callable, examples: Sequence[Any], *, enable_grad: bool = Fa
     inside the current tracer when one records, else on fake copies of ``examples``."""
     from torch._higher_order_ops.utils import materialize_as_graph
 
+    from hops._body import distinct_tensors
     from hops._compat import eager_stance
 
     with eager_stance():
+        examples = distinct_tensors(examples)
         return strip_detach(materialize_as_graph(fn, tuple(examples), force_enable_grad=enable_grad))
 
 

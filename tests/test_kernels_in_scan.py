@@ -154,7 +154,7 @@ class GraphModule(torch.nn.Module):
             getitem: "f32[2, 4]" = hops_named_scope[0]
             getitem_1: "f32[2, 4]" = hops_named_scope[1]
             getitem_2: "f32[4, 4]" = hops_named_scope[2]
-            zeros_like: "f32[4, 4]" = torch.ops.aten.zeros_like.default(arg7_1, pin_memory = False)
+            zeros_like: "f32[4, 4]" = torch.ops.aten.zeros_like.default(arg6_1, pin_memory = False)
             add_1: "f32[4, 4]" = torch.ops.aten.add.Tensor(arg1_1, zeros_like)
             add_2: "f32[4, 4]" = torch.ops.aten.add.Tensor(arg2_1, getitem_2)
             return (getitem, add_1, add_2, getitem_1)

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from snapshot import aot_trace
+from snapshot import aot_trace, compile_trace
 
 import hops
-from hops import Mesh, Shard
+from hops import Mesh, Replicate, Shard
 
 WIDTH = 4
 LINE = Mesh((2,), ("a",))
@@ -163,3 +163,86 @@ def test_a_write_into_an_input_is_refused_and_changes_nothing(chain, seed, where
         else:
             raise AssertionError("a write into an input was not refused")
         torch.testing.assert_close(x, before)
+
+
+# --------------------------------------------------------------------------- one tensor, many roles
+
+
+def aliasing_programs(chain, roles):
+    """(name, program(x, w), reference(x, w)): each HOP reads ``x`` in several roles at
+    once (as two operands, and from its closure), which a trace must keep apart."""
+    twice, closure = "second_operand" in roles, "closure" in roles
+
+    def combine(t, other, x):
+        if other is not None:
+            t = t + other.sum(0)
+        if closure:
+            t = t * x.mean()
+        return t
+
+    def scan_program(x, w):
+        body = make_body(chain, w)
+
+        def step(c, row, *more):
+            return body(combine(c + row, more[0] if more else None, x)), c.sum()
+
+        return hops.scan(step, x, x, additional_inputs=(x,) if twice else ())
+
+    def scan_reference(x, w):
+        body, c, ys = make_body(chain, w), x, []
+        for row in x:
+            c, y = body(combine(c + row, x if twice else None, x)), c.sum()
+            ys.append(y)
+        return c, torch.stack(ys)
+
+    def region_program(x, w):
+        body = make_body(chain, w)
+        placements = ((Shard(0),), (Replicate(),)) if twice else ((Shard(0),),)
+        region = hops.local_map(
+            lambda a, *b: body(combine(a, b[0] if b else None, x)),
+            mesh=LINE,
+            in_placements=placements,
+            out_placements=(Shard(0),),
+        )
+        return region(x, x) if twice else region(x)
+
+    def scope_program(x, w):
+        body = make_body(chain, w)
+        scope = hops.named_scope("aliased")(lambda a, *b: body(combine(a, b[0] if b else None, x)))
+        return scope(x, x) if twice else scope(x)
+
+    def plain(x, w):
+        return make_body(chain, w)(combine(x, x if twice else None, x))
+
+    return [("scan", scan_program, scan_reference), ("local_map", region_program, plain), ("named_scope", scope_program, plain)]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    chain=chains,
+    seed=st.integers(0, 2**16),
+    roles=st.sets(st.sampled_from(["second_operand", "closure"]), min_size=1),
+)
+def test_one_tensor_in_several_roles_is_several_inputs_on_every_frontend(chain, seed, roles):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, w = inputs(seed)
+    for name, program, reference in aliasing_programs(chain, sorted(roles)):
+        what = f"{name} {sorted(roles)} {chain}"
+        expected, expected_grads = gradients(reference, x, w)
+        got, got_grads = gradients(program, x, w)
+        torch.testing.assert_close(got, expected, msg=f"eager {what}")
+        torch.testing.assert_close(got_grads, expected_grads, msg=f"eager gradients {what}")
+        for mode in ("real", "fake"):
+            traced = make_fx(program, tracing_mode=mode)(x, w)
+            torch.testing.assert_close(traced(x, w), expected, msg=f"make_fx {mode} {what}")
+        for frontend in ("aot", "dynamo"):
+            traced_x, traced_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+            if frontend == "aot":
+                *_, outputs = aot_trace(program, traced_x, traced_w)
+            else:
+                torch._dynamo.reset()
+                _, outputs = compile_trace(program, traced_x, traced_w)
+            torch.testing.assert_close(outputs, expected, msg=f"{frontend} {what}")
+            grads = tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in (traced_x, traced_w))
+            torch.testing.assert_close(grads, expected_grads, msg=f"{frontend} gradients {what}")
