@@ -36,7 +36,7 @@ def main() -> None:
     import torch_xla.runtime as xr
 
     import hops
-    from passes import xla_ops
+    from passes.xla import ops as xla_ops
 
     xr.use_spmd()
     device = torch_xla.device()

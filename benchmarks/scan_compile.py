@@ -123,7 +123,7 @@ def hops_annotation(variant):
 
 
 def xla_annotation(variant):
-    from passes import xla_ops
+    from passes.xla import ops as xla_ops
 
     if variant == "plain":
         return None
@@ -140,9 +140,10 @@ def xla_annotation(variant):
 
 def trace_hops(n, batch, variant):
     """aot_function forward+backward graphs of the hops.scan loss, on fake CPU tensors."""
-    import hops
     from functorch.compile import aot_function, make_boxed_func
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import hops
 
     annotate = hops_annotation(variant)
 

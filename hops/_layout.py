@@ -135,3 +135,44 @@ def _combine(row: list[torch.Tensor], placement: Placement, axis: str, what: str
                 "or Shard, or make the body's result identical on every device"
             )
     return first
+
+
+# --------------------------------------------------------------------------- as an op
+#
+# ``replicated(pieces, axis, what)``: the value of pieces declared Replicate along one mesh
+# axis, checked to agree exactly as ``assemble`` checks them. Graphs that spell a region out
+# per device (the inline lowering) call it, so their numbers and errors are the eager
+# simulation's; an op (not an ``_assert_async``) because agreement is exact for integers and
+# within tolerance for floats, which needs the dtype, and its result is used, so no pass
+# drops the check as dead code.
+
+_LIB = torch.library.Library("hops_layout", "DEF")
+_LIB.define("replicated(Tensor[] pieces, str axis, str what, bool whole_cotangents) -> Tensor")
+
+
+def _replicated(pieces: list[torch.Tensor], axis: str, what: str, whole_cotangents: bool) -> torch.Tensor:
+    return _combine(list(pieces), Replicate(), axis, what).clone()
+
+
+def _replicated_fake(pieces: list[torch.Tensor], axis: str, what: str, whole_cotangents: bool) -> torch.Tensor:
+    return torch.empty_like(pieces[0])
+
+
+def _replicated_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.count, ctx.whole = len(inputs[0]), inputs[3]
+
+
+def _replicated_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    # As ``assemble``: the first piece is the value, so it alone receives the cotangent; in
+    # the whole-cotangent convention every replica receives it.
+    others = [grad if ctx.whole else torch.zeros_like(grad) for _ in range(ctx.count - 1)]
+    return [grad, *others], None, None, None
+
+
+_LIB.impl("replicated", _replicated, "CompositeExplicitAutograd")
+torch.library.register_fake("hops_layout::replicated", _replicated_fake, lib=_LIB)
+torch.library.register_autograd(
+    "hops_layout::replicated", _replicated_backward, setup_context=_replicated_setup, lib=_LIB
+)
+
+replicated = torch.ops.hops_layout.replicated.default

@@ -49,7 +49,7 @@ from hops._subgraph import fresh_outputs, refuse_untracked_xla_operands
 from hops._targets import load_device_rules
 from hops.specs import _FxLiteral, register_spec_type
 
-__all__ = ["kernel", "Kernel", "KernelParams", "on_kernel_defined"]
+__all__ = ["kernel", "Kernel", "KernelParams"]
 
 # --------------------------------------------------------------------------- params
 
@@ -123,18 +123,6 @@ register_spec_type("KernelParams.of", KernelParams.of)
 # --------------------------------------------------------------------------- the HOP
 
 _KERNELS: dict[str, Kernel] = {}
-_DEFINITION_HOOKS: list[Callable[[Kernel], None]] = []
-
-
-def on_kernel_defined(hook: Callable[[Kernel], None]) -> None:
-    """Call ``hook(kernel)`` for every kernel defined so far and every one defined later.
-
-    Pass rule tables (``passes.kernel_rules``) register each kernel's rules this way:
-    kernels are defined by user code, after the passes are imported.
-    """
-    for defined in list(_KERNELS.values()):
-        hook(defined)
-    _DEFINITION_HOOKS.append(hook)
 
 
 def _origin(fn: Callable) -> str:
@@ -143,6 +131,8 @@ def _origin(fn: Callable) -> str:
 
 class Kernel(HigherOrderOperator):
     """HOP ``hops_kernel_<name>(*tensors, params)`` calling one user kernel opaquely."""
+
+    spec_type = KernelParams
 
     def __init__(
         self,
@@ -227,6 +217,15 @@ class Kernel(HigherOrderOperator):
 
     def describe(self) -> str:
         return f"kernel {self.kernel_name}"
+
+    @property
+    def op(self) -> torch._ops.OpOverload:
+        """This kernel as a ``torch.library`` op, ``hops_kernels::<name>(Tensor[] inputs,
+        str params) -> Tensor[]``: a call every backend keeps whole and runs (inductor falls
+        back to it, a pickled graph keeps it), with the kernel's abstract rule as its fake,
+        its backward as its autograd and its ``xla=`` implementation on XLA. Lowerings
+        rewrite kernel nodes into calls of it; ``params`` is ``repr(KernelParams)``."""
+        return _kernel_op(self)
 
     def input_name(self, index: int) -> str:
         """The name of the ``index``-th tensor input, from the kernel's signature."""
@@ -357,8 +356,6 @@ def kernel(
         defined = Kernel(fn, name=kernel_name, abstract=abstract, backward=backward, xla=xla)
         _register_rules(defined)
         _KERNELS[kernel_name] = defined
-        for hook in _DEFINITION_HOOKS:
-            hook(defined)
         return defined
 
     return define if implementation is None else define(implementation)
@@ -535,3 +532,61 @@ class _KernelFunction(torch.autograd.Function):
 def _autograd(kernel_hop: Kernel, *tensors_and_params: Any):
     tensors, params = _split(tensors_and_params)
     return _KernelFunction.apply(kernel_hop, params, *tensors)
+
+
+# --------------------------------------------------------------------------- as a torch.library op
+
+_OPS = torch.library.Library("hops_kernels", "DEF")
+_OP_OF: dict[str, tuple[str, torch._ops.OpOverload]] = {}  # kernel name -> (origin, op)
+
+
+@functools.lru_cache(maxsize=None)
+def _params_of(text: str) -> KernelParams:
+    from hops.specs import spec_from_text
+
+    return spec_from_text(text)
+
+
+def _kernel_op(kernel_hop: Kernel) -> torch._ops.OpOverload:
+    name = kernel_hop.kernel_name
+    known = _OP_OF.get(name)
+    if known is not None:
+        if known[0] != kernel_hop.origin:
+            raise ValueError(f"{kernel_hop.describe()}: an op hops_kernels::{name} is already defined by {known[0]}")
+        return known[1]
+
+    def call(inputs: list[torch.Tensor], params: str) -> list[torch.Tensor]:
+        outputs = _eager(kernel_hop, *inputs, _params_of(params))
+        return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+
+    def call_on_xla(inputs: list[torch.Tensor], params: str) -> list[torch.Tensor]:
+        outputs = _xla(kernel_hop, *inputs, _params_of(params))
+        return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+
+    def fake(inputs: list[torch.Tensor], params: str) -> list[torch.Tensor]:
+        outputs = _check_outputs(kernel_hop, kernel_hop.abstract_rule(*inputs, **_params_of(params).as_dict()), "abstract", inputs)
+        return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        tensors, params = inputs
+        ctx.save_for_backward(*tensors, *output)
+        ctx.num_inputs, ctx.params = len(tensors), _params_of(params)
+
+    def backward(ctx: Any, grads: list[torch.Tensor]) -> tuple:
+        saved = ctx.saved_tensors
+        inputs, outputs = saved[: ctx.num_inputs], saved[ctx.num_inputs :]
+        grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
+        needs = [True] * ctx.num_inputs
+        result = kernel_hop.run_backward(inputs, outputs, grads, ctx.params, needs)
+        return [torch.zeros_like(t) if g is None else g for g, t in zip(result, inputs)], None
+
+    _OPS.define(f"{name}(Tensor[] inputs, str params) -> Tensor[]")
+    _OPS.impl(name, call, "CompositeExplicitAutograd")
+    if kernel_hop.xla_implementation is not None:
+        _OPS.impl(name, call_on_xla, "XLA")
+    torch.library.register_fake(f"hops_kernels::{name}", fake, lib=_OPS)
+    if kernel_hop.backward_rule is not None:
+        torch.library.register_autograd(f"hops_kernels::{name}", backward, setup_context=setup_context, lib=_OPS)
+    op = getattr(torch.ops.hops_kernels, name).default
+    _OP_OF[name] = (kernel_hop.origin, op)
+    return op

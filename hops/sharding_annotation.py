@@ -36,6 +36,8 @@ __all__ = ["annotate_sharding", "sharding_annotation_hop"]
 class ShardingAnnotation(HigherOrderOperator):
     """HOP ``hops_sharding_annotation(x, spec)``."""
 
+    spec_type = ShardingSpec
+
     def __init__(self) -> None:
         # The package prefix keeps this name from overwriting another HOP's in torch's
         # single global HOP registry.

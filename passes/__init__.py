@@ -1,29 +1,38 @@
 """FX passes over graphs that contain this package's HOPs.
 
-- ``inline_hops``: HOPs -> plain ATen graph any backend runs.
-- ``lower_to_xla``: HOPs -> functional ``hops_xla`` ops whose XLA kernels emit sharding custom calls.
-- ``unroll_scan``: a scan -> ``length`` copies of its body (for backends without loops).
-- ``check_placements``: stated layouts (annotations, region outputs) agree with each local_map region.
+Each lowering target is a table of rules, one per HOP (``passes/_infra.py``):
+
+- ``inline_hops`` (target ``"inline"``, ``passes/inline.py``): HOPs -> plain ATen and
+  ``torch.library`` ops any backend runs;
+- ``lower_to_xla`` (target ``"xla"``, ``passes/xla/``): HOPs -> functional ``hops_xla`` ops
+  whose XLA kernels emit sharding custom calls, a scan -> one XLA ``While``;
+- ``unroll_scan`` (target ``"unroll"``, ``passes/unroll.py``): a scan -> ``length`` copies of
+  its body (for backends without loops); other HOPs are kept.
+
+``check_placements`` verifies that stated layouts (annotations, region outputs) agree with
+each local_map region's.
 """
 
 import hops  # noqa: F401  (registers the HOPs the rule tables refer to)
-from passes.inline import INLINE_RULES, inline_hops, register_inline_rule
-from passes.xla import XLA_RULES, lower_to_xla, register_xla_rule
-from passes._infra import HopRulePass, PassError, graph_modules
+from passes._infra import RULES, HopRulePass, PassError, graph_modules, keep, refuse, register_rule, rule_for
 from passes.check import check_placements
-from passes import kernel_rules  # noqa: F401,E402  (registers rules for kernels, einsum, named scopes)
-from passes.scan_rules import run_scan, unroll_scan
+from passes.inline import inline_hops, run_scan_loop
+from passes.unroll import unroll_scan
+from passes.xla import lower_to_xla, run_in_named_scope, run_scan
 
 __all__ = [
     "inline_hops",
     "lower_to_xla",
-    "check_placements",
     "unroll_scan",
+    "check_placements",
     "run_scan",
-    "INLINE_RULES",
-    "XLA_RULES",
-    "register_inline_rule",
-    "register_xla_rule",
+    "run_scan_loop",
+    "run_in_named_scope",
+    "RULES",
+    "register_rule",
+    "rule_for",
+    "keep",
+    "refuse",
     "HopRulePass",
     "PassError",
     "graph_modules",

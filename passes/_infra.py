@@ -1,30 +1,90 @@
-"""What every pass of this package shares: a rule table applied over a graph and its subgraphs.
+"""What every pass of this package shares: one registry of rules, per target and per HOP.
 
-A pass here is a ``torch.fx.passes.infra.pass_base.PassBase``: ``requires`` checks its input,
-``call`` rewrites, ``ensures`` checks what it promised. ``HopRulePass`` is the common shape:
-one rule per HOP, applied to every ``call_function`` node of that HOP in the root graph and in
-every nested ``GraphModule`` (HOP bodies), each visited once. Rules read only node args
-(never ``node.meta``), so deleting meta cannot change the result. Every changed graph is
-linted, loses submodules nothing refers to any more, and is recompiled; the walk is linear
-in the number of nodes.
+A lowering *target* (``"inline"``, ``"xla"``, ``"unroll"``, ...) is a table of rules, one per
+HOP, as JAX registers one lowering per primitive per platform. A target module registers
+its rules with ``@register_rule(target, hop)`` (a rule for a HOP class, e.g. ``Kernel``,
+serves every instance without its own rule); a HOP a target leaves as it is gets ``keep``,
+one a target cannot take gets ``refuse(why)``. Adding a HOP is adding its rules to each
+target; adding a target is adding a table (``CONTRIBUTING.md``).
+
+``HopRulePass(target)`` applies a target's table to every node of this package's HOPs in a
+graph and in every subgraph (HOP bodies), bodies before the graphs that hold them, so what
+a rule copies up from a body is already rewritten. A HOP without a rule is a ``PassError``
+naming the node and the target, never a node silently left in a "lowered" graph. Rules
+read only node args (never ``node.meta``), so deleting meta cannot change a result. Every
+changed graph is linted, loses submodules nothing refers to any more, and is recompiled;
+the walk is linear in the number of nodes.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
+import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 Rule = Callable[[fx.Node], None]
 
+# target -> {HOP (or HOP class) -> rule}
+RULES: dict[str, dict[Any, Rule]] = {}
+
+
+class PassError(ValueError):
+    """A graph a pass cannot handle; the message names the node (and the target)."""
+
+
+def register_rule(target: str, *hops: Any) -> Callable[[Rule], Rule]:
+    """Register the decorated function as ``target``'s rule for each of ``hops``."""
+
+    def register(rule: Rule) -> Rule:
+        table = RULES.setdefault(target, {})
+        for hop in hops:
+            table[hop] = rule
+        return rule
+
+    return register
+
+
+def keep(node: fx.Node) -> None:
+    """The rule of a target that leaves this HOP as it is (its bodies are still visited)."""
+
+
+def refuse(why: str) -> Rule:
+    """A rule that refuses the HOP with ``PassError`` saying ``why``."""
+
+    def refuse_node(node: fx.Node) -> None:
+        raise PassError(f"{node.format_node()}: {why}")
+
+    refuse_node.reason = why
+    return refuse_node
+
+
+def rule_for(target: str, hop: Any) -> Rule | None:
+    """``target``'s rule for ``hop``: its own, else its class's, else None."""
+    table = RULES.get(target, {})
+    rule = table.get(hop)
+    if rule is None:
+        rule = next((table[cls] for cls in type(hop).__mro__ if cls in table), None)
+    return rule
+
+
+def is_package_hop(target: Any) -> bool:
+    """Whether ``target`` is one of this package's HOPs (registered with the ``hops_`` prefix)."""
+    return isinstance(target, torch._ops.HigherOrderOperator) and target.__name__.startswith("hops_")
+
 
 def graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
-    """``gm`` and every ``GraphModule`` nested in it (HOP bodies), each once."""
+    """``gm`` and every ``GraphModule`` nested in it (HOP bodies), each once, parents first."""
     for module in gm.modules():
         if isinstance(module, fx.GraphModule):
             yield module
+
+
+def bodies_first(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and its nested GraphModules, each after every GraphModule nested in it."""
+    return list(reversed(list(graph_modules(gm))))
 
 
 def _drop_unreferenced_subgraphs(module: fx.GraphModule) -> None:
@@ -43,16 +103,35 @@ def _drop_unreferenced_subgraphs(module: fx.GraphModule) -> None:
             delattr(module, name)
 
 
-class PassError(ValueError):
-    """A graph a pass cannot handle; the message names the node."""
-
-
 def body_module(node: fx.Node) -> fx.GraphModule:
     """The subgraph a HOP node takes as its first argument (a ``get_attr``)."""
     body = node.args[0]
     if not (isinstance(body, fx.Node) and body.op == "get_attr"):
         raise PassError(f"{node.format_node()}: expected a get_attr of the body subgraph as first argument")
-    return node.graph.owning_module.get_submodule(body.target)
+    module = node.graph.owning_module.get_submodule(body.target)
+    if not isinstance(module, fx.GraphModule):
+        raise PassError(f"{node.format_node()}: its body {body.target} is a {type(module).__name__}, not a GraphModule")
+    return module
+
+
+def check_spec(node: fx.Node, target: str) -> None:
+    """``PassError`` naming ``node`` unless its last argument is its HOP's typed spec (every
+    HOP of this package states its spec type as ``spec_type``)."""
+    spec_type = getattr(node.target, "spec_type", None)
+    if spec_type is None:
+        raise PassError(f"{target}: {node.format_node()}: {node.target.__name__} states no spec_type")
+    typed_spec(node, target, spec_type)
+
+
+def typed_spec(node: fx.Node, target: str, spec_type: type) -> Any:
+    """The node's last argument, checked to be a ``spec_type`` (else ``PassError`` naming both)."""
+    spec = node.args[-1] if node.args else None
+    if not isinstance(spec, spec_type):
+        raise PassError(
+            f"{target}: {node.format_node()}: the last argument must be a hops.{spec_type.__name__}, "
+            f"got {type(spec).__name__} {spec!r}"
+        )
+    return spec
 
 
 def copy_body_into(node: fx.Node, body: fx.GraphModule, inputs: list) -> list:
@@ -63,8 +142,13 @@ def copy_body_into(node: fx.Node, body: fx.GraphModule, inputs: list) -> list:
     """
     graph = node.graph
     owner = graph.owning_module
+    placeholders = body.graph.find_nodes(op="placeholder")
+    if len(placeholders) != len(inputs):
+        raise PassError(
+            f"{node.format_node()}: its body takes {len(placeholders)} inputs but the node passes {len(inputs)}"
+        )
     with graph.inserting_before(node):
-        outputs = graph.graph_copy(body.graph, dict(zip(body.graph.find_nodes(op="placeholder"), inputs)))
+        outputs = graph.graph_copy(body.graph, dict(zip(placeholders, inputs)))
     renamed: dict[str, str] = {}
     for copied in list(graph.nodes):
         if copied.op == "get_attr" and not hasattr(owner, str(copied.target)) and hasattr(body, str(copied.target)):
@@ -81,7 +165,7 @@ def copy_body_into(node: fx.Node, body: fx.GraphModule, inputs: list) -> list:
     return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
 
-def replace_tuple_output(node: fx.Node, values: list[fx.Node]) -> None:
+def replace_tuple_output(node: fx.Node, values: list[Any]) -> None:
     """Make every ``node[i]`` read ``values[i]``, then erase ``node`` and its unused body ``get_attr``."""
     for user in list(node.users):
         if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
@@ -95,27 +179,36 @@ def replace_tuple_output(node: fx.Node, values: list[fx.Node]) -> None:
 
 
 class HopRulePass(PassBase):
-    """Apply ``rules[node.target](node)`` to every node whose target has a rule."""
+    """Apply ``target``'s rules to every node of this package's HOPs (see the module docstring)."""
 
-    def __init__(self, name: str, rules: dict[object, Rule]) -> None:
+    def __init__(self, target: str, *, name: str | None = None, rules: dict[Any, Rule] | None = None) -> None:
         super().__init__()
-        self.name = name
-        self.rules = rules
+        self.target = target
+        self.name = name or target
+        self.overrides = rules or {}
+
+    def rule(self, node: fx.Node) -> Rule:
+        rule = self.overrides.get(node.target) or rule_for(self.target, node.target)
+        if rule is None:
+            raise PassError(
+                f"{self.name}: no {self.target!r} rule for {node.format_node()} "
+                f"({node.target.__name__}); register one with passes.register_rule({self.target!r}, hop)"
+            )
+        return rule
 
     def requires(self, graph_module: fx.GraphModule) -> None:
         if not isinstance(graph_module, fx.GraphModule):
-            raise TypeError(
-                f"{self.name} expects a torch.fx.GraphModule, got {type(graph_module).__name__}"
-            )
+            raise TypeError(f"{self.name} expects a torch.fx.GraphModule, got {type(graph_module).__name__}")
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         modified = False
-        for module in list(graph_modules(graph_module)):
+        for module in bodies_first(graph_module):
             graph_changed = False
             for node in list(module.graph.nodes):
-                if node.op == "call_function":
-                    rule = self.rules.get(node.target)
-                    if rule is not None:
+                if node.op == "call_function" and is_package_hop(node.target):
+                    check_spec(node, self.name)
+                    rule = self.rule(node)
+                    if rule is not keep:
                         rule(node)
                         graph_changed = True
             if graph_changed:
@@ -126,7 +219,36 @@ class HopRulePass(PassBase):
         return PassResult(graph_module, modified)
 
     def ensures(self, graph_module: fx.GraphModule) -> None:
+        """Nothing this target had to rewrite is left (kept HOPs may stay)."""
         for module in graph_modules(graph_module):
             for node in module.graph.nodes:
-                if node.op == "call_function" and node.target in self.rules:
-                    raise AssertionError(f"{self.name} left {node.format_node()}")
+                if node.op == "call_function" and is_package_hop(node.target) and self.rule(node) is not keep:
+                    raise PassError(f"{self.name} left {node.format_node()} in the graph")
+
+
+def runner_spec(runner: str, spec: Any, spec_type: type) -> Any:
+    """``spec`` checked to be a ``spec_type`` where a lowered graph calls a runner (a graph
+    may have been edited after lowering): ``TypeError`` naming the runner."""
+    if not isinstance(spec, spec_type):
+        raise TypeError(f"{runner}: the last argument must be a hops.{spec_type.__name__}, got {type(spec).__name__} {spec!r}")
+    return spec
+
+
+def leaf_call(function: Callable) -> Callable:
+    """``function`` as a call FX keeps whole: called on ``fx.Proxy`` arguments (symbolic
+    tracing, which is how a pickled GraphModule is rebuilt) it records one node instead of
+    running. Lowered graphs call such functions (a scan's runner, a scope's runner)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        proxy = next(
+            (a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, fx.Proxy)), None
+        )
+        if proxy is not None:
+            return proxy.tracer.create_proxy("call_function", call, args, kwargs)
+        return function(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = function.__name__
+    call.__module__ = function.__module__
+    call.__doc__ = function.__doc__
+    call.__wrapped__ = function
+    return call

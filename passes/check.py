@@ -23,7 +23,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from hops.local_map import local_map_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import LocalMapSpec, ShardingSpec
-from passes._infra import PassError, graph_modules
+from passes._infra import PassError, check_spec, graph_modules, is_package_hop, typed_spec
 
 
 def _stated_layout(value: Any) -> tuple[str, Any, Any, Any] | None:
@@ -31,11 +31,11 @@ def _stated_layout(value: Any) -> tuple[str, Any, Any, Any] | None:
     if not isinstance(value, fx.Node) or value.op != "call_function":
         return None
     if value.target is sharding_annotation_hop:
-        spec = value.args[1]
+        spec = typed_spec(value, "check_placements", ShardingSpec)
         return (f"annotation {value.name}", spec.mesh, spec.placements, spec.grad_placements)
     if value.target is operator.getitem and _is_region(value.args[0]):
         region, index = value.args
-        spec = region.args[-1]
+        spec = typed_spec(region, "check_placements", LocalMapSpec)
         return (f"output {index} of {region.name}", spec.mesh, spec.out_placements[index], None)
     return None
 
@@ -45,7 +45,12 @@ def _is_region(node: Any) -> bool:
 
 
 def _mismatches(region: fx.Node) -> list[str]:
-    spec: LocalMapSpec = region.args[-1]
+    spec = typed_spec(region, "check_placements", LocalMapSpec)
+    if len(region.args) - 2 != len(spec.in_placements):
+        raise PassError(
+            f"check_placements: {region.format_node()}: {len(region.args) - 2} operands but its spec has "
+            f"{len(spec.in_placements)} in_placements"
+        )
     problems = []
     grad_placements = spec.grad_placements()
     for index, value in enumerate(region.args[1:-1]):
@@ -71,7 +76,8 @@ def _mismatches(region: fx.Node) -> list[str]:
         index = user.args[1]
         for consumer in user.users:
             if consumer.op == "call_function" and consumer.target is sharding_annotation_hop:
-                annotation: ShardingSpec = consumer.args[1]  # its gradient layout is the region's business
+                # Its gradient layout is the region's business.
+                annotation = typed_spec(consumer, "check_placements", ShardingSpec)
                 if annotation.mesh != spec.mesh or annotation.placements != spec.out_placements[index]:
                     problems.append(
                         f"{region.name} output {index}: annotation {consumer.name} lays it out as "
@@ -83,10 +89,16 @@ def _mismatches(region: fx.Node) -> list[str]:
 class CheckPlacements(PassBase):
     """Raise ``PassError`` listing every stated layout that disagrees with a region's."""
 
+    def requires(self, graph_module: fx.GraphModule) -> None:
+        if not isinstance(graph_module, fx.GraphModule):
+            raise TypeError(f"check_placements expects a torch.fx.GraphModule, got {type(graph_module).__name__}")
+
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         problems = []
         for module in graph_modules(graph_module):
             for node in module.graph.nodes:
+                if node.op == "call_function" and is_package_hop(node.target):
+                    check_spec(node, "check_placements")
                 if _is_region(node):
                     problems += _mismatches(node)
         if problems:

@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 import torch
-from snapshot import TestCase, aot_trace, compile_trace, delete_meta, readable
+from snapshot import TestCase, aot_trace, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -400,7 +400,7 @@ class TestPasses(TestCase):
         self.assertExpectedInline(readable(gm), """\
 class two_outputs(torch.nn.Module):
     def forward(self, x_1: "f32[4, 4]"):
-        hops_kernel_softmax_lse = test_kernel_softmax_lse(x_1, dim = -1)
+        hops_kernel_softmax_lse = torch.ops.hops_kernels.softmax_lse.default([x_1], 'hops.KernelParams.of(dim=-1)')
         getitem: "f32[4, 4]" = hops_kernel_softmax_lse[0]
         getitem_1: "f32[4]" = hops_kernel_softmax_lse[1]
         unsqueeze: "f32[4, 1]" = torch.ops.aten.unsqueeze.default(getitem_1, -1)
@@ -409,12 +409,13 @@ class two_outputs(torch.nn.Module):
 """)
         self.assertEqual(gm(x), two_outputs(x))
 
-    def test_lowering_without_an_xla_implementation_calls_the_kernel(self):
+    def test_lowering_calls_the_kernel_op(self):
+        # Lowered, a kernel call is a call of its torch.library op: opaque to every backend,
+        # with the kernel's params as their text.
         x = torch.randn(4, 4)
         gm = passes.lower_to_xla(make_fx(scaled_sin)(x))
-        (node,) = [n for n in gm.graph.nodes if n.name == "hops_kernel_scaled_tanh"]
-        self.assertIs(node.target, scaled_tanh.implementation)
-        self.assertEqual(node.kwargs, {"scale": 0.5})
+        (node,) = [n for n in gm.graph.nodes if n.target is scaled_tanh.op]
+        self.assertEqual(node.args[1], repr(KernelParams.of(scale=0.5)))
         self.assertEqual(gm(x), scaled_sin(x))
 
 
@@ -466,8 +467,8 @@ def test_lowered_graph_calls_the_xla_implementation():
     x = torch.randn(4, 4)
     gm = passes.lower_to_xla(make_fx(fn)(x))
     (node,) = [n for n in gm.graph.nodes if n.name == "hops_kernel_xla_scaled_tanh"]
-    assert node.target is scaled_tanh_with_xla_builder
-    assert "scaled_tanh_with_xla_builder(mul, scale = 0.5)" in gm.code
+    # The kernel's op, whose XLA kernel is the kernel's xla= implementation.
+    assert node.target is xla_scaled_tanh.op
     out = gm(x.to(xla_device()))
     hlo = hlo_text(out)
     # The eager implementation would be multiply + tanh inline; the XLA one is a call.

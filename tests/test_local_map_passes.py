@@ -38,22 +38,62 @@ sharded_matmul = hops.local_map(
 
 
 class TestInlineLocalMap(TestCase):
-    def test_replicated_region_inlines_into_its_body(self):
+    def test_region_inlines_into_its_per_device_program(self):
+        # A region in a global graph becomes what its eager semantics define: each device's
+        # shard sliced out, the body per device, the outputs assembled.
+        pair = Mesh((2,), ("data",))
+        rows = hops.local_map(scale, mesh=pair, in_placements=((Shard(0),),), out_placements=(Shard(0),))
         x = torch.randn(4, 4)
-        gm = passes.inline_hops(make_fx(lambda t: replicated_scale(t) + 1)(x))
+        gm = passes.inline_hops(make_fx(lambda t: rows(t) + 1)(x))
         self.assertExpectedInline(readable(gm), """\
 class <lambda>(torch.nn.Module):
     def forward(self, t_1: "f32[4, 4]"):
-        mul: "f32[4, 4]" = torch.ops.aten.mul.Tensor(t_1, 3)
-        add: "f32[4, 4]" = torch.ops.aten.add.Tensor(mul, 1)
+        chunk_default = torch.ops.aten.chunk.default(t_1, 2, 0)
+        getitem_1 = chunk_default[0]
+        mul: "f32[2, 4]" = torch.ops.aten.mul.Tensor(getitem_1, 3)
+        getitem_2 = chunk_default[1]
+        mul_1: "f32[2, 4]" = torch.ops.aten.mul.Tensor(getitem_2, 3)
+        cat_default = torch.ops.aten.cat.default([mul, mul_1], 0)
+        add: "f32[4, 4]" = torch.ops.aten.add.Tensor(cat_default, 1)
         return add
 """)
         self.assertEqual(gm(x), x * 3 + 1)
 
-    def test_sharded_region_is_refused_in_a_global_graph(self):
-        gm = make_fx(row_scale)(torch.randn(4, 4))
-        with self.assertRaisesRegex(passes.PassError, r"hops_local_map.*per_device=True"):
-            passes.inline_hops(gm)
+    def test_replicated_outputs_are_checked_to_agree(self):
+        # Declared Replicate, the devices' values must agree, as the eager simulation checks.
+        def by_device(x):
+            return x + x.sum()  # differs between row shards
+
+        wrong = hops.local_map(by_device, mesh=MESH, in_placements=(ROWS,), out_placements=(Replicate(), Replicate()))
+        x = torch.randn(4, 4)
+        with self.assertRaises(ValueError) as eager:
+            wrong(x)
+        gm = passes.inline_hops(make_fx(wrong, tracing_mode="fake")(x))
+        with self.assertRaises(ValueError) as inlined:
+            gm(x)
+        for error in (eager.exception, inlined.exception):
+            self.assertRegex(str(error), r"local_map by_device\S*: output 0 is declared Replicate on mesh axis 'data'")
+        # Integers must agree exactly, as eagerly.
+        counts = hops.local_map(
+            lambda n: n + (n.sum() > 10**6).long(), mesh=MESH, in_placements=(ROWS,), out_placements=(Replicate(), Replicate())
+        )
+        n = torch.full((4, 4), 10**6 // 8)
+        n[0, 0] += 100
+        with self.assertRaisesRegex(ValueError, "declared Replicate"):
+            counts(n)
+        with self.assertRaisesRegex(ValueError, "declared Replicate"):
+            passes.inline_hops(make_fx(counts, tracing_mode="fake")(n))(n)
+
+    def test_inlined_regions_compute_the_eager_results(self):
+        x, w = torch.randn(8, 6), torch.randn(6, 4)
+        for region, inputs in (
+            (replicated_scale, (x,)),
+            (row_scale, (x,)),
+            (partial_scale, (x,)),
+            (sharded_matmul, (x, w)),
+        ):
+            gm = passes.inline_hops(make_fx(region, tracing_mode="fake")(*inputs))
+            torch.testing.assert_close(gm(*inputs), region(*inputs))
 
     def test_per_device_graph_inlines_every_region(self):
         # In per-device form each device runs the graph on its own shards: the region's

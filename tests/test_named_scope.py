@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from snapshot import TestCase, aot_trace, compile_trace, delete_meta, readable
+from snapshot import TestCase, aot_trace, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -353,14 +353,14 @@ class GraphModule(torch.nn.Module):
 class layer(torch.nn.Module):
     def forward(self, x_1: "f32[3, 4]", w_1: "f32[5, 4]"):
         layer_body_0 = self.layer_body_0
-        hops_named_scope = passes_kernel_rules_run_in_named_scope(layer_body_0, x_1, w_1, hops.ScopeSpec('layer0'))
+        hops_named_scope = passes_xla_rules_run_in_named_scope(layer_body_0, x_1, w_1, hops.ScopeSpec('layer0'))
         getitem: "f32[3, 5]" = hops_named_scope[0]
         return getitem
     class layer_body_0(torch.nn.Module):
         def forward(self, arg0_1: "f32[3, 4]", arg1_1: "f32[5, 4]"):
             mul: "f32[3, 4]" = torch.ops.aten.mul.Tensor(arg0_1, 2)
             lambda_body_0 = self.lambda_body_0
-            hops_named_scope = passes_kernel_rules_run_in_named_scope(lambda_body_0, mul, arg1_1, hops.ScopeSpec('mlp'))
+            hops_named_scope = passes_xla_rules_run_in_named_scope(lambda_body_0, mul, arg1_1, hops.ScopeSpec('mlp'))
             getitem: "f32[3, 5]" = hops_named_scope[0]
             sum_1: "f32[]" = torch.ops.aten.sum.default(arg0_1)
             add: "f32[3, 5]" = torch.ops.aten.add.Tensor(getitem, sum_1)

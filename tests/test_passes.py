@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import hops
 import passes
 from hops import Mesh, Partial, Replicate, Shard, ShardingSpec
-from passes import xla_ops
+from passes.xla import ops as xla_ops
 
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
@@ -104,8 +104,9 @@ class <lambda>(torch.nn.Module):
         gm = make_fx(lambda x: hops.annotate_sharding(x * 2, ROWS))(torch.randn(4, 4))
         node = next(n for n in gm.graph.nodes if n.target is hops.sharding_annotation_hop)
         node.args = (node.args[0], "('data', None)")
-        with self.assertRaisesRegex(passes.PassError, "spec must be a hops.ShardingSpec, got str"):
-            passes.lower_to_xla(gm)
+        for run_pass in (passes.lower_to_xla, passes.inline_hops, passes.unroll_scan, passes.check_placements):
+            with self.assertRaisesRegex(passes.PassError, "hops_sharding_annotation.*must be a hops.ShardingSpec, got str"):
+                run_pass(copy.deepcopy(gm))
 
 
 class TestPassContracts(TestCase):
@@ -122,7 +123,7 @@ class TestPassContracts(TestCase):
         def move_before_its_input(node):
             next(iter(node.graph.nodes)).prepend(node)
 
-        broken = passes.HopRulePass("broken", {hops.sharding_annotation_hop: move_before_its_input})
+        broken = passes.HopRulePass("inline", rules={hops.sharding_annotation_hop: move_before_its_input})
         with self.assertRaisesRegex(RuntimeError, "used before it has been defined"):
             broken(gm)
 

@@ -125,7 +125,7 @@ def test_lowered_op_is_differentiable_on_xla_with_grad_spec():
 
 
 def test_sharding_objects_are_built_once_per_spec():
-    from passes import xla_ops
+    from passes.xla import ops as xla_ops
 
     x = torch.randn(8, 8)
     gm = passes.lower_to_xla(make_fx(two_annotations)(x, x))
@@ -137,7 +137,7 @@ def test_sharding_objects_are_built_once_per_spec():
 
 
 def test_lowered_op_refuses_a_spec_that_does_not_fit_the_tensor():
-    from passes import xla_ops
+    from passes.xla import ops as xla_ops
 
     with pytest.raises(ValueError, match="shards dim 1, but the tensor has rank 1"):
         xla_ops.sharding_constraint(torch.randn(8, device=xla_device()), repr(COLS))

@@ -309,7 +309,7 @@ def test_each_step_and_each_call_draws_its_own_random_numbers():
 
 
 def test_a_step_is_staged_once_per_input_layout_and_reads_what_it_closes_over():
-    from passes.xla_while import LITERAL_ELEMENTS, xla_while
+    from passes.xla.while_loop import LITERAL_ELEMENTS, xla_while
 
     big = torch.randn(LITERAL_ELEMENTS + 1)
     small = torch.randn(3)
@@ -336,10 +336,52 @@ def test_a_step_is_staged_once_per_input_layout_and_reads_what_it_closes_over():
 
 
 def test_a_step_that_returns_no_flat_tensors_is_refused_before_staging():
-    from passes.xla_while import xla_while
+    from passes.xla.while_loop import xla_while
 
     c, xs = torch.zeros(4, device=device()), torch.zeros(5, 4, device=device())
     with pytest.raises(TypeError, match=r"step lambda: must return \(\*new_carry, \*ys\) as tensors, got a tuple at position 0"):
         xla_while(lambda c, x: ((c + x,), (c.sum(),)), [c], [xs], [], length=5)
     with pytest.raises(ValueError, match=r"carry 0 leaves the step as \(3,\) torch.float32, entered as \(4,\) torch.float32"):
         xla_while(lambda c, x: (c[:3], c.sum()), [c], [xs], [], length=5)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_unroll_runs_several_steps_per_iteration_with_the_same_values(reverse):
+    # As JAX's scan(unroll=k): length // k iterations of k steps, then the remainder.
+    h, xs, w = (t.detach() for t in inputs())
+    expected = hops.scan(annotated_step, h, xs, additional_inputs=(w,), reverse=reverse)
+    for unroll in (1, 2, 4, 6, True):
+        last, ys = hops.scan(
+            annotated_step, h.to(device()), xs.to(device()), additional_inputs=(w.to(device()),), reverse=reverse, unroll=unroll
+        )
+        hlo = hlo_text(last, ys)
+        comps = computations(hlo)
+        (body,) = re.findall(r" while\(.*body=%([\w.\-]+)", hlo)
+        steps_per_iteration = len(re.findall(r" call\(", comps[body]))
+        length, k = 6, (6 if unroll is True else unroll)
+        assert steps_per_iteration == k, (unroll, steps_per_iteration)
+        # The steps after the loop: one call each, outside the While.
+        outside = sum(len(re.findall(r" call\(", text)) for name, text in comps.items() if name != body and "while(" in text)
+        assert outside == length % k, (unroll, outside)
+        torch.testing.assert_close(last.cpu(), expected[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ys.cpu(), expected[1], rtol=1e-4, atol=1e-4)
+
+
+def test_every_length_and_unroll_runs_every_step_once():
+    # XLA's loop analyses count trips from the loop's bound and increment; any miscount
+    # shows as a step run twice or never. Steps add distinct powers of two: the sum says
+    # exactly which ran.
+    from passes.xla.while_loop import xla_while
+
+    for length in range(1, 8):
+        xs = (2.0 ** torch.arange(length, dtype=torch.float64)).reshape(length, 1)
+        for unroll in range(1, length + 1):
+            for reverse in (False, True):
+                c = torch.zeros(1, dtype=torch.float64)
+                last, ys = xla_while(
+                    lambda c, x: (c + x, c + x), [c.to(device())], [xs.to(device())], [], length=length, reverse=reverse, unroll=unroll
+                )
+                order = xs.flip(0) if reverse else xs
+                expected_ys = order.cumsum(0)
+                assert last.cpu().item() == 2.0**length - 1, (length, unroll, reverse)
+                torch.testing.assert_close(ys.cpu(), expected_ys.flip(0) if reverse else expected_ys, rtol=0, atol=0)

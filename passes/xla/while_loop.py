@@ -1,11 +1,12 @@
 """One XLA ``While`` from a step function, staged once per step and input layout.
 
-``xla_while(body, carry, xs, additional, length=, reverse=)`` runs
+``xla_while(body, carry, xs, additional, length=, reverse=, unroll=)`` runs
 ``body(*carry, *x, *additional) -> (*new_carry, *y)`` for each slice ``x`` of ``xs`` along
 dim 0 inside one XLA ``While`` and returns ``(*final_carry, *ys)``. The step is staged on
-placeholder tensors into one XLA computation that the loop body calls; the built loop is
-cached per (step, input shapes and dtypes, length, reverse), so later calls only bind
-tensors.
+placeholder tensors into one XLA computation that the loop body calls ``unroll`` times per
+iteration (as JAX's ``scan(unroll=k)``: ``length // unroll`` iterations, then the
+``length % unroll`` remaining steps after the loop); the built loop is cached per (step,
+input shapes and dtypes, length, reverse, unroll), so later calls only bind tensors.
 
 The loop state is ``(step index, *carry, *xs, *ys, *additional, *constants, [seeds])``. Values
 torch_xla stages as parameters although the step does not take them ("hoisted": the device
@@ -60,11 +61,16 @@ def xla_while(
     *,
     length: int,
     reverse: bool = False,
+    unroll: int = 1,
 ) -> tuple[torch.Tensor, ...]:
-    """``(*final_carry, *ys)`` of ``length`` steps of ``body`` in one XLA ``While``."""
+    """``(*final_carry, *ys)`` of ``length`` steps of ``body`` in one XLA ``While`` that runs
+    ``unroll`` steps per iteration."""
     import torch_xla
 
-    key = (_metadata(carry), _metadata(xs), _metadata(additional), length, reverse)
+    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+        raise TypeError(f"xla_while: unroll must be an int >= 1, got {unroll!r}")
+    unroll = min(unroll, max(length, 1))
+    key = (_metadata(carry), _metadata(xs), _metadata(additional), length, reverse, unroll)
     try:
         loops = _LOOPS.setdefault(body, {})
     except TypeError:  # not weak-referenceable: build every call
@@ -73,7 +79,7 @@ def xla_while(
     code = getattr(body, "code", None)
     loop = loops.get((key, code))
     if loop is None:
-        loop = loops[(key, code)] = _build(body, carry, xs, additional, length, reverse)
+        loop = loops[(key, code)] = _build(body, carry, xs, additional, length, reverse, unroll)
     given = [*carry, *xs, *additional]
     device = given[0].device if given else torch_xla.device()
     operands = [
@@ -99,6 +105,7 @@ def _build(
     additional: Sequence[torch.Tensor],
     length: int,
     reverse: bool,
+    unroll: int,
 ) -> _Loop:
     import torch_xla
     import torch_xla.core.xla_builder as xb
@@ -163,10 +170,16 @@ def _build(
     state = [xb.mkparam(builder, i, s) for i, s in enumerate(state_shapes)]
 
     def condition(index: Any, *rest: Any) -> Any:
-        return index < xb.Op.scalar(index.builder(), length, dtype=xb.Type.S64)
+        # Another iteration only while all of its ``unroll`` steps are in range. The bound is
+        # a multiple of the increment: XLA's loop simplifier (in torch_xla 2.9) floors
+        # (bound - start) / increment as the trip count and deletes ``i < 1; i += 3``.
+        return index < xb.Op.scalar(index.builder(), length // unroll * unroll, dtype=xb.Type.S64)
 
-    def loop_body(index: Any, *rest: Any) -> tuple:
-        state = [index, *rest]
+    def one_step(state: list, offset: int) -> list:
+        """``state`` after the step ``state[0] + offset`` (the index itself is not advanced)."""
+        index = state[0]
+        if offset:
+            index = index + xb.Op.scalar(index.builder(), offset, dtype=xb.Type.S64)
         position = xb.Op.scalar(index.builder(), length - 1, dtype=xb.Type.S64) - index if reverse else index
         slices = [_slice(state[1 + num_carry + i], position) for i in range(num_xs)]
         step_inputs = [*state[1 : 1 + num_carry], *slices, *state[additional_start:constants_start]]
@@ -182,14 +195,31 @@ def _build(
             return _slice(state[seeds_position], position)  # this step's seed
 
         result = xb.Op.call(step, [argument(p) for p in range(len(source))])
+        state = list(state)
         for i in range(num_carry):
             state[1 + i] = result.get_tuple_element(i)
         for j in range(len(ys)):
             state[ys_start + j] = _update_slice(state[ys_start + j], result.get_tuple_element(num_carry + j), position)
-        state[0] = index + xb.Op.scalar(index.builder(), 1, dtype=xb.Type.S64)
+        return state
+
+    def loop_body(index: Any, *rest: Any) -> tuple:
+        state = [index, *rest]
+        for offset in range(unroll):
+            state = one_step(state, offset)
+        # One increment by the step count: the induction variable stays ``i += k``, the
+        # form XLA's loop analyses recognize (a chain of ``+1``s makes them miscount).
+        state[0] = index + xb.Op.scalar(index.builder(), unroll, dtype=xb.Type.S64)
         return tuple(state)
 
-    computation = xb.Op.mkwhile(state, condition, loop_body).build("scan")
+    loop = xb.Op.mkwhile(state, condition, loop_body)
+    remainder = length % unroll
+    if remainder:
+        state = [loop.get_tuple_element(i) for i in range(len(state_shapes))]
+        for offset in range(remainder):
+            state = one_step(state, offset)
+        loop = xb.Op.tuple(state)
+
+    computation = loop.build("scan")
     return _Loop(computation, _metadata(ys), tuple(constants), seed_parameter != -1)
 
 

@@ -1,0 +1,24 @@
+"""The XLA target: ``lower_to_xla`` (its rules, ``passes/xla/rules.py``), the functional ops
+it lowers to (``ops.py``), the XLA ``While`` a scan runs as (``while_loop.py``), and the rules
+HOPs run on XLA tensors outside any tracer (``eager.py``: an annotation shards, a region is
+a manual-sharding region, a scan is one ``While``).
+
+``hops`` imports this target when it first meets an XLA tensor (the ``hops.device_targets``
+entry point), so eager torch_xla programs get those rules without importing ``passes``.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from passes._infra import HopRulePass
+from passes.xla import eager, rules  # noqa: F401  (register the target's and the device's rules)
+from passes.xla.rules import run_in_named_scope, run_scan
+
+__all__ = ["lower_to_xla", "run_scan", "run_in_named_scope"]
+
+
+def lower_to_xla(gm: fx.GraphModule) -> fx.GraphModule:
+    """Lower every HOP of this package in ``gm`` and its subgraphs (in place); return ``gm``."""
+    HopRulePass(rules.TARGET, name="lower_to_xla")(gm)
+    return gm

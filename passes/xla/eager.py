@@ -1,0 +1,136 @@
+"""The XLA device rules: what this package's HOPs do when called on XLA tensors outside
+any tracer (how torch_xla programs run).
+
+``hops`` imports this module (through ``passes.xla``) when it first meets an XLA tensor
+(the ``hops.device_targets`` entry point), so eager torch_xla programs get these rules
+without importing ``passes``. Under SPMD they emit what ``lower_to_xla`` emits:
+
+- an annotation shards its value, as after ``xs.mark_sharding``;
+- a ``local_map`` region is a manual-sharding region around its body, traced on local
+  shapes and lowered;
+- a scan is one XLA ``While`` around its body, traced once and lowered, not a Python loop
+  that lazy tracing would unroll into ``length`` copies of the body.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch._C import DispatchKey
+
+from hops._base import flat_body
+from hops._body import distinct_tensors
+from hops._subgraph import _is_view, body_name, clone_aliased_outputs
+from hops.local_map import local_map_hop
+from hops.scan import _length, _run_steps, _slice_examples, _split, scan_hop
+from hops.sharding_annotation import sharding_annotation_hop
+from hops.specs import ShardingSpec
+from passes._infra import graph_modules
+from passes.xla import ops
+from passes.xla.rules import check_mesh_fits_xla
+from passes.xla.while_loop import xla_while
+
+
+def _spmd() -> bool:
+    from torch_xla import runtime
+
+    return runtime.is_spmd()
+
+
+def _lower(gm: fx.GraphModule) -> fx.GraphModule:
+    from passes.xla import lower_to_xla
+
+    return lower_to_xla(gm)
+
+
+@sharding_annotation_hop.py_impl(DispatchKey.XLA)
+def annotate_on_xla(x: torch.Tensor, spec: ShardingSpec) -> torch.Tensor:
+    """The result carries the sharding, as after ``xs.mark_sharding`` (without SPMD there is
+    no sharding to state: a copy)."""
+    if not _spmd():
+        return x.clone()
+    if spec.layout.has_partial or spec.grad.layout.has_partial:
+        raise ValueError(
+            f"annotate_sharding on XLA: {spec!r} has a Partial placement; an XLA sharding describes a "
+            "whole value, so an annotation cannot be Partial"
+        )
+    check_mesh_fits_xla(spec.mesh, "annotate_sharding on XLA")
+    return ops.sharding_constraint_on_xla(x, repr(spec))
+
+
+def view_free_graph(body: Callable, examples: list) -> fx.GraphModule:
+    """``body`` traced on fake ``examples`` into a graph without view ops or aliased outputs.
+
+    Device rules run below functionalization, where torch_xla computes views of its tensors
+    wrongly: each view op becomes its ``*_copy`` op (as ``functionalize(remove=
+    "mutations_and_views")`` would; the body is already functionalized). An output that is an
+    input (``return c, y``) becomes a copy: a staged step must compute each loop output."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = clone_aliased_outputs(make_fx(flat_body(body), tracing_mode="fake")(*distinct_tensors(examples)))
+    for module in graph_modules(graph):
+        changed = False
+        for node in module.graph.nodes:
+            if node.op == "call_function" and _is_view(node) and isinstance(node.target, torch._ops.OpOverload):
+                packet = getattr(torch.ops.aten, f"{node.target.overloadpacket.__name__}_copy", None)
+                copy = getattr(packet, node.target._overloadname, None) if packet is not None else None
+                if copy is not None:
+                    node.target, changed = copy, True
+        if changed:
+            module.recompile()
+    return graph
+
+
+@local_map_hop.py_impl(DispatchKey.XLA)
+def run_local_map_on_xla(body: Callable, *tensors_and_spec: Any) -> tuple[torch.Tensor, ...]:
+    """Under SPMD, a manual-sharding region (the body traced on local shapes and lowered);
+    without SPMD, the eager simulation."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tensors, spec = local_map_hop.split_args(tensors_and_spec)
+    if not _spmd():
+        return local_map_hop.run(body, tensors, spec)
+    check_mesh_fits_xla(spec.mesh, f"local_map {body_name(body)}")
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    examples = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in tensors]
+    with mode:
+        local_examples = local_map_hop.body_inputs(examples, spec)
+    step = _lower(view_free_graph(body, local_examples))
+    local = [
+        value if placements is None else ops.enter_manual(value, repr(ShardingSpec(spec.mesh, placements)))
+        for value, placements in zip(tensors, spec.in_placements)
+    ]
+    outputs = step(*local)
+    return tuple(
+        ops.exit_manual(output, repr(ShardingSpec(spec.mesh, placements)))
+        for output, placements in zip(outputs, spec.out_placements)
+    )
+
+
+@scan_hop.py_impl(DispatchKey.XLA)
+def run_scan_on_xla(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor, ...]:
+    """A scan called eagerly on XLA tensors, as one XLA ``While``.
+
+    ``body`` is traced on fake tensors (the HOPs it calls stay nodes), lowered by
+    ``lower_to_xla`` under SPMD, and run by ``xla_while``. Without SPMD there is no sharding
+    to lower: the HOPs run their eager rules inside the loop, except a ``local_map`` region,
+    whose eager SPMD simulation compares device results by value, which a staged step has
+    not got: it is refused. The body is traced on every call: it may read Python state that
+    changes between calls, and XLA's own cache skips recompiling an unchanged loop.
+    """
+    *inputs, spec = inputs_and_spec
+    carry, xs, additional = _split(inputs, spec)
+    length = _length(xs, spec)
+    if length == 0:  # nothing to loop over: the eager rule makes the empty ys
+        return _run_steps(body, inputs, spec)
+    step = view_free_graph(body, [*carry, *_slice_examples(xs), *additional])
+    if _spmd():
+        _lower(step)
+    elif any(node.target is local_map_hop for module in graph_modules(step) for node in module.graph.nodes):
+        raise RuntimeError(
+            f"scan({body_name(body)}): a local_map region in a scan on XLA tensors runs as a manual-sharding "
+            "region, which needs SPMD: call torch_xla.runtime.use_spmd() first"
+        )
+    return xla_while(step, carry, xs, additional, length=length, reverse=spec.reverse, unroll=spec.unroll)

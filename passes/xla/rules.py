@@ -1,0 +1,153 @@
+"""Target ``"xla"``: this package's HOPs rewritten into what torch_xla runs.
+
+One rule per HOP. The lowered GraphModule runs on XLA tensors under SPMD, where each op
+emits its custom call and XLA's partitioner (GSPMD) distributes the program; on other
+devices the ops are identities, so the graph still runs (e.g. for testing):
+
+- an annotation becomes ``hops_xla.sharding_constraint`` (a ``Sharding`` custom call);
+- a ``local_map`` region becomes a manual-sharding region: ``hops_xla.enter_manual`` per
+  input (``SPMDFullToShardShape``), its body (a subgraph, lowered in turn), and
+  ``hops_xla.exit_manual`` per output (pending reductions all-reduced,
+  ``SPMDShardToFullShape``);
+- a scan becomes ``run_scan`` (one XLA ``While`` whose body holds the lowered body);
+- a named scope becomes ``run_in_named_scope`` (its body inside torch_xla's op-name scope,
+  so its HLO ops carry ``op_name="<name>.<n>/..."``);
+- a kernel call becomes a call of the kernel's op (its ``xla=`` implementation on XLA
+  tensors); einsum becomes ``aten.einsum``, one ``dot`` that keeps batch dims.
+
+Each rule checks the node before rewriting it: a spec of the wrong type, operands that do
+not match it, a ``Shard(d)`` out of an operand's rank (where the graph records shapes), a
+mesh that is not this process's XLA devices (where torch_xla is loaded) are a
+``PassError`` naming the node.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from hops.einsum import einsum_kernel, einsum_linear_kernel
+from hops.kernel import Kernel
+from hops.local_map import local_map_hop
+from hops.named_scope import ScopeSpec, named_scope_hop, run_in_scope
+from hops.scan import ScanSpec, _length, _run_steps, _split, scan_hop
+from hops.sharding_annotation import sharding_annotation_hop
+from hops.specs import Mesh, ShardingSpec
+from passes._infra import PassError, body_module, leaf_call, register_rule, replace_tuple_output, runner_spec, typed_spec
+from passes.inline import call_kernel_op, einsum_linear_to_aten, einsum_to_aten, region_operands
+from passes.xla import ops
+from passes.xla.while_loop import xla_while
+
+TARGET = "xla"
+
+
+def check_mesh_fits_xla(mesh: Mesh, what: str) -> None:
+    """``PassError`` unless ``mesh``'s device ids are the XLA devices of this process. Only
+    where torch_xla is loaded: a graph may be lowered on one machine and run on another."""
+    if "torch_xla" not in sys.modules:
+        return
+    from torch_xla import runtime
+
+    count = runtime.global_runtime_device_count()
+    if sorted(mesh.device_ids) != list(range(count)):
+        raise PassError(
+            f"{what}: its mesh {mesh!r} has devices {sorted(mesh.device_ids)}, but this process has "
+            f"{count} XLA devices (0..{count - 1}); an XLA mesh must use each device once"
+        )
+
+
+def _spec_text(node: fx.Node) -> str:
+    spec = typed_spec(node, TARGET, ShardingSpec)
+    for what, layout in (("its value", spec.layout), ("its gradient", spec.grad.layout)):
+        if layout.has_partial:
+            raise PassError(
+                f"lower_to_xla: {node.format_node()}: {spec!r} lays out {what} with a Partial placement; "
+                "an XLA sharding describes a whole value, so a sharding annotation cannot be Partial"
+            )
+    example = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    if isinstance(example, torch.Tensor):
+        try:
+            spec.check_tensor(example.dim(), "its spec")
+            spec.grad.check_tensor(example.dim(), "its gradient spec")
+        except ValueError as error:
+            raise PassError(f"lower_to_xla: {node.format_node()}: {error}") from None
+    check_mesh_fits_xla(spec.mesh, f"lower_to_xla: {node.format_node()}")
+    return repr(spec)
+
+
+@register_rule(TARGET, sharding_annotation_hop)
+def lower_sharding_annotation(node: fx.Node) -> None:
+    text = _spec_text(node)
+    # Rewriting the node in place keeps its name and stack trace.
+    node.target = ops.sharding_constraint
+    node.args = (node.args[0], text)
+
+
+@register_rule(TARGET, local_map_hop)
+def lower_local_map(node: fx.Node) -> None:
+    """A manual-sharding region: enter each input per its placements, run the body on local
+    tensors (the body stays a subgraph, lowered already), leave each output per its placements."""
+    operands, spec = region_operands(node, TARGET)
+    body = body_module(node)
+    check_mesh_fits_xla(spec.mesh, f"lower_to_xla: {node.format_node()}")
+    graph = node.graph
+    with graph.inserting_before(node):
+        local_inputs = [
+            value if placements is None
+            else graph.call_function(ops.enter_manual, (value, repr(ShardingSpec(spec.mesh, placements))))
+            for value, placements in zip(operands, spec.in_placements)
+        ]
+        local_outputs = graph.call_module(node.args[0].target, tuple(local_inputs))
+        outputs = [
+            graph.call_function(
+                ops.exit_manual,
+                (graph.call_function(operator.getitem, (local_outputs, j)), repr(ShardingSpec(spec.mesh, placements))),
+            )
+            for j, placements in enumerate(spec.out_placements)
+        ]
+    del body
+    replace_tuple_output(node, outputs)
+
+
+@leaf_call
+def run_scan(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor, ...]:
+    """The lowered scan: one XLA ``While`` on XLA tensors, a Python loop elsewhere."""
+    *inputs, spec = inputs_and_spec
+    runner_spec("run_scan", spec, ScanSpec)
+    carry, xs, additional = _split(inputs, spec)
+    if not any(t.device.type == "xla" for t in inputs if isinstance(t, torch.Tensor)):
+        return _run_steps(body, inputs, spec)
+    return xla_while(body, carry, xs, additional, length=_length(xs, spec), reverse=spec.reverse, unroll=spec.unroll)
+
+
+@register_rule(TARGET, scan_hop)
+def lower_scan(node: fx.Node) -> None:
+    typed_spec(node, TARGET, ScanSpec)
+    body_module(node)
+    node.target = run_scan  # same args; the body subgraph is lowered already
+
+
+@leaf_call
+def run_in_named_scope(body: Callable, *inputs_and_spec: Any) -> Any:
+    """``body(*inputs)`` inside the op-name scope ``spec.name`` (on XLA tensors; elsewhere
+    just the body): what a lowered named scope calls."""
+    *inputs, spec = inputs_and_spec
+    runner_spec("run_in_named_scope", spec, ScopeSpec)
+    return run_in_scope(body, inputs, spec)
+
+
+@register_rule(TARGET, named_scope_hop)
+def lower_named_scope(node: fx.Node) -> None:
+    """The body stays a subgraph (lowered already) and runs inside torch_xla's op-name scope."""
+    typed_spec(node, TARGET, ScopeSpec)
+    body_module(node)
+    node.target = run_in_named_scope
+
+
+register_rule(TARGET, Kernel)(lambda node: call_kernel_op(node, TARGET))
+register_rule(TARGET, einsum_kernel)(lambda node: einsum_to_aten(node, TARGET))
+register_rule(TARGET, einsum_linear_kernel)(lambda node: einsum_linear_to_aten(node, TARGET))
