@@ -113,7 +113,7 @@ named_scope_hop = NamedScope()
 # --------------------------------------------------------------------------- public API
 
 
-def named_scope(name: str) -> Callable[[Callable], Callable]:
+def named_scope(name: str) -> _ScopeDecorator:
     """A decorator that puts every call of the function into the scope ``name``.
 
     ``@hops.named_scope("attention")`` on a function, or ``hops.named_scope("attention")(fn)``
@@ -149,7 +149,28 @@ def named_scope(name: str) -> Callable[[Callable], Callable]:
 
         return call
 
-    return decorate
+    return _ScopeDecorator(name, decorate)
+
+
+class _ScopeDecorator:
+    """What ``named_scope(name)`` returns: a decorator. Not a context manager (as JAX's
+    ``named_scope`` is): a region is a function, so ``with`` is refused with what to write."""
+
+    def __init__(self, name: str, decorate: Callable[[Callable], Callable]) -> None:
+        self.name, self.decorate = name, decorate
+
+    def __call__(self, fn: Callable) -> Callable:
+        return self.decorate(fn)
+
+    def __enter__(self) -> None:
+        raise TypeError(
+            f"hops.named_scope({self.name!r}) is a decorator, not a context manager: a scope is a "
+            f"region of the graph with inputs and outputs, so put the code in a function and write "
+            f"@hops.named_scope({self.name!r}) above it, or call hops.named_scope({self.name!r})(fn)(*args)"
+        )
+
+    def __exit__(self, *exc_info: Any) -> None:
+        return None
 
 
 def _make_body(fn: Callable, leaves: list[Any], tensor_positions: list[int], treespec: Any, spec: ScopeSpec) -> Callable:

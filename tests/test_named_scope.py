@@ -106,6 +106,12 @@ class TestBadCalls(TestCase):
         with self.assertRaisesRegex(ValueError, r"without surrounding whitespace .* got ' attention'"):
             hops.named_scope(" attention")
 
+    def test_a_with_block_is_refused_saying_what_to_write(self):
+        # JAX's named_scope is a context manager; a region here is a function.
+        with self.assertRaisesRegex(TypeError, r"is a decorator, not a context manager.*@hops.named_scope\('mlp'\)"):
+            with hops.named_scope("mlp"):
+                pass
+
     def test_bad_functions_are_refused_naming_them(self):
         with self.assertRaisesRegex(TypeError, r"hops.named_scope\('s'\) must wrap a callable, got str"):
             hops.named_scope("s")("not a function")
