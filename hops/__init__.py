@@ -22,12 +22,12 @@ from hops.specs import (
 
 _compat.register_fx_global("hops", "import hops", _sys.modules[__name__])
 
+from hops.einsum import EinsumLinear, einsum, einsum_linear, patch_linear  # noqa: E402
+from hops.kernel import Kernel, KernelParams, kernel  # noqa: E402
 from hops.local_map import local_map, local_map_hop  # noqa: E402
+from hops.named_scope import ScopeSpec, named_scope, named_scope_hop  # noqa: E402
 from hops.scan import ScanSpec, scan, scan_hop  # noqa: E402
 from hops.sharding_annotation import annotate_sharding, sharding_annotation_hop  # noqa: E402
-from hops.kernel import Kernel, KernelParams, kernel  # noqa: E402
-from hops.einsum import EinsumLinear, einsum, einsum_linear, patch_linear  # noqa: E402
-from hops.named_scope import ScopeSpec, named_scope, named_scope_hop  # noqa: E402
 
 __all__ = [
     "Mesh",

@@ -36,8 +36,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _dynamo, _layout
 from hops._base import BodyHOP, call_body_hop, set_trace_key
-from hops._subgraph import named
-from hops._subgraph import body_name, rename_inner_function
+from hops._subgraph import body_name, named, rename_inner_function
 from hops.specs import LocalMapSpec, Mesh, Placement, Replicate, Shard, is_placement_like, placements_tuple
 
 __all__ = ["local_map", "local_map_hop"]

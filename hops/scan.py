@@ -36,7 +36,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _dynamo
-from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, set_trace_key, flat_body, fresh_outputs, known_functional
+from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, flat_body, fresh_outputs, known_functional, set_trace_key
 from hops._joint import body_output_examples, is_differentiable, split_joint, trace_joint
 from hops._subgraph import body_name, named, rename_inner_function
 from hops.specs import _FxLiteral, register_spec_type
@@ -259,6 +259,7 @@ def scan(
     if callable(length):
         # torch_xla's positional order: scan(fn, init, xs, partition_fn, is_fn_pure).
         partition_fn, is_fn_pure, length, reverse = length, reverse, None, False
+    del is_fn_pure  # every call is traced on its own: a body reading Python state stays right
     remat = remat or _remat_of(partition_fn, name)
     if not callable(fn):
         raise TypeError(f"scan(fn=...) must be callable, got {type(fn).__name__}")

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from snapshot import TestCase, aot_trace, compile_trace, delete_meta, readable
+from snapshot import TestCase, aot_trace, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops

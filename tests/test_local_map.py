@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from snapshot import TestCase, delete_meta, readable, aot_trace
+from snapshot import TestCase, aot_trace, delete_meta, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -266,7 +266,8 @@ class TestSimulationMatchesReference(TestCase):
         self.assertEqual(out["total"], x.sum(0))
 
     def test_dtensor_placements_are_accepted(self):
-        from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard
+        from torch.distributed.tensor import Replicate as DReplicate
+        from torch.distributed.tensor import Shard as DShard
 
         def double(x):
             return x * 2

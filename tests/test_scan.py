@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from snapshot import TestCase, aot_trace, delete_meta, readable
+from snapshot import TestCase, aot_trace, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops

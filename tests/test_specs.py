@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.fx as fx
 
-
 import hops
 from hops import Mesh, Partial, Replicate, Shard, ShardingSpec
 
