@@ -1,6 +1,7 @@
 """The examples run end to end (each checks its own numbers against eager PyTorch)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,16 @@ def test_scan_layers_example():
     for part in (forward, backward):
         assert part.count(" while(") == 1 and part.count('custom_call_target="Sharding"') == 1
     assert "gradients of x, w_in, w_out match the unrolled model" in backward
+
+
+def test_readme_snippets_run(tmp_path):
+    # The README's Python blocks, in order, as one program a reader would paste (in a fresh
+    # process: kernel names are global, as torch.library op names are).
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert len(blocks) >= 2
+    program = tmp_path / "readme.py"
+    program.write_text("\n".join(blocks) + "\nprint('README ran:', type(gm).__name__, tuple(y.shape))\n")
+    result = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "README ran: program (4, 4)" in result.stdout
