@@ -1,8 +1,17 @@
-"""Every difference between the supported torch versions (2.9 .. 2.13) lives here.
+"""Every difference between the supported torch versions (2.9 .. 2.15) lives here.
 
 The rest of the package imports these names instead of probing torch itself, so a new
-torch release means editing one file. Private torch APIs this package borrows are also
-wrapped here, each with the reason it is needed.
+torch release means editing one file. Private torch APIs whose shape differs between the
+versions, or that reach into Dynamo's and autograd's internals, are wrapped here, each with
+the reason it is needed.
+
+What is imported directly where it is used: the private APIs every HOP in torch itself is
+built on, the same in 2.9 .. 2.15 (``torch._ops.HigherOrderOperator``, ``torch._C``'s
+dispatch keys and guards, ``torch._subclasses`` fake and functional tensors,
+``torch.fx.experimental.proxy_tensor``, ``torch._higher_order_ops.utils``,
+``torch.utils._pytree``, ``torch._guards.detect_fake_mode``); Dynamo's variable trackers in
+``hops/_dynamo.py``; torch_xla's ``_XLAC`` bindings in ``passes/xla/`` (torch_xla has one
+supported version).
 """
 
 from __future__ import annotations
