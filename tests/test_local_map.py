@@ -492,9 +492,8 @@ class TestProperties(TestCase):
         if body == "scale":
             fn, out_placements = (lambda x: 3 * x), placements
         else:
-            # Scaled: the local gradient of a bare sum is a view of the cotangent, which the
-            # backward region refuses (see TestKnownBugs).
-            fn, out_placements = (lambda x: 3 * x.sum(dim)), reduced(placements, dim, "sum")
+            # A bare sum: its local gradient is a view of the cotangent (an expand).
+            fn, out_placements = (lambda x: x.sum(dim)), reduced(placements, dim, "sum")
         f = hops.local_map(fn, mesh=mesh, in_placements=(placements,), out_placements=out_placements)
         x = spread(shape, seed)
         expected_out, cotangent, expected = reference_grads(fn, (x,), seed + 1)
