@@ -385,3 +385,46 @@ def test_every_length_and_unroll_runs_every_step_once():
                 expected_ys = order.cumsum(0)
                 assert last.cpu().item() == 2.0**length - 1, (length, unroll, reverse)
                 torch.testing.assert_close(ys.cpu(), expected_ys.flip(0) if reverse else expected_ys, rtol=0, atol=0)
+
+
+SCALAR_INSIDE_AND_OUTSIDE_A_REGION = """
+import torch, torch_xla, torch_xla.runtime as xr, torch_xla.core.xla_model as xm
+from functorch.compile import aot_function, make_boxed_func
+import hops, passes
+xr.use_spmd()
+mesh = hops.Mesh.of(data=2, model=2)
+tiles = (hops.Shard(0), hops.Shard(1))
+region = hops.local_map(lambda q, k: q * 2 + k, mesh=mesh, in_placements=(tiles, tiles), out_placements=tiles)
+def step(c, w):
+    c = torch.rsqrt(c.pow(2) + 1.0)   # pow's backward multiplies by 2.0, as the region does
+    return region(c @ w, c).tanh(), None
+def loss(h, ws):
+    c, _ = hops.scan(step, h, ws)
+    return c.square().mean()
+graphs = {}
+keep = lambda name: (lambda gm, example: graphs.__setitem__(name, gm) or make_boxed_func(gm))
+torch.manual_seed(0)
+args = [torch.randn(4, 4, 8, requires_grad=True), (torch.randn(2, 8, 8) * 0.3).requires_grad_()]
+aot_function(loss, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(*args).backward()
+forward, backward = passes.lower_to_xla(graphs["forward"]), passes.lower_to_xla(graphs["backward"])
+out = forward(*[a.detach().to("xla") for a in args])
+torch_xla.sync(); xm.wait_device_ops()
+grads = backward(*out[1:], torch.ones((), device="xla"))
+torch_xla.sync(); xm.wait_device_ops()
+expected = torch.autograd.grad(loss(*args), args)
+print(all(torch.allclose(g.cpu(), e, rtol=1e-4, atol=1e-5) for g, e in zip(grads, expected)))
+"""
+
+
+def test_a_number_used_inside_and_outside_a_region_in_a_loop_compiles():
+    # In its own process: XLA aborts the process when a shared scalar gets one sharding for
+    # a manual and a non-manual use.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_USE_SPMD"}
+    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
+    result = subprocess.run([sys.executable, "-c", SCALAR_INSIDE_AND_OUTSIDE_A_REGION], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1] == "True"

@@ -116,7 +116,7 @@ def _build(
         *(xb.create_placeholder_tensor(tuple(t.shape[1:]), t.dtype) for t in xs),
         *(xb.create_placeholder_tensor(tuple(t.shape), t.dtype) for t in additional),
     ]
-    outputs = list(body(*inputs))
+    outputs = list(_with_scalars_as_constants(body, inputs))
     num_carry, num_xs = len(carry), len(xs)
     _check_step_outputs(body_name(body), outputs, carry)
     ys = outputs[num_carry:]
@@ -221,6 +221,25 @@ def _build(
 
     computation = loop.build("scan")
     return _Loop(computation, _metadata(ys), tuple(constants), seed_parameter != -1)
+
+
+def _with_scalars_as_constants(body: Callable, inputs: Sequence[torch.Tensor]) -> Any:
+    """``body(*inputs)`` staged with every Python number as an XLA constant.
+
+    By default torch_xla makes a number other than 0 and 1 device data, cached by value and
+    shared by every op that uses it: a step parameter. One such scalar used both inside a
+    manual-sharding region and outside it (``x.pow(2)``'s backward multiplies by 2.0, as a
+    region body doing ``local * 2`` does) gets one sharding for both uses, and XLA's
+    sharding propagation aborts the process (``hlo_sharding.h: Check failed: IsTiled()``).
+    A constant belongs to each op that uses it."""
+    import torch_xla
+
+    before = torch_xla._XLAC._get_xla_all_numbers_special_scalars()
+    torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)
+    try:
+        return body(*inputs)
+    finally:
+        torch_xla._XLAC._set_xla_all_numbers_special_scalars(before)
 
 
 def _check_step_outputs(name: str, outputs: Sequence[Any], carry: Sequence[torch.Tensor]) -> None:
