@@ -13,7 +13,7 @@ from passes._infra import HopRulePass, PassError, graph_modules
 from passes.check import check_placements
 from passes import kernel_rules  # noqa: F401,E402  (registers rules for kernels, einsum, named scopes)
 from passes.scan_rules import run_scan, unroll_scan
-from passes.solver import placement_graph  # noqa: E402
+from passes.solver import CostModel, InfeasiblePlacementError, PlacementSolution, placement_graph, solve_placements  # noqa: E402
 
 __all__ = [
     "inline_hops",
@@ -29,4 +29,8 @@ __all__ = [
     "PassError",
     "graph_modules",
     "placement_graph",
+    "solve_placements",
+    "PlacementSolution",
+    "CostModel",
+    "InfeasiblePlacementError",
 ]

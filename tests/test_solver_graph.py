@@ -48,10 +48,11 @@ x_1: input placeholder [8, 4] x1
 w_1: input placeholder [4, 6] x1
 mm: op aten.mm.default [8, 6] x1
 relu: op aten.relu.default [8, 6] x1
+output: output output - x1
 """)
         self.assertEqual(
             sorted((u, v, d["bytes"]) for u, v, d in graph.edges(data=True)),
-            [("mm", "relu", 8 * 6 * 4), ("w_1", "mm", 4 * 6 * 4), ("x_1", "mm", 8 * 4 * 4)],
+            [("mm", "relu", 8 * 6 * 4), ("relu", "output", 8 * 6 * 4), ("w_1", "mm", 4 * 6 * 4), ("x_1", "mm", 8 * 4 * 4)],
         )
         # An input may take any layout that splits evenly (no Partial).
         self.assertEqual([format_placement(s.outputs[0]) for s in graph.nodes["x_1"]["strategies"]], ["R", "S(0)", "S(1)"])
@@ -158,11 +159,13 @@ step_body_0/arg1_1: input placeholder [8, 8] x7
 step_body_0/mm: op aten.mm.default [4, 8] x7
 step_body_0/tanh: op aten.tanh.default [4, 8] x7
 step_body_0/sum_1: op aten.sum.dim_IntList [4] x7
+step_body_0/output: output output - x7
 getitem: alias getitem [4, 8] x1 = step_body_0/tanh[0]
 getitem_1: alias getitem [7, 4] x1 = step_body_0/sum_1[0] shifted 1
 sum_1: op aten.sum.default [] x1
 sum_2: op aten.sum.default [] x1
 add: op aten.add.Tensor [] x1
+output: output output - x1
 """)
         # The init is laid out like the carry, the stacked weights like their slice with a
         # leading dim, once per run.

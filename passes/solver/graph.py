@@ -10,7 +10,7 @@ Node attributes:
 
 - ``kind``: ``"input"`` (a program or body input whose placement is free), ``"op"`` (an ATen op
   or kernel), ``"annotation"`` (fixed by a ``hops_sharding_annotation``), ``"region"`` (a
-  ``local_map`` node), ``"alias"`` (a value whose placement is another node's: a ``getitem``,
+  ``local_map`` node), ``"output"`` (a graph's results, for the reads above), ``"alias"`` (a value whose placement is another node's: a ``getitem``,
   a body input tied to what feeds it, a scan's outputs), ``"local"`` (a value inside a region
   body: per device, not placed);
 - ``op`` (the target, as text), ``shape``, ``dtype``, ``bytes``;
@@ -31,7 +31,9 @@ Node attributes:
 Edges ``u -> v`` are data dependencies, with ``bytes`` (of ``u``) and ``uses``: how ``v`` reads
 ``u``, each a ``Use``: ``("input", slot)`` (``v`` is a node with strategies; its chosen strategy says
 which placement ``u`` must have) or ``("value", dim_shift)`` (``u`` must be laid out like ``v``, e.g. a
-scan's init like its carry, a gradient like its parameter), with the ``multiplier`` of that read.
+scan's init like its carry, a gradient like its parameter) or ``("output", 0)`` (``v`` is the
+``"output"`` node of a program or a scan body: ``u`` leaves it whole, so a pending ``Partial``
+sum is reduced first), with the ``multiplier`` of that read.
 Edges that only tie placements (``getitem``, a carry from one step to the next, a forward value
 the backward reads) have no uses and ``tie=True``.
 
@@ -95,6 +97,7 @@ class Use(NamedTuple):
     multiplier: int
     reader: Any = None
     position: int = -1
+    shape: tuple | None = None  # the bytes moved are of this shape, not the value's (one slice of it)
 
 
 class RegionChoice(NamedTuple):
@@ -137,6 +140,13 @@ def format_placement(placements: Placements | None) -> str:
         else:
             tokens.append(repr(p))
     return "".join(tokens)
+
+
+def materialized(placements: Placements | None) -> Placements | None:
+    """``placements`` with each pending ``Partial`` sum reduced (made ``Replicate``)."""
+    if placements is None or not any(isinstance(p, Partial) for p in placements):
+        return placements
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
 def shift_placements(placements: Placements | None, shift: int) -> Placements | None:
@@ -267,9 +277,12 @@ class _Builder:
         multiplier: int,
         inputs: dict[fx.Node, Any] | None = None,
         local: bool = False,
+        materialize: bool = True,
     ) -> list[Any]:
         """Add ``module``'s values; ``inputs`` maps a placeholder to how it is bound (see
-        ``_bind``). Returns the output node's args (fx nodes of ``module``)."""
+        ``_bind``). With ``materialize``, its outputs leave it as whole values (a program's
+        results, a loop step's carries and ys: no pending ``Partial`` sum). Returns the output
+        node's args (fx nodes of ``module``)."""
         inputs = inputs or {}
         outputs: list[Any] = []
         for node in module.graph.nodes:
@@ -294,7 +307,15 @@ class _Builder:
             elif node.op == "output":
                 result = node.args[0]
                 outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+                if materialize and not local:
+                    self._output(node, scope, module, multiplier)
         return outputs
+
+    def _output(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int) -> None:
+        key = self._add(node, scope, module, multiplier, kind="output", op="output")
+        for position, value in enumerate(pytree.tree_leaves((node.args, node.kwargs))):
+            if self._is_tensor(value) and self.key.get(value) is not None:
+                self._use(value, key, Use("output", 0, multiplier, node, position))
 
     def _bind(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int, binding: Any) -> None:
         kind, value = binding
@@ -404,7 +425,7 @@ class _Builder:
         operands = list(node.args[1:-1])
         placeholders = body.graph.find_nodes(op="placeholder")
         inputs = {p: ("alias", v) for p, v in zip(placeholders, operands) if self._is_tensor(v)}
-        body_outputs = self.walk(body, f"{scope}{node.args[0].target}/", multiplier, inputs)
+        body_outputs = self.walk(body, f"{scope}{node.args[0].target}/", multiplier, inputs, materialize=False)
         self._hop_outputs(node, scope, module, multiplier, body_outputs, shift=0)
 
     def _hop_outputs(
@@ -459,8 +480,17 @@ class _Builder:
                 data["strategies"] = [s for s in data["strategies"] if Shard(0) not in s.outputs[0]]
         shifts = [0] * spec.num_carry + [1] * (len(body_outputs) - spec.num_carry)
         self._hop_outputs(node, scope, module, multiplier, body_outputs, shifts)
+        getitems = {user.args[1]: self.key[user] for user in node.users if user in self._hop_getitems}
         self.graph.graph.setdefault("scans", []).append(
-            dict(node=node, scope=body_scope.rstrip("/"), length=length, multiplier=multiplier)
+            dict(
+                node=node, scope=body_scope.rstrip("/"), length=length, multiplier=multiplier, reverse=spec.reverse,
+                carry_in=[self.key.get(p) for p in placeholders[: spec.num_carry]],
+                slices=[self.key.get(p) for p in placeholders[spec.num_carry : spec.num_carry + spec.num_xs]],
+                carry_out=[self.key.get(o) for o in body_outputs[: spec.num_carry]],
+                ys=[self.key.get(o) for o in body_outputs[spec.num_carry :]],
+                results={index: key for index, key in getitems.items()},
+                num_carry=spec.num_carry,
+            )
         )
 
     # ------------------------------------------------------------------ ATen ops and kernels
