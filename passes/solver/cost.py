@@ -9,7 +9,7 @@ alpha-beta model: a collective over an axis of ``n`` devices costs the axis's
 - ``Shard -> Replicate`` (all-gather): ``(n - 1) * local_bytes``;
 - ``Partial -> Replicate`` (all-reduce): ``2 (n - 1) / n * local_bytes``;
 - ``Partial -> Shard`` (reduce-scatter), ``Shard(i) -> Shard(j)`` (all-to-all): ``(n - 1) / n * local_bytes``;
-- ``Replicate -> Shard`` / ``Replicate -> Partial``: local, free.
+- ``Replicate -> Shard`` / ``Replicate -> Partial``: local, a copy of the result at ``memory_bandwidth``.
 
 Axes that shrink the local tensor are redistributed first. Presets hold public peak numbers
 of common devices; every field can be overridden (``CostModel.preset("h100", link_bandwidth=(50e9, 450e9))``).
@@ -114,10 +114,13 @@ class CostModel:
             n = mesh.shape[axis]
             local = _local_bytes(shape, itemsize, current, mesh)
             sent = _bytes_sent(before, after, n, local)
+            current[axis] = after
             if sent is None:
+                # Local: copy out this device's slice (R -> S) or zero a copy (R -> P).
+                if n > 1:
+                    total += _local_bytes(shape, itemsize, current, mesh) / self.memory_bandwidth
                 continue
             total += latency[axis] + sent / bandwidth[axis]
-            current[axis] = after
         return total
 
 

@@ -30,6 +30,8 @@ __all__ = ["Choice", "Factor", "Problem", "SolveResult", "InfeasiblePlacementErr
 
 # Costs enter the integer program in microseconds (seconds are too close to solver tolerances).
 _SCALE = 1e6
+# The optimum is proven within this relative gap (the solvers' default, 1e-4, is not exact).
+_GAP = 1e-9
 
 
 class InfeasiblePlacementError(ValueError):
@@ -102,7 +104,6 @@ class _Reducer:
         if factor.a == factor.b:
             self.cost[factor.a] += factor.table[factor.rows, factor.cols]
             return
-        factor = _compressed(factor)
         fid = self._next
         self._next += 1
         self.factors[fid] = factor
@@ -257,16 +258,6 @@ class _Reducer:
         return [chosen[i] for i in range(len(self.choices))]
 
 
-def _compressed(factor: Factor) -> Factor:
-    """The factor with equal rows (and equal columns) of its table merged into one class."""
-    table = factor.table
-    unique_rows, row_of = np.unique(table, axis=0, return_inverse=True)
-    unique_cols, col_of = np.unique(unique_rows, axis=1, return_inverse=True)
-    if unique_cols.shape == table.shape:
-        return factor
-    return Factor(factor.a, factor.b, row_of.reshape(-1)[factor.rows], col_of.reshape(-1)[factor.cols], unique_cols)
-
-
 def _merge(one: Factor, other: Factor) -> Factor:
     """Two factors between the same choices (both oriented ``a -> b``) as one."""
     rows, row_keys = _classes(list(zip(one.rows.tolist(), other.rows.tolist())))
@@ -369,6 +360,7 @@ def _solve_highs(milp: _Milp, time_limit: float | None) -> tuple[str, np.ndarray
     highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("threads", 1)
+    highs.setOptionValue("mip_rel_gap", _GAP)
     if time_limit is not None:
         highs.setOptionValue("time_limit", float(time_limit))
     csc = milp.matrix.tocsc()
@@ -400,7 +392,7 @@ def _solve_highs(milp: _Milp, time_limit: float | None) -> tuple[str, np.ndarray
 def _solve_scipy(milp: _Milp, time_limit: float | None) -> tuple[str, np.ndarray | None]:
     from scipy.optimize import Bounds, LinearConstraint, milp as scipy_milp
 
-    options = {"disp": False}
+    options = {"disp": False, "mip_rel_gap": _GAP}
     if time_limit is not None:
         options["time_limit"] = float(time_limit)
     result = scipy_milp(
@@ -440,7 +432,7 @@ def _solve_cbc(milp: _Milp, time_limit: float | None) -> tuple[str, np.ndarray |
                 problem += expression >= lower
             if np.isfinite(upper):
                 problem += expression <= upper
-    problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit))
+    problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=_GAP))
     status = pulp.LpStatus[problem.status]
     if status == "Optimal":
         return "optimal", np.array([v.value() or 0.0 for v in variables])
