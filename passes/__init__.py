@@ -13,7 +13,7 @@ from passes._infra import HopRulePass, PassError, graph_modules
 from passes.check import check_placements
 from passes import kernel_rules  # noqa: F401,E402  (registers rules for kernels, einsum, named scopes)
 from passes.scan_rules import run_scan, unroll_scan
-from passes.solver import CostModel, InfeasiblePlacementError, PlacementSolution, placement_graph, solve_placements  # noqa: E402
+from passes.solver import CostModel, InfeasiblePlacementError, PlacementSolution, apply_placements, draw_placements, format_placements, placement_graph, solve_placements  # noqa: E402
 
 __all__ = [
     "inline_hops",
@@ -30,6 +30,9 @@ __all__ = [
     "graph_modules",
     "placement_graph",
     "solve_placements",
+    "apply_placements",
+    "format_placements",
+    "draw_placements",
     "PlacementSolution",
     "CostModel",
     "InfeasiblePlacementError",
