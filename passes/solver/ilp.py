@@ -15,7 +15,8 @@ Exact reductions before the ILP (each keeps the optimum):
 The rest is an integer program: a binary per option, one option per choice; per factor a
 continuous variable per (row, column) of its table whose row and column sums equal the
 options on each side (exact for binary options); a memory row when there is a budget. It is
-solved by HiGHS (``highspy``), or by SciPy's HiGHS or PuLP's CBC for comparison.
+solved by HiGHS through ``scipy.optimize.milp`` (``milp_solver="scipy"``), or through HiGHS's
+own binding (``"highspy"``) or PuLP's CBC (``"cbc"``) for comparison.
 """
 
 from __future__ import annotations
@@ -355,7 +356,10 @@ def _build_milp(reducer: _Reducer, memory_budget: float | None) -> _Milp | None:
 
 
 def _solve_highs(milp: _Milp, time_limit: float | None) -> tuple[str, np.ndarray | None]:
-    import highspy
+    try:
+        import highspy
+    except ImportError as e:  # pragma: no cover - only for comparisons
+        raise ImportError("milp_solver='highspy' needs highspy (pip install highspy, or the 'bench' extra)") from e
 
     highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
@@ -413,7 +417,7 @@ def _solve_cbc(milp: _Milp, time_limit: float | None) -> tuple[str, np.ndarray |
     try:
         import pulp
     except ImportError as e:  # pragma: no cover - only for comparisons
-        raise ImportError("milp_solver='cbc' needs PuLP (pip install pulp)") from e
+        raise ImportError("milp_solver='cbc' needs PuLP (pip install pulp, or the 'bench' extra)") from e
     problem = pulp.LpProblem("placements", pulp.LpMinimize)
     variables = [
         pulp.LpVariable(f"v{i}", 0, 1, cat="Binary" if milp.integrality[i] else "Continuous")
@@ -441,14 +445,14 @@ def _solve_cbc(milp: _Milp, time_limit: float | None) -> tuple[str, np.ndarray |
     return status.lower(), None
 
 
-_BACKENDS = {"highs": _solve_highs, "scipy": _solve_scipy, "cbc": _solve_cbc}
+_BACKENDS = {"scipy": _solve_scipy, "highspy": _solve_highs, "cbc": _solve_cbc}
 
 
 def solve_problem(
     problem: Problem,
     *,
     memory_budget: float | None = None,
-    milp_solver: str = "highs",
+    milp_solver: str = "scipy",
     time_limit: float | None = None,
     reduce: bool = True,
 ) -> SolveResult:

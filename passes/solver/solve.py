@@ -267,7 +267,7 @@ def solve_placements(
     cost_model: CostModel | None = None,
     memory_budget: float | None = None,
     example_inputs: Sequence[Any] | None = None,
-    milp_solver: str = "highs",
+    milp_solver: str = "scipy",
     time_limit: float | None = None,
 ) -> PlacementSolution:
     """Place every value of ``gm`` (a GraphModule, or AOTAutograd's ``(forward, backward)``) on ``mesh``.
@@ -276,8 +276,9 @@ def solve_placements(
     preset), honouring every placement the program's HOPs fix, and, with ``memory_budget``
     (bytes per device), keeping parameters, gradients, optimizer state, inputs and saved
     activations within it. A scan body is solved once: its choices hold for every step and
-    its costs count once per step. Exact: an integer program solved by HiGHS after exact
-    reductions. Raises ``InfeasiblePlacementError`` when no placement fits the budget and the
+    its costs count once per step. Exact: an integer program solved by HiGHS (through
+    ``scipy.optimize.milp``; ``milp_solver="highspy"`` or ``"cbc"`` for comparison) after exact
+    reductions; ``time_limit`` (seconds) stops it early with the best plan found. Raises ``InfeasiblePlacementError`` when no placement fits the budget and the
     fixed placements, ``TypeError``/``ValueError`` for bad arguments.
     """
     if cost_model is None:
@@ -300,7 +301,7 @@ def solve_graph(
     *,
     cost_model: CostModel,
     memory_budget: float | None = None,
-    milp_solver: str = "highs",
+    milp_solver: str = "scipy",
     time_limit: float | None = None,
     graph_seconds: float = 0.0,
     reduce: bool = True,
