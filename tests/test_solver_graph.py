@@ -167,10 +167,12 @@ sum_2: op aten.sum.default [] x1
 add: op aten.add.Tensor [] x1
 output: output output - x1
 """)
-        # The init is laid out like the carry, the stacked weights like their slice with a
-        # leading dim, once per run.
+        # The init is laid out like the carry once; each step lays its slice of the stacked
+        # weights out like the body's slice (one slice's bytes).
         self.assertEqual(uses(graph, "step_body_0/arg0_1"), [("h_1", "value", 0, 1)])
-        self.assertEqual(uses(graph, "step_body_0/arg1_1"), [("ws_1", "value", 1, 1)])
+        self.assertEqual(uses(graph, "step_body_0/arg1_1"), [("ws_1", "value", 1, 7)])
+        (slice_read,) = graph.edges["ws_1", "step_body_0/arg1_1"]["uses"]
+        self.assertEqual(slice_read.shape, (8, 8))
         # Reads inside the body happen at every step.
         self.assertEqual(uses(graph, "step_body_0/mm"), [("step_body_0/arg0_1", "input", 0, 7), ("step_body_0/arg1_1", "input", 1, 7)])
         self.assertTrue(graph.edges["step_body_0/tanh", "step_body_0/arg0_1"]["loop"])

@@ -92,8 +92,20 @@ class StrategyRules:
         self.propagator = DTensor._op_dispatcher.sharding_propagator
         self._single_dim = getattr(self.propagator, "op_single_dim_strategy_funcs", {})
 
+    def rule_of(self, op: Any) -> Any:
+        """The op whose DTensor rule places ``op``: ``op`` itself, or for a functional op
+        without one its in-place variant's (functionalization turns DTensor's ``fill_`` into the
+        ``fill`` it has no rule for; both lay out their result alike). ``None``: no rule."""
+        if op in self._single_dim or op in self.propagator.op_strategy_funcs:
+            return op
+        packet = getattr(torch.ops.aten, f"{op.overloadpacket.__name__}_", None) if op.namespace == "aten" else None
+        inplace = getattr(packet, op._overloadname, None) if packet is not None else None
+        if inplace is not None and (inplace in self._single_dim or inplace in self.propagator.op_strategy_funcs):
+            return inplace
+        return None
+
     def has_rule(self, op: Any) -> bool:
-        return op in self._single_dim or op in self.propagator.op_strategy_funcs
+        return self.rule_of(op) is not None
 
     def _spec(self, meta: Any, placements: Placements) -> Any:
         from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -121,9 +133,10 @@ class StrategyRules:
                 return type(value)(to_strategy(v) for v in value)
             return to_strategy(value)
 
-        schema_info = self.propagator.op_to_schema_info.get(op)
+        source = self.rule_of(op)
+        schema_info = self.propagator.op_to_schema_info.get(source)
         if schema_info is None and single:
-            schema_info = getattr(self.propagator, "op_to_schema_info_for_single_dim_strategy", {}).get(op)
+            schema_info = getattr(self.propagator, "op_to_schema_info_for_single_dim_strategy", {}).get(source)
         return OpSchema(
             op,
             tuple(convert(a) for a in args),
@@ -141,13 +154,14 @@ class StrategyRules:
         inputs' strategies), and are then called once per combination of candidates (per
         candidate of each input, the others replicated, when there are too many).
         """
-        if op in self._single_dim:
+        source = self.rule_of(op)
+        if source in self._single_dim:
             from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
 
             schema = self._schema(op, args, kwargs, candidates, single=True)
-            expand = _expand_single_dim_strategy_to_mesh(self.device_mesh, schema, self._single_dim[op], out_meta)
+            expand = _expand_single_dim_strategy_to_mesh(self.device_mesh, schema, self._single_dim[source], out_meta)
             return list(expand(op, schema.args_meta, schema.kwargs_meta).strategies)
-        rule = self.propagator.op_strategy_funcs[op]
+        rule = self.propagator.op_strategy_funcs[source]
         try:
             return list(rule(self._schema(op, args, kwargs, candidates, single=False)).strategies)
         except Exception as error:

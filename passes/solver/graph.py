@@ -38,8 +38,9 @@ Edges that only tie placements (``getitem``, a carry from one step to the next, 
 the backward reads) have no uses and ``tie=True``.
 
 A scan body appears once: its carry inputs alias its carry outputs, its slices are free inputs
-fed by the stacked xs, the stacked ys alias the body's ys with a leading dim, and every value in
-the body has the scan's trip count as multiplier. Nothing is read from ``node.meta`` except the
+fed by the stacked xs (one slice redistributed per step, as a loop's body does), the stacked ys
+alias the body's ys with a leading dim, and every value in the body has the scan's trip count
+as multiplier. Nothing is read from ``node.meta`` except the
 ``val`` every tracer records (recomputed from ``example_inputs`` when missing).
 """
 
@@ -80,6 +81,10 @@ class Strategy:
     outputs: tuple[Placements | None, ...]
     inputs: tuple[Placements | None, ...]
     cost_hint: float | None = None  # seconds per call, given by the program (a region alternative)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "outputs", tuple(canonical(p) for p in self.outputs))
+        object.__setattr__(self, "inputs", tuple(canonical(p) for p in self.inputs))
 
     def __repr__(self) -> str:
         ins = ", ".join(format_placement(p) for p in self.inputs)
@@ -142,18 +147,38 @@ def format_placement(placements: Placements | None) -> str:
     return "".join(tokens)
 
 
+# One object per distinct placements tuple: the solver keys its tables by identity, which is
+# much cheaper than hashing placement values (tens of thousands of lookups per solve).
+_CANONICAL: dict[tuple, tuple] = {}
+_SHIFTED: dict[tuple[int, int], tuple] = {}
+_MATERIALIZED: dict[int, tuple] = {}
+
+
+def canonical(placements: Placements | None) -> Placements | None:
+    """The one shared object equal to ``placements``."""
+    if placements is None:
+        return None
+    return _CANONICAL.setdefault(placements, placements)
+
+
 def materialized(placements: Placements | None) -> Placements | None:
     """``placements`` with each pending ``Partial`` sum reduced (made ``Replicate``)."""
-    if placements is None or not any(isinstance(p, Partial) for p in placements):
-        return placements
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+    if placements is None:
+        return None
+    key = id(canonical(placements))
+    if key not in _MATERIALIZED:
+        _MATERIALIZED[key] = canonical(tuple(Replicate() if isinstance(p, Partial) else p for p in placements))
+    return _MATERIALIZED[key]
 
 
 def shift_placements(placements: Placements | None, shift: int) -> Placements | None:
     """``placements`` with every ``Shard(d)`` made ``Shard(d + shift)``."""
     if placements is None or shift == 0:
         return placements
-    return tuple(Shard(p.dim + shift) if isinstance(p, Shard) else p for p in placements)
+    key = (id(canonical(placements)), shift)
+    if key not in _SHIFTED:
+        _SHIFTED[key] = canonical(tuple(Shard(p.dim + shift) if isinstance(p, Shard) else p for p in placements))
+    return _SHIFTED[key]
 
 
 def _replicated(mesh: Mesh) -> Placements:
@@ -325,7 +350,12 @@ class _Builder:
         elif kind == "feed":  # a free input fed by operand ``position`` of ``reader`` (shifted)
             outer, shift, outer_multiplier, reader, position = value
             key = self.free_input(node, scope, module, multiplier)
-            self._use(outer, key, Use("value", shift, outer_multiplier, reader, position))
+            if shift:
+                # A slice of stacked xs: each step reads its slice, and redistributes that slice.
+                use = Use("value", shift, multiplier, reader, position, self.graph.nodes[key]["shape"])
+            else:
+                use = Use("value", shift, outer_multiplier, reader, position)
+            self._use(outer, key, use)
         else:
             raise AssertionError(kind)
 

@@ -102,7 +102,7 @@ class _ProblemBuilder:
         return shift_placements(self.graph.nodes[owner]["strategies"][option].outputs[index], shift)
 
     def redistribute(self, shape: tuple, itemsize: int, source: Any, target: Any) -> float:
-        key = (shape, itemsize, source, target)
+        key = (shape, itemsize, id(source), id(target))  # placements are canonical objects
         if key not in self._redistribute_cache:
             self._redistribute_cache[key] = self.cost_model.redistribute_seconds(shape, itemsize, source, target, self.mesh)
         return self._redistribute_cache[key]
@@ -249,9 +249,17 @@ class _ProblemBuilder:
 
 
 def _classes(values: Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
-    index: dict[Any, int] = {}
-    rows = np.array([index.setdefault(v, len(index)) for v in values], dtype=np.int64)
-    return rows, list(index)
+    """Class of each value (equal placements are one canonical object: keyed by identity)."""
+    index: dict[int, int] = {}
+    distinct: list[Any] = []
+    rows = np.empty(len(values), dtype=np.int64)
+    for i, value in enumerate(values):
+        k = id(value)
+        if k not in index:
+            index[k] = len(distinct)
+            distinct.append(value)
+        rows[i] = index[k]
+    return rows, distinct
 
 
 def placement_problem(graph: nx.DiGraph, cost_model: CostModel | None = None) -> tuple[Problem, list[str]]:

@@ -4,9 +4,11 @@ measured against, on the same values, strategies and cost model.
 
 Step ``i``'s copy of body value ``k`` is ``k@i``. The first step's carries are fed by the init,
 each later step's carries are the previous step's carry outputs; each step's slice is fed by
-one slice of the stacked xs (redistributing that slice); the stacked ys are the last step's ys
-with a leading dim, every other step's ys laid out like them (one slice each); values the body
-reads unchanged at every step (additional inputs) stay shared.
+its slice of the stacked xs; the stacked ys are the last step's ys with a leading dim, every
+other step's ys laid out like them (one slice each); values the body reads unchanged at every
+step (additional inputs) stay shared. Every read is priced as in the scan (a scan's reads of
+its slices are per step), so a scan plan costs the same here as in the scan, up to the stacked
+ys of steps whose layouts differ.
 """
 
 from __future__ import annotations
@@ -47,14 +49,15 @@ def unrolled_graph(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str]]:
         for u, v, data in graph.edges(data=True):
             if u not in body and v not in body:
                 continue
+            if u not in body and v in scan["carry_in"]:
+                out.add_edge(u, f"{v}@{order[0]}", **data)  # the init feeds the first step only
+                continue
             for i in range(length):
                 copy_u = f"{u}@{i}" if u in body else u
                 copy_v = f"{v}@{i}" if v in body else v
                 if data.get("loop"):
                     continue  # carries are rewired below
-                uses = [_per_step(use, length) if v in body else use for use in data["uses"]]
-                if u not in body and v in body:
-                    uses = [_slice_feed(use, graph.nodes[v]["shape"]) for use in uses]
+                uses = [use._replace(multiplier=max(1, use.multiplier // length)) for use in data["uses"]]
                 out.add_edge(copy_u, copy_v, **{**data, "uses": uses})
         carries = zip(scan["carry_in"], scan["carry_out"])
         for carry_in, carry_out in carries:
@@ -100,17 +103,6 @@ def _is_shared_input(graph: nx.DiGraph, key: str, scan: dict) -> bool:
         data["kind"] == "input" and data["fx_node"].op == "placeholder"
         and key not in scan["slices"] and key not in scan["carry_in"]
     )
-
-
-def _per_step(use: Use, length: int) -> Use:
-    return use._replace(multiplier=max(1, use.multiplier // length))
-
-
-def _slice_feed(use: Use, slice_shape: Any) -> Use:
-    """One step's read of a stacked value moves one slice of it."""
-    if use.kind == "value" and use.index == 1:
-        return use._replace(shape=tuple(slice_shape))
-    return use
 
 
 def scan_plan_on_unrolled(unrolled: nx.DiGraph, origin: dict[str, str], solution: Any) -> dict[str, Strategy]:
