@@ -12,8 +12,9 @@ End to end = AOTAutograd trace of the training step (on fake tensors) + placemen
 (DTensor strategies) + ILP build (with the exact reductions) + solve. Printed per N: variables,
 each phase's seconds, the optimum. Then, from the same run:
 
-- bars: scan variables at N=32 == N=1; T(32)/T(1) <= 1.2 (scan, end to end); N=32 scan end to end
-  <= 15 s; quality at N=2 and 4: the scan plan's cost measured on the scan program unrolled per
+- bars: scan variables at N=32 == N=1; T(32)/T(1) <= 1.2 (scan, end to end; N=1 and N=32 run
+  three more times alternately, medians compared: the machine is shared); N=32 scan end to end
+  <= 15 s (median); quality at N=2 and 4: the scan plan's cost measured on the scan program unrolled per
   step (``passes.solver.unrolled``: the same values, strategies and cost model, each step free
   to take its own placements) within 1% of that unrolled problem's optimum;
 - the memory budget: half of what the unconstrained plan keeps per device (parameters with
@@ -36,6 +37,7 @@ import argparse
 import gc
 import importlib.util
 import os
+import statistics
 import sys
 import time
 
@@ -73,11 +75,11 @@ def make_losses(cfg):
     return example.make_loss(cfg, MESH), example.make_loss(cfg, MESH, unrolled=True)
 
 
-def trace(loss, cfg):
+def trace(loss, cfg, inputs):
     """AOTAutograd forward and backward graphs of one training step, traced on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    tokens, targets, params, consts = example.example_inputs(cfg)
+    tokens, targets, params, consts = inputs
     with FakeTensorMode() as mode:
         fake = lambda t: mode.from_tensor(t)  # noqa: E731
         return example.trace_training_step(
@@ -86,9 +88,10 @@ def trace(loss, cfg):
 
 
 def end_to_end(loss, cfg, **solve_options):
+    inputs = example.example_inputs(cfg)  # the program's inputs exist before any solving
     gc.collect()
     start = time.perf_counter()
-    graphs = trace(loss, cfg)
+    graphs = trace(loss, cfg, inputs)
     traced = time.perf_counter()
     graph = passes.placement_graph(graphs, MESH)
     placed = time.perf_counter()
@@ -146,6 +149,19 @@ def main() -> None:
         if layers <= args.unrolled_up_to:
             results["unrolled", layers] = end_to_end(unrolled, cfg)
             print(row("unrolled", layers, results["unrolled", layers]), flush=True)
+
+    # T(last)/T(first): the machine is shared, so first and last alternate three more times and
+    # the medians (table run included) are compared.
+    first, last = layer_counts[0], layer_counts[-1]
+    times = {first: [results["scan", first]["total"]], last: [results["scan", last]["total"]]}
+    for _ in range(3):
+        for layers in (first, last):
+            times[layers].append(end_to_end(make_losses(config(layers))[0], config(layers))["total"])
+    medians = {layers: statistics.median(t) for layers, t in times.items()}
+    print(
+        f"\n# end to end, scan, alternating: N={first} {[round(t, 2) for t in times[first]]} s, "
+        f"N={last} {[round(t, 2) for t in times[last]]} s; medians {medians[first]:.2f} / {medians[last]:.2f} s"
+    )
 
     print("\n# quality: the scan plan measured on the scan program unrolled per step")
     quality = {}
@@ -207,15 +223,14 @@ def main() -> None:
             print(f"{backend:8s} not installed ({error})")
 
     print("\n# bars")
-    first, last = layer_counts[0], layer_counts[-1]
     scan_first, scan_last = results["scan", first], results["scan", last]
-    ratio = scan_last["total"] / scan_first["total"]
+    ratio = medians[last] / medians[first]
     bars = [
         (f"scan variables N={last} == N={first}", scan_last["variables"] == scan_first["variables"],
          f"{scan_last['variables']} vs {scan_first['variables']}"),
-        (f"T({last})/T({first}) <= 1.2", ratio <= 1.2, f"{ratio:.3f}"),
-        (f"N={last} end to end <= 15 s", scan_last["total"] <= 15.0,
-         f"{scan_last['total']:.2f} s (anchor with clustering: {ANCHOR['seconds_32']:.0f} s)"),
+        (f"T({last})/T({first}) <= 1.2 (medians)", ratio <= 1.2, f"{ratio:.3f}"),
+        (f"N={last} end to end <= 15 s (median)", medians[last] <= 15.0,
+         f"{medians[last]:.2f} s (anchor with clustering: {ANCHOR['seconds_32']:.0f} s)"),
         *(
             (f"quality N={n} within 1%", q <= 1.01, f"{(q - 1) * 100:.3f}%")
             for n, q in quality.items()

@@ -252,11 +252,31 @@ class TestMetaFree(TestCase):
         args = (torch.randn(8, 16), torch.randn(3, 16, 16, requires_grad=True))
         forward, backward, _ = aot_trace(scanned, *args)
         with_meta = passes.solve_placements((forward, backward), GRID, cost_model=SLOW_LINK)
+        printed = passes.format_placements((forward, backward), with_meta)
         delete_meta(forward)
         delete_meta(backward)
         without_meta = passes.solve_placements((forward, backward), GRID, cost_model=SLOW_LINK, example_inputs=args)
         self.assertEqual(without_meta.placements, with_meta.placements)
         self.assertEqual(without_meta.cost, with_meta.cost)
+        self.assertEqual(passes.format_placements((forward, backward), without_meta), printed)
+        # Applied without metadata, the program states the same layouts as a twin with it.
+        twin_forward, twin_backward, _ = aot_trace(scanned, *args)
+        passes.apply_placements((twin_forward, twin_backward), passes.solve_placements(
+            (twin_forward, twin_backward), GRID, cost_model=SLOW_LINK))
+        passes.apply_placements((forward, backward), without_meta)
+        self.assertEqual(stated_layouts(forward), stated_layouts(twin_forward))
+        self.assertEqual(stated_layouts(backward), stated_layouts(twin_backward))
+        self.assertTrue(stated_layouts(forward))
+
+
+def stated_layouts(gm):
+    return [
+        (name, node.args[0].name, node.args[1].placements)
+        for name, module in gm.named_modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.target is hops.sharding_annotation_hop
+    ]
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from hops.specs import Mesh, Partial, Placement, Replicate, Shard
+from hops.specs import Mesh, Partial, Replicate, Shard
 
 Placements = tuple  # one hops placement per mesh axis
 

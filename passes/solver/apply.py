@@ -17,7 +17,6 @@ from typing import Any
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from hops.local_map import local_map_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import Partial, ShardingSpec
 from passes._infra import PassError

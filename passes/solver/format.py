@@ -8,11 +8,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from hops.kernel import Kernel
 from hops.local_map import local_map_hop
 from hops.named_scope import named_scope_hop
 from hops.scan import scan_hop
-from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import LocalMapSpec, ShardingSpec
 from passes.solver.graph import as_program, format_placement
 from passes.solver.solve import PlacementSolution, node_costs
@@ -48,11 +46,10 @@ def _microseconds(seconds: float) -> str:
 
 
 class _Printer:
-    def __init__(self, solution: PlacementSolution, scopes: dict[fx.GraphModule, str]) -> None:
+    def __init__(self, solution: PlacementSolution) -> None:
         self.solution = solution
         self.graph = solution.graph
         self.costs = node_costs(solution)
-        self.scopes = scopes
         self.lines: list[str] = []
 
     def key(self, node: fx.Node, scope: str) -> str:
@@ -132,7 +129,7 @@ def format_placements(gm: Any, solution: PlacementSolution) -> str:
     placement (``(inputs) -> output``, one token per mesh axis: ``S(d)``, ``R``, ``P``) and its
     cost; a scan body printed once with its trip count, a region with its chosen alternative."""
     program = as_program(gm, "format_placements")
-    printer = _Printer(solution, {})
+    printer = _Printer(solution)
     mesh = solution.mesh
     printer.lines.append(
         f"# mesh {dict(zip(mesh.axis_names, mesh.shape))}, cost {_microseconds(solution.cost)} per step "

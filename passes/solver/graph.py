@@ -10,9 +10,9 @@ Node attributes:
 
 - ``kind``: ``"input"`` (a program or body input whose placement is free), ``"op"`` (an ATen op
   or kernel), ``"annotation"`` (fixed by a ``hops_sharding_annotation``), ``"region"`` (a
-  ``local_map`` node), ``"output"`` (a graph's results, for the reads above), ``"alias"`` (a value whose placement is another node's: a ``getitem``,
+  ``local_map`` node), ``"alias"`` (a value whose placement is another node's: a ``getitem``,
   a body input tied to what feeds it, a scan's outputs), ``"local"`` (a value inside a region
-  body: per device, not placed);
+  body: per device, not placed), ``"output"`` (a graph's results, which read what leaves it);
 - ``op`` (the target, as text), ``shape``, ``dtype``, ``bytes``;
 - ``strategies``: the node's choices, each a ``Strategy`` (the placement of every output and the
   placement every tensor input must have); ``None`` for aliases and local values;
@@ -22,10 +22,13 @@ Node attributes:
   ys are their step's value with a leading dim);
 - ``multiplier``: how many times the value is computed per program run (a scan body's values:
   the trip count);
-- ``fallback``: DTensor has no rule for the op, so it runs replicated;
+- ``fallback``: DTensor has no rule for the op (or its rule refuses every layout the op's inputs
+  can have), so it runs replicated; the graph's ``unsupported_ops`` counts them per op and
+  ``rule_errors`` keeps why a rule refused;
 - ``role``: what the value keeps resident on each device, for memory budgets:
   ``"parameter"`` (an input with a gradient: the gradient and optimizer state come with it),
   ``"input"``, ``"activation"`` (saved by the forward for the backward), else ``None``;
+- ``scope``: the scope-qualified name of the graph holding the value (``""`` for the root);
 - ``fx_node``, ``module``: the FX node and the GraphModule holding it.
 
 Edges ``u -> v`` are data dependencies, with ``bytes`` (of ``u``) and ``uses``: how ``v`` reads
@@ -40,8 +43,8 @@ the backward reads) have no uses and ``tie=True``.
 A scan body appears once: its carry inputs alias its carry outputs, its slices are free inputs
 fed by the stacked xs (one slice redistributed per step, as a loop's body does), the stacked ys
 alias the body's ys with a leading dim, and every value in the body has the scan's trip count
-as multiplier. Nothing is read from ``node.meta`` except the
-``val`` every tracer records (recomputed from ``example_inputs`` when missing).
+as multiplier. Nothing is read from ``node.meta`` except the ``val`` every tracer records
+(recomputed from ``example_inputs`` when missing).
 """
 
 from __future__ import annotations
@@ -70,7 +73,6 @@ from passes.solver._shapes import split_backward_inputs, value_metadata
 __all__ = ["placement_graph", "Strategy", "Use", "RegionChoice", "region_choices", "shift_placements", "format_placement"]
 
 Placements = tuple  # one hops placement per mesh axis
-_DEBUG = bool(__import__('os').environ.get('HOPS_SOLVER_DEBUG'))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +220,7 @@ class _Builder:
         self.unsupported: Counter = Counter()
         self._strategy_cache: dict[Any, tuple] = {}
         self._hop_getitems: set[fx.Node] = set()
+        self.rule_errors: dict[str, str] = {}  # op -> why DTensor's rule refused it (the first time)
 
     # ------------------------------------------------------------------ values
 
@@ -409,7 +412,7 @@ class _Builder:
     # ------------------------------------------------------------------ HOPs
 
     def _annotation(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int) -> None:
-        x, spec = node.args[0], node.args[1]
+        spec = node.args[1]
         if not isinstance(spec, ShardingSpec):
             raise PassError(f"placement_graph: {node.format_node()}: spec must be a hops.ShardingSpec")
         self._check_mesh(spec.mesh, node)
@@ -476,9 +479,7 @@ class _Builder:
         if not isinstance(spec, ScanSpec):
             raise PassError(f"placement_graph: {node.format_node()}: last argument must be a hops.ScanSpec")
         operands = list(node.args[1:-1])
-        carry = operands[: spec.num_carry]
         xs = operands[spec.num_carry : spec.num_carry + spec.num_xs]
-        additional = operands[spec.num_carry + spec.num_xs :]
         length = int(self._meta(xs[0]).shape[0]) if xs else spec.length
         if length is None:
             raise PassError(f"placement_graph: {node.format_node()} has a symbolic length; the solver needs a static one")
@@ -585,8 +586,7 @@ class _Builder:
         try:
             specs = compute()
         except Exception as error:  # DTensor refuses this call (an argument form its rule does not take)
-            if _DEBUG:
-                print("strategy rule failed:", node.format_node(), type(error).__name__, error)
+            self.rule_errors.setdefault(_target_name(node.target), f"{type(error).__name__}: {error}"[:300])
             return None
         out_shapes = [
             tuple(m.shape) if isinstance(m, torch.Tensor) else None for m in self._output_metas(node)
@@ -726,5 +726,6 @@ def _build(program: list, mesh: Mesh, example_inputs: Any, rules: _dtensor.Strat
     builder.graph.graph.update(
         program=program,
         unsupported_ops=dict(builder.unsupported),
+        rule_errors=builder.rule_errors,
     )
     return builder.graph

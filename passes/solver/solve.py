@@ -138,7 +138,6 @@ class _ProblemBuilder:
         data = self.graph.nodes[key]
         if data["shape"] is not None:
             return [data["shape"]]
-        meta = data["fx_node"]
         shapes = data.get("output_shapes")
         if shapes is not None:
             return shapes
