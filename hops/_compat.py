@@ -11,7 +11,8 @@ dispatch keys and guards, ``torch._subclasses`` fake and functional tensors,
 ``torch.fx.experimental.proxy_tensor``, ``torch._higher_order_ops.utils``,
 ``torch.utils._pytree``, ``torch._guards.detect_fake_mode``); Dynamo's variable trackers in
 ``hops/_dynamo.py``; torch_xla's ``_XLAC`` bindings in ``passes/xla/`` (torch_xla has one
-supported version).
+supported version); DTensor's sharding-strategy registry in ``passes/solver/_dtensor.py``
+(listed there, with how it differs between versions; ``hops/`` never needs it).
 """
 
 from __future__ import annotations

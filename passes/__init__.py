@@ -9,6 +9,9 @@ Each lowering target is a table of rules, one per HOP (``passes/_infra.py``):
 - ``unroll_scan`` (target ``"unroll"``, ``passes/unroll.py``): a scan -> ``length`` copies of
   its body (for backends without loops); other HOPs are kept.
 
+The sharding solver (``passes/solver/``): ``placement_graph``, ``solve_placements``,
+``apply_placements``, ``format_placements``, ``draw_placements``.
+
 ``check_placements`` verifies that stated layouts (annotations, region outputs) agree with
 each local_map region's.
 """
@@ -17,6 +20,16 @@ import hops  # noqa: F401  (registers the HOPs the rule tables refer to)
 from passes._infra import RULES, HopRulePass, PassError, graph_modules, keep, refuse, register_rule, rule_for
 from passes.check import check_placements
 from passes.inline import inline_hops, run_scan_loop
+from passes.solver import (
+    CostModel,
+    InfeasiblePlacementError,
+    PlacementSolution,
+    apply_placements,
+    draw_placements,
+    format_placements,
+    placement_graph,
+    solve_placements,
+)
 from passes.unroll import unroll_scan
 from passes.xla import lower_to_xla, run_in_named_scope, run_scan
 
@@ -36,4 +49,12 @@ __all__ = [
     "HopRulePass",
     "PassError",
     "graph_modules",
+    "placement_graph",
+    "solve_placements",
+    "apply_placements",
+    "format_placements",
+    "draw_placements",
+    "PlacementSolution",
+    "CostModel",
+    "InfeasiblePlacementError",
 ]

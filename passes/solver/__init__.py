@@ -1,0 +1,28 @@
+"""The solver pipeline: place every value of a traced program on a device mesh.
+
+- ``placement_graph``: the networkx view (values, strategies, fixed placements, data edges);
+- ``solve_placements``: the cheapest placements under a ``CostModel`` and a memory budget;
+- ``apply_placements``: the solution stated as sharding annotations and region choices;
+- ``format_placements`` / ``draw_placements``: the solution printed / pictured.
+"""
+
+from passes.solver.apply import apply_placements
+from passes.solver.cost import PRESETS, CostModel
+from passes.solver.draw import draw_placements
+from passes.solver.format import format_placements
+from passes.solver.graph import Strategy, placement_graph
+from passes.solver.ilp import InfeasiblePlacementError
+from passes.solver.solve import PlacementSolution, solve_placements
+
+__all__ = [
+    "placement_graph",
+    "solve_placements",
+    "apply_placements",
+    "format_placements",
+    "draw_placements",
+    "PlacementSolution",
+    "Strategy",
+    "CostModel",
+    "PRESETS",
+    "InfeasiblePlacementError",
+]

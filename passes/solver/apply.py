@@ -1,0 +1,126 @@
+"""``apply_placements``: state a solution in the program as sharding annotations.
+
+Each placed value gets a ``hops_sharding_annotation`` of its placement right after it is
+produced (inside scan and named-scope bodies too); each read that needs another layout (a
+consumer strategy's input placement, a scan operand laid out like its carry or slice, a
+gradient laid out like its parameter) gets a second annotation in front of the reader. A
+``Partial`` layout is not stated (an XLA sharding describes a whole value); the next stated
+layout makes the partitioner reduce it, and a region entering a value as ``Partial`` reads it
+as made (its lowering lays it out itself). Regions keep their own placements, switched to the
+chosen alternative. Values inside region bodies are per-device and are left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from hops.sharding_annotation import sharding_annotation_hop
+from hops.specs import Partial, ShardingSpec
+from passes._infra import PassError
+from passes.solver.graph import as_program
+from passes.solver.solve import PlacementSolution, required_placement
+
+__all__ = ["apply_placements"]
+
+
+def _stateable(placements: Any) -> bool:
+    return placements is not None and not any(isinstance(p, Partial) for p in placements)
+
+
+def choose_alternative(spec: Any, index: int) -> Any:
+    """``spec`` with its alternative ``index`` as the region's placements."""
+    if hasattr(spec, "choose"):
+        return spec.choose(index)
+    if index == 0:
+        return spec
+    raise PassError(f"apply_placements: {spec!r} has no alternative {index}")
+
+
+def _replace_leaf(reader: fx.Node, position: int, value: fx.Node) -> None:
+    leaves, treespec = pytree.tree_flatten((reader.args, reader.kwargs))
+    leaves[position] = value
+    reader.args, reader.kwargs = pytree.tree_unflatten(leaves, treespec)
+
+
+def apply_placements(gm: Any, solution: PlacementSolution) -> Any:
+    """Insert the annotations and region choices that state ``solution`` into ``gm`` (in place).
+
+    ``gm`` is what the solution was solved for (a GraphModule, or ``(forward, backward)``);
+    returns it. Afterwards ``passes.check_placements`` passes and ``passes.lower_to_xla``
+    lowers the stated layouts to XLA shardings. Raises ``PassError`` if ``gm`` is not the
+    solved program.
+    """
+    if not isinstance(solution, PlacementSolution):
+        raise TypeError(f"apply_placements(solution=...) must be a PlacementSolution, got {type(solution).__name__}")
+    program = as_program(gm, "apply_placements")
+    solved = solution.graph.graph["program"]
+    if [m for _, m in program] != [m for _, m in solved]:
+        raise PassError("apply_placements: gm is not the program this solution was solved for")
+    graph, mesh = solution.graph, solution.mesh
+    changed: set[fx.GraphModule] = set()
+    stated: dict[str, fx.Node] = {}  # value -> the node that holds it laid out as placed
+
+    # Producer side: every placed value, right after it is made.
+    for key, placements in solution.placements.items():
+        data = graph.nodes[key]
+        node: fx.Node = data["fx_node"]
+        if data["kind"] in ("local", "annotation") or not _stateable(placements):
+            stated[key] = node
+            continue
+        module_graph = node.graph
+        if node.op == "placeholder":
+            anchor = list(module_graph.find_nodes(op="placeholder"))[-1]
+        else:
+            anchor = node
+        with module_graph.inserting_after(anchor):
+            annotation = module_graph.call_function(sharding_annotation_hop, (node, ShardingSpec(mesh, placements)))
+        node.replace_all_uses_with(annotation, delete_user_cb=lambda user, annotation=annotation: user is not annotation)
+        stated[key] = annotation
+        changed.add(data["module"])
+
+    # Reader side: a value read in another layout than it is placed in.
+    for u, v, edge in graph.edges(data=True):
+        if not edge["uses"] or u not in solution.placements:
+            continue
+        produced = solution.placements[u]
+        for use in edge["uses"]:
+            required = required_placement(solution, v, use, produced)
+            if required == produced:
+                continue
+            reader: fx.Node = use.reader
+            if reader.target is sharding_annotation_hop:
+                continue  # the reader is itself the statement
+            if not _stateable(required):
+                # A pending sum cannot be stated: the reader (a region entering it as Partial)
+                # reads the value as made, not the statement of another layout.
+                if stated[u] is not graph.nodes[u]["fx_node"]:
+                    _replace_leaf(reader, use.position, graph.nodes[u]["fx_node"])
+                    changed.add(reader.graph.owning_module)
+                continue
+            with reader.graph.inserting_before(reader):
+                annotation = reader.graph.call_function(
+                    sharding_annotation_hop, (stated[u], ShardingSpec(mesh, required))
+                )
+            _replace_leaf(reader, use.position, annotation)
+            changed.add(reader.graph.owning_module)
+
+    # Regions: the chosen alternative.
+    for key, strategy in solution.strategies.items():
+        data = graph.nodes[key]
+        if data["kind"] != "region":
+            continue
+        node = data["fx_node"]
+        index = data["strategies"].index(strategy)
+        spec = node.args[-1]
+        chosen = choose_alternative(spec, index)
+        if chosen is not spec:
+            node.args = (*node.args[:-1], chosen)
+            changed.add(data["module"])
+
+    for module in changed:
+        module.graph.lint()
+        module.recompile()
+    return gm

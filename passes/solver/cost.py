@@ -1,0 +1,201 @@
+"""The cost model: seconds of compute per strategy and of communication per redistribution.
+
+Compute is a roofline on each device's local shapes: ``max(flops / peak_flops, bytes /
+memory_bandwidth)``, with FLOPs from torch's own table (``torch.utils.flop_counter``) or an
+einsum's equation, and views free. Communication is priced per mesh axis with an
+alpha-beta model: a collective over an axis of ``n`` devices costs the axis's
+``link_latency`` plus the bytes each device sends over its ``link_bandwidth``:
+
+- ``Shard -> Replicate`` (all-gather): ``(n - 1) * local_bytes``;
+- ``Partial -> Replicate`` (all-reduce): ``2 (n - 1) / n * local_bytes``;
+- ``Partial -> Shard`` (reduce-scatter), ``Shard(i) -> Shard(j)`` (all-to-all): ``(n - 1) / n * local_bytes``;
+- ``Replicate -> Shard`` / ``Replicate -> Partial``: local, a copy of the result at ``memory_bandwidth``.
+
+Axes that shrink the local tensor are redistributed first. Presets hold public peak numbers
+of common devices; every field can be overridden (``CostModel.preset("h100", link_bandwidth=(50e9, 450e9))``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import string
+from typing import Any, Sequence
+
+import torch
+
+from hops.specs import Mesh, Partial, Replicate, Shard
+
+__all__ = ["CostModel", "PRESETS"]
+
+
+def _per_axis(value: float | Sequence[float], mesh: Mesh, name: str) -> tuple[float, ...]:
+    if isinstance(value, (int, float)):
+        return (float(value),) * mesh.ndim
+    values = tuple(float(v) for v in value)
+    if len(values) != mesh.ndim:
+        raise ValueError(f"CostModel.{name} has {len(values)} entries but the mesh has {mesh.ndim} axes {mesh.axis_names}")
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Device and interconnect parameters, in SI units (FLOP/s, bytes/s, seconds).
+
+    ``link_bandwidth`` / ``link_latency``: one value for every mesh axis, or one per axis.
+    ``optimizer_state_bytes``: bytes of optimizer state per byte of parameter (2 for Adam's
+    two moments in the parameter's dtype), counted in memory budgets.
+    """
+
+    peak_flops: float
+    memory_bandwidth: float
+    link_bandwidth: float | tuple[float, ...]
+    link_latency: float | tuple[float, ...]
+    optimizer_state_bytes: float = 2.0
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for field in ("peak_flops", "memory_bandwidth"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"CostModel({field}=...) must be a positive number, got {value!r}")
+        for field in ("link_bandwidth", "link_latency"):
+            value = getattr(self, field)
+            values = (value,) if isinstance(value, (int, float)) else tuple(value)
+            if not values or any(not isinstance(v, (int, float)) or v < 0 for v in values):
+                raise ValueError(f"CostModel({field}=...) must be a number >= 0 or a tuple of them, got {value!r}")
+            if field == "link_bandwidth" and any(v == 0 for v in values):
+                raise ValueError(f"CostModel(link_bandwidth=...) must be positive, got {value!r}")
+        if not isinstance(self.optimizer_state_bytes, (int, float)) or self.optimizer_state_bytes < 0:
+            raise ValueError(f"CostModel(optimizer_state_bytes=...) must be >= 0, got {self.optimizer_state_bytes!r}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> CostModel:
+        """A preset of ``PRESETS`` by name, with fields overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"CostModel.preset: unknown device {name!r}; presets are {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    # ------------------------------------------------------------------ compute
+
+    def compute_seconds(
+        self,
+        target: Any,
+        input_shapes: Sequence[Sequence[int] | None],
+        output_shapes: Sequence[Sequence[int] | None],
+        itemsize: int,
+        params: dict | None = None,
+    ) -> float:
+        """Roofline time of one call of ``target`` on these (local) shapes."""
+        from passes.solver.graph import is_view
+
+        if is_view(target):
+            return 0.0
+        moved = sum(math.prod(s) for s in (*input_shapes, *output_shapes) if s is not None) * itemsize
+        flops = _flops(target, input_shapes, output_shapes, params)
+        return max(flops / self.peak_flops, moved / self.memory_bandwidth)
+
+    # ------------------------------------------------------------------ communication
+
+    def redistribute_seconds(
+        self, shape: Sequence[int], itemsize: int, source: Sequence[Any] | None, target: Sequence[Any] | None, mesh: Mesh
+    ) -> float:
+        """Time to turn a tensor laid out as ``source`` into ``target``."""
+        if source is None or target is None or tuple(source) == tuple(target):
+            return 0.0
+        bandwidth = _per_axis(self.link_bandwidth, mesh, "link_bandwidth")
+        latency = _per_axis(self.link_latency, mesh, "link_latency")
+        current = list(source)
+        total = 0.0
+        for axis in sorted(range(mesh.ndim), key=lambda a: (_growth(source[a], target[a]), a)):
+            before, after = current[axis], target[axis]
+            if before == after:
+                continue
+            n = mesh.shape[axis]
+            local = _local_bytes(shape, itemsize, current, mesh)
+            sent = _bytes_sent(before, after, n, local)
+            current[axis] = after
+            if sent is None:
+                # Local: copy out this device's slice (R -> S) or zero a copy (R -> P).
+                if n > 1:
+                    total += _local_bytes(shape, itemsize, current, mesh) / self.memory_bandwidth
+                continue
+            total += latency[axis] + sent / bandwidth[axis]
+        return total
+
+
+def _growth(before: Any, after: Any) -> int:
+    """Order of redistribution: shrinking steps (0), size-preserving (1), growing (2)."""
+    if before == after:
+        return 1
+    if isinstance(after, Shard) and not isinstance(before, Shard):
+        return 0
+    if isinstance(after, Shard):
+        return 1
+    return 2
+
+
+def _local_bytes(shape: Sequence[int], itemsize: int, placements: Sequence[Any], mesh: Mesh) -> float:
+    ways = 1
+    for size, p in zip(mesh.shape, placements):
+        if isinstance(p, Shard):
+            ways *= size
+    return math.prod(shape) * itemsize / ways
+
+
+def _bytes_sent(before: Any, after: Any, n: int, local: float) -> float | None:
+    """Bytes each device sends to change one mesh axis from ``before`` to ``after`` (``None``: local)."""
+    if n == 1:
+        return None
+    if isinstance(before, Replicate):
+        return None  # R -> S is a local slice; R -> P keeps the value on one device
+    if isinstance(before, Shard):
+        if isinstance(after, Shard):
+            return (n - 1) / n * local  # all-to-all
+        return (n - 1) * local  # all-gather (then zero elsewhere for Partial)
+    if isinstance(before, Partial):
+        if isinstance(after, Replicate):
+            return 2 * (n - 1) / n * local  # all-reduce
+        if isinstance(after, Shard):
+            return (n - 1) / n * local  # reduce-scatter
+        return None
+    return None
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def _flops(target: Any, input_shapes: Sequence[Any], output_shapes: Sequence[Any], params: dict | None) -> float:
+    from torch.utils.flop_counter import flop_registry
+
+    if params and "equation" in params:
+        return _einsum_flops(params["equation"], input_shapes)
+    packet = getattr(target, "overloadpacket", None)
+    formula = flop_registry.get(packet) if packet is not None else None
+    if formula is not None:
+        try:
+            out = torch.Size(output_shapes[0]) if len(output_shapes) == 1 else tuple(output_shapes)
+            return float(formula(*[torch.Size(s) if s is not None else None for s in input_shapes], out_val=out))
+        except Exception:  # a formula that needs arguments other than shapes: count elements
+            pass
+    return float(sum(math.prod(s) for s in output_shapes if s is not None))
+
+
+def _einsum_flops(equation: str, input_shapes: Sequence[Sequence[int]]) -> float:
+    inputs = equation.partition("->")[0].split(",")
+    sizes: dict[str, int] = {}
+    for subscripts, shape in zip(inputs, input_shapes):
+        letters = [c for c in subscripts if c in string.ascii_letters]
+        for letter, size in zip(letters, shape or ()):
+            sizes[letter] = size
+    return 2.0 * math.prod(sizes.values())
+
+
+# Public peak numbers (dense bf16, HBM, per-device link), rounded; latencies typical.
+PRESETS: dict[str, CostModel] = {
+    "h100": CostModel(989e12, 3.35e12, 450e9, 5e-6, name="h100"),
+    "a100": CostModel(312e12, 2.0e12, 300e9, 5e-6, name="a100"),
+    "tpu-v5e": CostModel(197e12, 819e9, 50e9, 2e-6, name="tpu-v5e"),
+    "tpu-v5p": CostModel(459e12, 2.76e12, 100e9, 2e-6, name="tpu-v5p"),
+    "cpu": CostModel(200e9, 50e9, 10e9, 20e-6, name="cpu"),
+}

@@ -1,0 +1,525 @@
+"""The placement problem as a pairwise cost model over choices, reduced exactly, solved as an ILP.
+
+Each node with strategies is a *choice* (one option per strategy) with a cost per option
+(compute, times how often it runs) and the bytes per device it keeps resident (for a memory
+budget). Each read of a value is a *factor* between the value's choice and the reader's: a
+table of redistribution seconds indexed by the value's placement and the placement the reader
+needs (``inf`` where two placements must be equal and are not).
+
+Exact reductions before the ILP (each keeps the optimum):
+- factors with a one-option side become option costs; factors between the same two choices merge;
+- options indistinguishable to every factor and to memory keep only the cheapest;
+- a choice with at most two neighbours and no memory term is eliminated (a chain link's
+  min-plus product, a leaf's minimum), so chains and trees shrink to their branch points.
+
+The rest is an integer program: a binary per option, one option per choice; per factor a
+continuous variable per (row, column) of its table whose row and column sums equal the
+options on each side (exact for binary options); a memory row when there is a budget. It is
+solved by HiGHS through ``scipy.optimize.milp`` (``milp_solver="scipy"``), or through HiGHS's
+own binding (``"highspy"``) or PuLP's CBC (``"cbc"``) for comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["Choice", "Factor", "Problem", "SolveResult", "InfeasiblePlacementError", "solve_problem"]
+
+# Costs enter the integer program in microseconds (seconds are too close to solver tolerances).
+_SCALE = 1e6
+# The optimum is proven within this relative gap (the solvers' default, 1e-4, is not exact).
+_GAP = 1e-9
+
+
+class InfeasiblePlacementError(ValueError):
+    """No placement satisfies the fixed placements and the memory budget."""
+
+
+@dataclasses.dataclass
+class Choice:
+    name: str
+    cost: np.ndarray  # seconds per option
+    memory: np.ndarray  # bytes per device per option
+
+
+@dataclasses.dataclass
+class Factor:
+    """Cost ``table[rows[i], cols[j]]`` when choice ``a`` takes option ``i`` and ``b`` option ``j``."""
+
+    a: int
+    b: int
+    rows: np.ndarray  # class of each option of a
+    cols: np.ndarray  # class of each option of b
+    table: np.ndarray  # seconds; inf: not allowed
+
+    def flipped(self) -> Factor:
+        return Factor(self.b, self.a, self.cols, self.rows, self.table.T)
+
+
+@dataclasses.dataclass
+class Problem:
+    choices: list[Choice]
+    factors: list[Factor]
+    constant: float = 0.0  # seconds that no choice changes
+
+
+@dataclasses.dataclass
+class SolveResult:
+    options: list[int]  # chosen option per choice
+    cost: float  # seconds
+    stats: dict
+
+
+def _classes(values: Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
+    index: dict[Any, int] = {}
+    rows = np.array([index.setdefault(v, len(index)) for v in values], dtype=np.int64)
+    return rows, list(index)
+
+
+class _Reducer:
+    """Exact reductions (see the module docstring); remembers how to expand a solution."""
+
+    def __init__(self, problem: Problem, keep_memory: bool) -> None:
+        self.choices = problem.choices
+        self.cost = [c.cost.astype(float).copy() for c in problem.choices]
+        self.memory = [c.memory.astype(float).copy() for c in problem.choices]
+        self.alive = [np.ones(len(c.cost), dtype=bool) for c in problem.choices]
+        self.constant = problem.constant
+        self.keep_memory = keep_memory
+        self.factors: dict[int, Factor] = {}
+        self.incident: list[set[int]] = [set() for _ in problem.choices]
+        self.removed = [False] * len(problem.choices)
+        self.fixed: dict[int, int] = {}
+        self.eliminated: list[tuple] = []  # (choice, kind, data) in elimination order
+        self._next = 0
+        for factor in problem.factors:
+            self._add_factor(factor)
+
+    # ---------------------------------------------------------------- factor bookkeeping
+
+    def _add_factor(self, factor: Factor) -> None:
+        if factor.a == factor.b:
+            self.cost[factor.a] += factor.table[factor.rows, factor.cols]
+            return
+        fid = self._next
+        self._next += 1
+        self.factors[fid] = factor
+        self.incident[factor.a].add(fid)
+        self.incident[factor.b].add(fid)
+
+    def _drop_factor(self, fid: int) -> Factor:
+        factor = self.factors.pop(fid)
+        self.incident[factor.a].discard(fid)
+        self.incident[factor.b].discard(fid)
+        return factor
+
+    def _oriented(self, fid: int, choice: int) -> Factor:
+        factor = self.factors[fid]
+        return factor if factor.a == choice else factor.flipped()
+
+    def _neighbours(self, choice: int) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for fid in self.incident[choice]:
+            factor = self.factors[fid]
+            out.setdefault(factor.b if factor.a == choice else factor.a, []).append(fid)
+        return out
+
+    # ---------------------------------------------------------------- reductions
+
+    def fold_single_options(self) -> None:
+        """Factors whose one side has one live option become costs of the other side."""
+        for fid in list(self.factors):
+            if fid not in self.factors:
+                continue
+            factor = self.factors[fid]
+            for side in (factor.a, factor.b):
+                live = np.flatnonzero(self.alive[side])
+                if len(live) == 1:
+                    oriented = self._oriented(fid, side)
+                    self._drop_factor(fid)
+                    row = oriented.rows[live[0]]
+                    self.cost[oriented.b] += oriented.table[row, oriented.cols]
+                    break
+
+    def merge_parallel(self, choice: int) -> None:
+        """One factor per neighbour of ``choice``."""
+        for fids in self._neighbours(choice).values():
+            if len(fids) < 2:
+                continue
+            merged = self._oriented(fids[0], choice)
+            self._drop_factor(fids[0])
+            for fid in fids[1:]:
+                other = self._oriented(fid, choice)
+                self._drop_factor(fid)
+                merged = _merge(merged, other)
+            self._add_factor(merged)
+
+    def prune_options(self, choice: int) -> None:
+        """Options no factor and no memory row tells apart keep only the cheapest; options
+        that some factor forbids whatever the neighbour does are dropped."""
+        cost = self.cost[choice]
+        alive = self.alive[choice] & np.isfinite(cost)
+        keys = [self.memory[choice]] if self.keep_memory else []
+        for fid in self.incident[choice]:
+            oriented = self._oriented(fid, choice)
+            row_allowed = np.isfinite(oriented.table).any(axis=1)
+            alive &= row_allowed[oriented.rows]
+            keys.append(oriented.rows)
+        if keys:
+            stacked = np.stack(keys, axis=1)
+            best: dict[bytes, int] = {}
+            for option in np.flatnonzero(alive):
+                key = stacked[option].tobytes()
+                if key in best:
+                    keep = best[key]
+                    if cost[option] < cost[keep]:
+                        alive[keep] = False
+                        best[key] = option
+                    else:
+                        alive[option] = False
+                else:
+                    best[key] = option
+        elif alive.any():
+            keep = np.flatnonzero(alive)[np.argmin(cost[alive])]
+            alive[:] = False
+            alive[keep] = True
+        if not alive.any():
+            raise InfeasiblePlacementError(
+                f"no strategy of {self.choices[choice].name} is compatible with the placements fixed around it"
+            )
+        self.alive[choice] = alive
+
+    def eliminate(self) -> None:
+        """Eliminate choices with at most two neighbours and no memory term, cheapest first."""
+        queue = list(range(len(self.choices)))
+        while queue:
+            next_queue = []
+            for choice in queue:
+                if self.removed[choice]:
+                    continue
+                if self.keep_memory and np.any(self.memory[choice][self.alive[choice]] != 0):
+                    continue
+                self.merge_parallel(choice)
+                neighbours = self._neighbours(choice)
+                if len(neighbours) > 2:
+                    continue
+                touched = self._eliminate_one(choice, neighbours)
+                next_queue.extend(touched)
+            queue = next_queue
+
+    def _eliminate_one(self, choice: int, neighbours: dict[int, list[int]]) -> list[int]:
+        live = np.flatnonzero(self.alive[choice])
+        cost = self.cost[choice][live]
+        self.removed[choice] = True
+        if not neighbours:
+            best = int(np.argmin(cost))
+            if not np.isfinite(cost[best]):
+                raise InfeasiblePlacementError(f"no strategy of {self.choices[choice].name} is feasible")
+            self.constant += float(cost[best])
+            self.fixed[choice] = int(live[best])
+            return []
+        (first, [fid_a]), *rest = neighbours.items()
+        factor_a = self._oriented(fid_a, choice)  # rows: choice's classes
+        self._drop_factor(fid_a)
+        # table_a[o, r]: cost between option o of ``choice`` and class r of ``first``
+        table_a = factor_a.table[factor_a.rows[live], :]
+        if not rest:
+            total = table_a + cost[:, None]
+            best = np.argmin(total, axis=0)  # per class of ``first``
+            per_class = total[best, np.arange(total.shape[1])]
+            self.cost[first] += per_class[factor_a.cols]
+            self.eliminated.append((choice, "leaf", (first, factor_a.cols, live[best])))
+            return [first]
+        (second, [fid_b]), = rest
+        factor_b = self._oriented(fid_b, choice)
+        self._drop_factor(fid_b)
+        table_b = factor_b.table[factor_b.rows[live], :]
+        total = table_a[:, :, None] + cost[:, None, None] + table_b[:, None, :]  # o x ra x rb
+        best = np.argmin(total, axis=0)
+        combined = np.take_along_axis(total, best[None], axis=0)[0]
+        self._add_factor(Factor(first, second, factor_a.cols, factor_b.cols, combined))
+        self.eliminated.append((choice, "link", (first, factor_a.cols, second, factor_b.cols, live[best])))
+        return [first, second]
+
+    def expand(self, options: dict[int, int]) -> list[int]:
+        """Options of every choice from those of the choices left in the ILP."""
+        chosen = dict(self.fixed)
+        chosen.update(options)
+        for choice, kind, data in reversed(self.eliminated):
+            if kind == "leaf":
+                first, cols, best = data
+                chosen[choice] = int(best[cols[chosen[first]]])
+            else:
+                first, cols_a, second, cols_b, best = data
+                chosen[choice] = int(best[cols_a[chosen[first]], cols_b[chosen[second]]])
+        return [chosen[i] for i in range(len(self.choices))]
+
+
+def _merge(one: Factor, other: Factor) -> Factor:
+    """Two factors between the same choices (both oriented ``a -> b``) as one."""
+    rows, row_keys = _classes(list(zip(one.rows.tolist(), other.rows.tolist())))
+    cols, col_keys = _classes(list(zip(one.cols.tolist(), other.cols.tolist())))
+    r1 = np.array([k[0] for k in row_keys])
+    r2 = np.array([k[1] for k in row_keys])
+    c1 = np.array([k[0] for k in col_keys])
+    c2 = np.array([k[1] for k in col_keys])
+    table = one.table[np.ix_(r1, c1)] + other.table[np.ix_(r2, c2)]
+    return Factor(one.a, one.b, rows, cols, table)
+
+
+# --------------------------------------------------------------------------- the integer program
+
+
+@dataclasses.dataclass
+class _Milp:
+    cost: np.ndarray
+    integrality: np.ndarray
+    matrix: Any  # scipy.sparse csr
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    option_columns: dict[int, tuple[np.ndarray, np.ndarray]]  # choice -> (options, columns)
+
+
+def _build_milp(reducer: _Reducer, memory_budget: float | None) -> _Milp | None:
+    import scipy.sparse as sparse
+
+    remaining = [i for i in range(len(reducer.choices)) if not reducer.removed[i]]
+    # Options of each remaining choice; a choice left with one option is fixed.
+    costs, integrality = [], []
+    rows_i, cols_j, values = [], [], []
+    row_lower, row_upper = [], []
+    option_columns: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    memory_terms: list[tuple[np.ndarray, np.ndarray]] = []
+    memory_constant = 0.0
+
+    def new_columns(cost: np.ndarray, integer: bool) -> np.ndarray:
+        start = sum(len(c) for c in costs)
+        costs.append(cost)
+        integrality.append(np.full(len(cost), 1 if integer else 0))
+        return np.arange(start, start + len(cost))
+
+    def add_row(columns: np.ndarray, coefficients: np.ndarray, lower: float, upper: float) -> None:
+        row = len(row_lower)
+        rows_i.append(np.full(len(columns), row))
+        cols_j.append(columns)
+        values.append(coefficients)
+        row_lower.append(lower)
+        row_upper.append(upper)
+
+    for choice in remaining:
+        live = np.flatnonzero(reducer.alive[choice])
+        columns = new_columns(reducer.cost[choice][live] * _SCALE, True)
+        option_columns[choice] = (live, columns)
+        add_row(columns, np.ones(len(columns)), 1.0, 1.0)
+        if memory_budget is not None:
+            memory_terms.append((columns, reducer.memory[choice][live]))
+    for choice in range(len(reducer.choices)):
+        if reducer.removed[choice] and memory_budget is not None and choice in reducer.fixed:
+            memory_constant += reducer.memory[choice][reducer.fixed[choice]]
+    for factor in reducer.factors.values():
+        live_a, columns_a = option_columns[factor.a]
+        live_b, columns_b = option_columns[factor.b]
+        rows_of_a = factor.rows[live_a]
+        cols_of_b = factor.cols[live_b]
+        used_rows = np.unique(rows_of_a)
+        used_cols = np.unique(cols_of_b)
+        table = factor.table[np.ix_(used_rows, used_cols)]
+        finite = np.isfinite(table)
+        r_idx, c_idx = np.nonzero(finite)
+        pair_columns = new_columns(table[r_idx, c_idx] * _SCALE, False)
+        # Row sums: each class of a equals the sum of a's options in it.
+        for k, r in enumerate(used_rows):
+            mine = pair_columns[r_idx == k]
+            options = columns_a[rows_of_a == r]
+            add_row(np.concatenate([mine, options]), np.concatenate([np.ones(len(mine)), -np.ones(len(options))]), 0.0, 0.0)
+        for k, c in enumerate(used_cols):
+            mine = pair_columns[c_idx == k]
+            options = columns_b[cols_of_b == c]
+            add_row(np.concatenate([mine, options]), np.concatenate([np.ones(len(mine)), -np.ones(len(options))]), 0.0, 0.0)
+    if memory_budget is not None and memory_terms:
+        columns = np.concatenate([c for c, _ in memory_terms])
+        coefficients = np.concatenate([m for _, m in memory_terms])
+        add_row(columns, coefficients, -np.inf, memory_budget - memory_constant)
+    if not costs:
+        return None
+    n_cols = sum(len(c) for c in costs)
+    matrix = sparse.csr_matrix(
+        (np.concatenate(values), (np.concatenate(rows_i), np.concatenate(cols_j))), shape=(len(row_lower), n_cols)
+    )
+    return _Milp(
+        np.concatenate(costs), np.concatenate(integrality), matrix, np.array(row_lower), np.array(row_upper), option_columns
+    )
+
+
+def _solve_highs(milp: _Milp, time_limit: float | None) -> tuple[str, np.ndarray | None]:
+    try:
+        import highspy
+    except ImportError as e:  # pragma: no cover - only for comparisons
+        raise ImportError("milp_solver='highspy' needs highspy (pip install highspy, or the 'bench' extra)") from e
+
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("threads", 1)
+    highs.setOptionValue("mip_rel_gap", _GAP)
+    if time_limit is not None:
+        highs.setOptionValue("time_limit", float(time_limit))
+    csc = milp.matrix.tocsc()
+    lp = highspy.HighsLp()
+    lp.num_col_ = csc.shape[1]
+    lp.num_row_ = csc.shape[0]
+    lp.col_cost_ = milp.cost
+    lp.col_lower_ = np.zeros(csc.shape[1])
+    lp.col_upper_ = np.ones(csc.shape[1])
+    lp.row_lower_ = np.where(np.isfinite(milp.row_lower), milp.row_lower, -highspy.kHighsInf)
+    lp.row_upper_ = np.where(np.isfinite(milp.row_upper), milp.row_upper, highspy.kHighsInf)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = csc.indptr
+    lp.a_matrix_.index_ = csc.indices
+    lp.a_matrix_.value_ = csc.data
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in milp.integrality]
+    highs.passModel(lp)
+    highs.run()
+    status = highs.getModelStatus()
+    if status == highspy.HighsModelStatus.kOptimal:
+        return "optimal", np.array(highs.getSolution().col_value)
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return "infeasible", None
+    if highs.getInfo().primal_solution_status == 2:  # feasible, stopped early (time limit)
+        return highs.modelStatusToString(status), np.array(highs.getSolution().col_value)
+    return highs.modelStatusToString(status), None
+
+
+def _solve_scipy(milp: _Milp, time_limit: float | None) -> tuple[str, np.ndarray | None]:
+    from scipy.optimize import Bounds, LinearConstraint
+    from scipy.optimize import milp as scipy_milp
+
+    options = {"disp": False, "mip_rel_gap": _GAP}
+    if time_limit is not None:
+        options["time_limit"] = float(time_limit)
+    result = scipy_milp(
+        milp.cost,
+        integrality=milp.integrality,
+        bounds=Bounds(0, 1),
+        constraints=LinearConstraint(milp.matrix, milp.row_lower, milp.row_upper),
+        options=options,
+    )
+    if result.status == 0:
+        return "optimal", result.x
+    if result.status == 2:
+        return "infeasible", None
+    return result.message, result.x
+
+
+def _solve_cbc(milp: _Milp, time_limit: float | None) -> tuple[str, np.ndarray | None]:
+    try:
+        import pulp
+    except ImportError as e:  # pragma: no cover - only for comparisons
+        raise ImportError("milp_solver='cbc' needs PuLP (pip install pulp, or the 'bench' extra)") from e
+    problem = pulp.LpProblem("placements", pulp.LpMinimize)
+    variables = [
+        pulp.LpVariable(f"v{i}", 0, 1, cat="Binary" if milp.integrality[i] else "Continuous")
+        for i in range(len(milp.cost))
+    ]
+    problem += pulp.lpSum(c * v for c, v in zip(milp.cost.tolist(), variables) if c)
+    csr = milp.matrix
+    for r in range(csr.shape[0]):
+        start, end = csr.indptr[r], csr.indptr[r + 1]
+        expression = pulp.lpSum(csr.data[k] * variables[csr.indices[k]] for k in range(start, end))
+        lower, upper = milp.row_lower[r], milp.row_upper[r]
+        if lower == upper:
+            problem += expression == lower
+        else:
+            if np.isfinite(lower):
+                problem += expression >= lower
+            if np.isfinite(upper):
+                problem += expression <= upper
+    problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=_GAP))
+    status = pulp.LpStatus[problem.status]
+    if status == "Optimal":
+        return "optimal", np.array([v.value() or 0.0 for v in variables])
+    if status == "Infeasible":
+        return "infeasible", None
+    return status.lower(), None
+
+
+_BACKENDS = {"scipy": _solve_scipy, "highspy": _solve_highs, "cbc": _solve_cbc}
+
+
+def solve_problem(
+    problem: Problem,
+    *,
+    memory_budget: float | None = None,
+    milp_solver: str = "scipy",
+    time_limit: float | None = None,
+    reduce: bool = True,
+) -> SolveResult:
+    """The cheapest option per choice under the memory budget (bytes per device)."""
+    if milp_solver not in _BACKENDS:
+        raise ValueError(f"milp_solver must be one of {sorted(_BACKENDS)}, got {milp_solver!r}")
+    start = time.perf_counter()
+    reducer = _Reducer(problem, keep_memory=memory_budget is not None)
+    if memory_budget is not None:
+        smallest = sum(float(np.min(m)) for m in reducer.memory if len(m))
+        if smallest > memory_budget:
+            raise InfeasiblePlacementError(
+                f"memory_budget={memory_budget:.6g} bytes per device is below the smallest footprint any "
+                f"placement allows ({smallest:.6g} bytes: every parameter, gradient, optimizer state and saved "
+                "activation sharded as far as its strategies go)"
+            )
+    reducer.fold_single_options()
+    for choice in range(len(problem.choices)):
+        reducer.prune_options(choice)
+    reducer.fold_single_options()
+    if reduce:
+        reducer.eliminate()
+    for choice in range(len(problem.choices)):
+        if not reducer.removed[choice]:
+            reducer.merge_parallel(choice)
+            reducer.prune_options(choice)
+    milp = _build_milp(reducer, memory_budget)
+    build_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    options: dict[int, int] = {}
+    status = "optimal"
+    variables = constraints = 0
+    if milp is not None:
+        variables, constraints = milp.matrix.shape[1], milp.matrix.shape[0]
+        status, x = _BACKENDS[milp_solver](milp, time_limit)
+        if x is None:
+            if status == "infeasible":
+                budget = "" if memory_budget is None else f" and memory_budget={memory_budget:.6g} bytes per device"
+                raise InfeasiblePlacementError(
+                    f"no placement satisfies the fixed placements{budget}; raise the budget or drop a fixed placement"
+                )
+            raise RuntimeError(f"the MILP solver stopped without a solution: {status}")
+        for choice, (live, columns) in milp.option_columns.items():
+            options[choice] = int(live[int(np.argmax(x[columns]))])
+    solve_seconds = time.perf_counter() - start
+    chosen = reducer.expand(options)
+    stats = dict(
+        choices=len(problem.choices),
+        choices_in_ilp=len(milp.option_columns) if milp is not None else 0,
+        variables=variables,
+        constraints=constraints,
+        build_seconds=build_seconds,
+        solve_seconds=solve_seconds,
+        status=status,
+        milp_solver=milp_solver,
+    )
+    return SolveResult(chosen, evaluate(problem, chosen), stats)
+
+
+def evaluate(problem: Problem, options: Sequence[int]) -> float:
+    """Seconds of ``options`` under ``problem`` (``inf`` if a factor forbids them)."""
+    total = problem.constant + sum(float(c.cost[o]) for c, o in zip(problem.choices, options))
+    for factor in problem.factors:
+        total += float(factor.table[factor.rows[options[factor.a]], factor.cols[options[factor.b]]])
+    return total
+
+
+def memory_of(problem: Problem, options: Sequence[int]) -> float:
+    return sum(float(c.memory[o]) for c, o in zip(problem.choices, options))

@@ -1,0 +1,392 @@
+"""``solve_placements``: the cheapest placement of every value of a traced program."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Sequence
+
+import networkx as nx
+import numpy as np
+import torch
+
+from hops.specs import Mesh, Shard
+from passes.solver.cost import CostModel
+from passes.solver.graph import Strategy, is_view, materialized, placement_graph, shift_placements
+from passes.solver.ilp import Choice, Factor, InfeasiblePlacementError, Problem, evaluate, memory_of, solve_problem
+
+__all__ = ["PlacementSolution", "solve_placements", "InfeasiblePlacementError", "placement_problem"]
+
+
+@dataclasses.dataclass
+class PlacementSolution:
+    """The solved placements of a program.
+
+    ``placements``: the placement of every tensor value, by ``placement_graph`` node name;
+    ``strategies``: the chosen ``Strategy`` of every node that has strategies;
+    ``cost``: seconds per run of the program under the cost model (compute + communication);
+    ``memory``: bytes per device the solution keeps resident (parameters with their gradients
+    and optimizer state, inputs, saved activations);
+    ``stats``: ``variables``, ``constraints``, ``build_seconds``, ``solve_seconds``,
+    ``graph_seconds``, ``status``, ``unsupported_ops`` (ops without a DTensor rule, run replicated),
+    and the sizes before and after the exact reductions;
+    ``graph``: the ``placement_graph`` it was solved on.
+    """
+
+    placements: dict[str, tuple]
+    strategies: dict[str, Strategy]
+    cost: float
+    memory: float
+    stats: dict
+    graph: nx.DiGraph
+    mesh: Mesh
+    cost_model: CostModel
+
+    def region_choice(self, name: str) -> int:
+        """Index of the alternative chosen for the region node ``name``."""
+        strategy = self.strategies[name]
+        return self.graph.nodes[name]["strategies"].index(strategy)
+
+
+def _itemsize(dtype: torch.dtype | None) -> int:
+    return 0 if dtype is None else torch.empty((), dtype=dtype).element_size()
+
+
+def _local_numel(shape: Sequence[int], placements: Sequence[Any], mesh: Mesh) -> float:
+    ways = 1
+    for size, p in zip(mesh.shape, placements):
+        if isinstance(p, Shard):
+            ways *= size
+    return math.prod(shape) / ways
+
+
+def _local(shape: Sequence[int] | None, placements: Sequence[Any] | None, mesh: Mesh) -> tuple[int, ...] | None:
+    if shape is None:
+        return None
+    if placements is None:
+        return tuple(shape)
+    out = list(shape)
+    for size, p in zip(mesh.shape, placements):
+        if isinstance(p, Shard):
+            out[p.dim] //= size
+    return tuple(out)
+
+
+class _ProblemBuilder:
+    def __init__(self, graph: nx.DiGraph, mesh: Mesh, cost_model: CostModel) -> None:
+        self.graph = graph
+        self.mesh = mesh
+        self.cost_model = cost_model
+        self.owners = [
+            n for n, d in graph.nodes(data=True) if d["strategies"] is not None and d["kind"] != "local"
+        ]
+        self.index = {n: i for i, n in enumerate(self.owners)}
+        self._redistribute_cache: dict[tuple, float] = {}
+        self._resolved: dict[str, tuple[str, int, int]] = {}
+
+    def resolve(self, key: str) -> tuple[str, int, int]:
+        if key in self._resolved:
+            return self._resolved[key]
+        index, shift, current = 0, 0, key
+        while True:
+            alias = self.graph.nodes[current]["alias"]
+            if alias is None:
+                break
+            current, index, shift = alias[0], alias[1], shift + alias[2]
+        self._resolved[key] = (current, index, shift)
+        return current, index, shift
+
+    def placement(self, key: str, option: int) -> tuple | None:
+        owner, index, shift = self.resolve(key)
+        return shift_placements(self.graph.nodes[owner]["strategies"][option].outputs[index], shift)
+
+    def redistribute(self, shape: tuple, itemsize: int, source: Any, target: Any) -> float:
+        key = (shape, itemsize, id(source), id(target))  # placements are canonical objects
+        if key not in self._redistribute_cache:
+            self._redistribute_cache[key] = self.cost_model.redistribute_seconds(shape, itemsize, source, target, self.mesh)
+        return self._redistribute_cache[key]
+
+    # ---------------------------------------------------------------- compute
+
+    def compute_cost(self, key: str, strategy: Strategy) -> float:
+        data = self.graph.nodes[key]
+        if data["kind"] in ("input", "annotation"):
+            return 0.0
+        if data["kind"] == "region":
+            return self.region_cost(key, strategy)
+        node = data["fx_node"]
+        if is_view(node.target) or data["op"] == "getitem":
+            return 0.0
+        inputs = [self.graph.nodes[u] for u in self._input_keys(key)]
+        input_shapes = [_local(d["shape"], p, self.mesh) for d, p in zip(inputs, strategy.inputs)]
+        outputs = self._output_shapes(key)
+        output_shapes = [_local(s, p, self.mesh) if p is not None else None for s, p in zip(outputs, strategy.outputs)]
+        params = node.args[-1].as_dict() if data["op"].startswith("hops_kernel") and node.args else None
+        itemsize = _itemsize(data["dtype"]) or 4
+        return self.cost_model.compute_seconds(node.target, input_shapes, output_shapes, itemsize, params)
+
+    def _input_keys(self, key: str) -> list[str]:
+        slots: dict[int, str] = {}
+        for u, _, data in self.graph.in_edges(key, data=True):
+            for use in data["uses"]:
+                if use.kind == "input":
+                    slots[use.index] = u
+        return [slots[i] for i in sorted(slots)]
+
+    def _output_shapes(self, key: str) -> list:
+        data = self.graph.nodes[key]
+        if data["shape"] is not None:
+            return [data["shape"]]
+        shapes = data.get("output_shapes")
+        if shapes is not None:
+            return shapes
+        # a multi-output op: its getitems carry the shapes
+        out: dict[int, Any] = {}
+        for _, v in self.graph.out_edges(key):
+            alias = self.graph.nodes[v]["alias"]
+            if alias is not None and alias[0] == key:
+                out[alias[1]] = self.graph.nodes[v]["shape"]
+        n = len(self.graph.nodes[key]["strategies"][0].outputs)
+        return [out.get(i) for i in range(n)]
+
+    def region_cost(self, key: str, strategy: Strategy) -> float:
+        """A region's body cost on its traced local shapes, scaled by the local input size of
+        ``strategy`` against the traced alternative's (or the alternative's cost hint)."""
+        if strategy.cost_hint is not None:
+            return float(strategy.cost_hint)
+        data = self.graph.nodes[key]
+        if "body_seconds" not in data:
+            total = 0.0
+            prefix = data["body_scope"] + "/"
+            for name, body in self.graph.nodes(data=True):
+                if body["kind"] != "local" or not name.startswith(prefix) or body["fx_node"].op != "call_function":
+                    continue
+                node = body["fx_node"]
+                if is_view(node.target):
+                    continue
+                ins = [self.graph.nodes[u]["shape"] for u in self.graph.predecessors(name) if self.graph.nodes[u]["shape"]]
+                itemsize = _itemsize(body["dtype"]) or 4
+                total += self.cost_model.compute_seconds(node.target, ins, [body["shape"]] if body["shape"] else [], itemsize)
+            data["body_seconds"] = total
+        traced = data["strategies"][0]
+        inputs = [self.graph.nodes[u] for u in self._input_keys(key)]
+
+        def local_bytes(s: Strategy) -> float:
+            return sum(_local_numel(d["shape"], p, self.mesh) for d, p in zip(inputs, s.inputs) if p is not None)
+
+        scale = local_bytes(strategy) / max(local_bytes(traced), 1.0)
+        return data["body_seconds"] * scale
+
+    # ---------------------------------------------------------------- memory
+
+    def memory(self, option_memory: list[np.ndarray]) -> None:
+        factor = {
+            "parameter": 2.0 + self.cost_model.optimizer_state_bytes,
+            "input": 1.0,
+            "activation": 1.0,
+        }
+        for key, data in self.graph.nodes(data=True):
+            role = data.get("role")
+            if role is None or data["shape"] is None:
+                continue
+            owner, _, _ = self.resolve(key)
+            if owner not in self.index:
+                continue
+            i = self.index[owner]
+            itemsize = _itemsize(data["dtype"])
+            for option in range(len(option_memory[i])):
+                placements = self.placement(key, option)
+                if placements is None:
+                    continue
+                option_memory[i][option] += factor[role] * itemsize * _local_numel(data["shape"], placements, self.mesh)
+
+    # ---------------------------------------------------------------- the problem
+
+    def build(self) -> Problem:
+        choices = []
+        for key in self.owners:
+            data = self.graph.nodes[key]
+            cost = np.array([self.compute_cost(key, s) * data["multiplier"] for s in data["strategies"]], dtype=float)
+            choices.append(Choice(key, cost, np.zeros(len(cost))))
+        self.memory([c.memory for c in choices])
+        factors = []
+        for u, v, data in self.graph.edges(data=True):
+            if not data["uses"]:
+                continue
+            source = self.graph.nodes[u]
+            if source["kind"] == "local":
+                continue
+            owner_u, index_u, shift_u = self.resolve(u)
+            strategies_u = self.graph.nodes[owner_u]["strategies"]
+            produced = [shift_placements(s.outputs[index_u], shift_u) for s in strategies_u]
+            rows, row_values = _classes(produced)
+            itemsize = _itemsize(source["dtype"])
+            for use in data["uses"]:
+                if use.kind == "output":
+                    # Reducing a pending sum before the value leaves its graph: a cost of u's choice.
+                    seconds = np.array(
+                        [self.redistribute(source["shape"], itemsize, p, materialized(p)) for p in row_values]
+                    ) * use.multiplier
+                    choices[self.index[owner_u]].cost += seconds[rows]
+                    continue
+                if use.kind == "input":
+                    owner_v, strategies_v = v, self.graph.nodes[v]["strategies"]
+                    required = [s.inputs[use.index] for s in strategies_v]
+                else:
+                    owner_v, index_v, shift_v = self.resolve(v)
+                    strategies_v = self.graph.nodes[owner_v]["strategies"]
+                    required = [shift_placements(s.outputs[index_v], shift_v + use.index) for s in strategies_v]
+                cols, col_values = _classes(required)
+                shape = use.shape or source["shape"]
+                table = np.array(
+                    [[self.redistribute(shape, itemsize, p, q) for q in col_values] for p in row_values],
+                    dtype=float,
+                ) * use.multiplier
+                factors.append(Factor(self.index[owner_u], self.index[owner_v], rows, cols, table))
+        return Problem(choices, factors)
+
+
+def _classes(values: Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
+    """Class of each value (equal placements are one canonical object: keyed by identity)."""
+    index: dict[int, int] = {}
+    distinct: list[Any] = []
+    rows = np.empty(len(values), dtype=np.int64)
+    for i, value in enumerate(values):
+        k = id(value)
+        if k not in index:
+            index[k] = len(distinct)
+            distinct.append(value)
+        rows[i] = index[k]
+    return rows, distinct
+
+
+def placement_problem(graph: nx.DiGraph, cost_model: CostModel | None = None) -> tuple[Problem, list[str]]:
+    """The pairwise cost model of ``graph`` (see ``passes.solver.ilp``) and the node of each choice."""
+    builder = _ProblemBuilder(graph, graph.graph["mesh"], cost_model or CostModel.preset("h100"))
+    return builder.build(), builder.owners
+
+
+def solve_placements(
+    gm: Any,
+    mesh: Mesh,
+    *,
+    cost_model: CostModel | None = None,
+    memory_budget: float | None = None,
+    example_inputs: Sequence[Any] | None = None,
+    milp_solver: str = "scipy",
+    time_limit: float | None = None,
+) -> PlacementSolution:
+    """Place every value of ``gm`` (a GraphModule, or AOTAutograd's ``(forward, backward)``) on ``mesh``.
+
+    Minimizes compute plus redistribution seconds under ``cost_model`` (default: the ``h100``
+    preset), honouring every placement the program's HOPs fix, and, with ``memory_budget``
+    (bytes per device), keeping parameters, gradients, optimizer state, inputs and saved
+    activations within it. A scan body is solved once: its choices hold for every step and
+    its costs count once per step. Exact: an integer program solved by HiGHS (through
+    ``scipy.optimize.milp``; ``milp_solver="highspy"`` or ``"cbc"`` for comparison) after exact
+    reductions; ``time_limit`` (seconds) stops it early with the best plan found. Raises ``InfeasiblePlacementError`` when no placement fits the budget and the
+    fixed placements, ``TypeError``/``ValueError`` for bad arguments.
+    """
+    if cost_model is None:
+        cost_model = CostModel.preset("h100")
+    if not isinstance(cost_model, CostModel):
+        raise TypeError(f"solve_placements(cost_model=...) must be a CostModel, got {type(cost_model).__name__}")
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or memory_budget <= 0):
+        raise ValueError(f"solve_placements(memory_budget=...) must be a positive number of bytes per device, got {memory_budget!r}")
+    start = time.perf_counter()
+    graph = placement_graph(gm, mesh, example_inputs=example_inputs)
+    graph_seconds = time.perf_counter() - start
+    return solve_graph(
+        graph, cost_model=cost_model, memory_budget=memory_budget, milp_solver=milp_solver,
+        time_limit=time_limit, graph_seconds=graph_seconds,
+    )
+
+
+def solve_graph(
+    graph: nx.DiGraph,
+    *,
+    cost_model: CostModel,
+    memory_budget: float | None = None,
+    milp_solver: str = "scipy",
+    time_limit: float | None = None,
+    graph_seconds: float = 0.0,
+    reduce: bool = True,
+) -> PlacementSolution:
+    """``solve_placements`` on a ``placement_graph`` already built."""
+    mesh = graph.graph["mesh"]
+    start = time.perf_counter()
+    builder = _ProblemBuilder(graph, mesh, cost_model)
+    problem = builder.build()
+    problem_seconds = time.perf_counter() - start
+    result = solve_problem(problem, memory_budget=memory_budget, milp_solver=milp_solver, time_limit=time_limit, reduce=reduce)
+    strategies = {
+        key: graph.nodes[key]["strategies"][option] for key, option in zip(builder.owners, result.options)
+    }
+    option_of = dict(zip(builder.owners, result.options))
+    placements = {}
+    for key, data in graph.nodes(data=True):
+        if data["kind"] in ("local", "region") or data["shape"] is None:
+            continue
+        owner, _, _ = builder.resolve(key)
+        if owner in option_of:
+            placements[key] = builder.placement(key, option_of[owner])
+    stats = dict(result.stats)
+    stats["build_seconds"] += problem_seconds
+    stats.update(
+        graph_seconds=graph_seconds,
+        unsupported_ops=dict(graph.graph.get("unsupported_ops", {})),
+        graph_nodes=graph.number_of_nodes(),
+    )
+    return PlacementSolution(
+        placements=placements,
+        strategies=strategies,
+        cost=result.cost,
+        memory=memory_of(problem, result.options),
+        stats=stats,
+        graph=graph,
+        mesh=mesh,
+        cost_model=cost_model,
+    )
+
+
+def evaluate_placements(graph: nx.DiGraph, strategies: dict[str, Strategy], cost_model: CostModel) -> float:
+    """Seconds of the given strategy per node (every node with strategies) under ``cost_model``."""
+    builder = _ProblemBuilder(graph, graph.graph["mesh"], cost_model)
+    problem = builder.build()
+    options = [graph.nodes[key]["strategies"].index(strategies[key]) for key in builder.owners]
+    return evaluate(problem, options)
+
+
+def node_costs(solution: PlacementSolution) -> dict[str, tuple[float, float]]:
+    """Per node with a strategy: ``(compute, communication)`` seconds of one run of it under the
+    solution (communication: redistributing what it reads, or what it leaves its graph with),
+    not multiplied by its trip count."""
+    graph = solution.graph
+    builder = _ProblemBuilder(graph, solution.mesh, solution.cost_model)
+    costs: dict[str, list[float]] = {key: [builder.compute_cost(key, s), 0.0] for key, s in solution.strategies.items()}
+    for u, v, data in graph.edges(data=True):
+        if not data["uses"] or u not in solution.placements:
+            continue
+        source = graph.nodes[u]
+        for use in data["uses"]:
+            required = required_placement(solution, v, use, solution.placements[u])
+            seconds = builder.redistribute(use.shape or source["shape"], _itemsize(source["dtype"]), solution.placements[u], required)
+            if use.kind == "input":
+                target = v
+            elif use.kind == "output":
+                target = builder.resolve(u)[0]
+            else:
+                target = builder.resolve(v)[0]
+            if target in costs:
+                costs[target][1] += seconds * use.multiplier / max(graph.nodes[target]["multiplier"], 1)
+    return {k: (c[0], c[1]) for k, c in costs.items()}
+
+
+def required_placement(solution: PlacementSolution, key: str, use: Any, produced: Any) -> Any:
+    """The placement ``use`` (a read by ``key``) needs a value placed as ``produced`` in."""
+    if use.kind == "input":
+        return solution.strategies[key].inputs[use.index]
+    if use.kind == "output":
+        return materialized(produced)
+    return shift_placements(solution.placements[key], use.index)

@@ -1,0 +1,283 @@
+"""solve_placements: the optimum (checked by brute force), fixed placements honoured, memory
+budgets bind or are refused, a scan solved once, the cost model, meta-free."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from snapshot import TestCase, aot_trace, delete_meta
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import hops
+import passes
+from hops import Mesh, Partial, Replicate, Shard, ShardingSpec
+from passes.solver import CostModel, InfeasiblePlacementError
+from passes.solver.ilp import Choice, Factor, Problem, evaluate, memory_of, solve_problem
+from passes.solver.solve import placement_problem, solve_graph
+
+LINE = Mesh((2,), ("data",))
+GRID = Mesh((2, 2), ("data", "model"))
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+# A slow link makes communication matter at test sizes.
+SLOW_LINK = CostModel(peak_flops=1e9, memory_bandwidth=1e9, link_bandwidth=1e8, link_latency=1e-6)
+
+
+def brute_force(problem, budget=None):
+    best, best_options = float("inf"), None
+    for options in itertools.product(*(range(len(c.cost)) for c in problem.choices)):
+        if budget is not None and memory_of(problem, options) > budget + 1e-9:
+            continue
+        cost = evaluate(problem, options)
+        if cost < best:
+            best, best_options = cost, options
+    return best, best_options
+
+
+def random_problem(rng, choices=6, options=4, factors=8, forbid=0.15):
+    problem_choices = [
+        Choice(f"c{i}", rng.uniform(0, 5, size=n), rng.integers(0, 10, size=n).astype(float))
+        for i, n in enumerate(rng.integers(1, options + 1, size=choices))
+    ]
+    problem_factors = []
+    for _ in range(factors):
+        a, b = rng.choice(choices, size=2, replace=False)
+        na, nb = len(problem_choices[a].cost), len(problem_choices[b].cost)
+        rows = rng.integers(0, max(1, na - 1), size=na)
+        cols = rng.integers(0, max(1, nb - 1), size=nb)
+        table = rng.uniform(0, 5, size=(rows.max() + 1, cols.max() + 1))
+        table[rng.uniform(size=table.shape) < forbid] = np.inf
+        problem_factors.append(Factor(int(a), int(b), rows, cols, table))
+    return Problem(problem_choices, problem_factors)
+
+
+class TestExactness(TestCase):
+    def test_random_problems_match_brute_force_with_and_without_reductions(self):
+        rng = np.random.default_rng(0)
+        solved = infeasible = 0
+        for _ in range(40):
+            problem = random_problem(rng)
+            budget = float(rng.integers(10, 40)) if rng.uniform() < 0.5 else None
+            expected, _ = brute_force(problem, budget)
+            for reduce in (True, False):
+                if not np.isfinite(expected):
+                    with self.assertRaises(InfeasiblePlacementError):
+                        solve_problem(problem, memory_budget=budget, reduce=reduce)
+                    infeasible += 1
+                    continue
+                result = solve_problem(problem, memory_budget=budget, reduce=reduce)
+                self.assertAlmostEqual(result.cost, expected, places=6)
+                self.assertAlmostEqual(evaluate(problem, result.options), expected, places=6)
+                if budget is not None:
+                    self.assertLessEqual(memory_of(problem, result.options), budget + 1e-9)
+                solved += 1
+        self.assertGreater(solved, 20)
+        self.assertGreater(infeasible, 0)
+
+    def test_a_chain_and_a_tree_need_no_integer_program(self):
+        rng = np.random.default_rng(1)
+        chain = [Choice(f"c{i}", rng.uniform(0, 5, size=3), np.zeros(3)) for i in range(8)]
+        factors = [Factor(i, i + 1, np.arange(3), np.arange(3), rng.uniform(0, 5, size=(3, 3))) for i in range(7)]
+        factors.append(Factor(2, 0, np.arange(3), np.arange(3), rng.uniform(0, 5, size=(3, 3))))  # a triangle
+        problem = Problem(chain, factors)
+        result = solve_problem(problem)
+        self.assertAlmostEqual(result.cost, brute_force(problem)[0], places=6)
+        self.assertEqual(result.stats["variables"], 0)
+
+    def test_a_matmul_chain_on_a_mesh_matches_brute_force(self):
+        gm = make_fx(lambda x, w1, w2: torch.relu(x @ w1) @ w2)(torch.randn(8, 4), torch.randn(4, 8), torch.randn(8, 2))
+        graph = passes.placement_graph(gm, LINE)
+        problem, owners = placement_problem(graph, SLOW_LINK)
+        expected, options = brute_force(problem)
+        solution = solve_graph(graph, cost_model=SLOW_LINK)
+        self.assertAlmostEqual(solution.cost, expected, places=12)
+        # The same choices, up to ties.
+        chosen = [graph.nodes[k]["strategies"].index(solution.strategies[k]) for k in owners]
+        self.assertAlmostEqual(evaluate(problem, chosen), evaluate(problem, options), places=12)
+
+    def test_highs_through_scipy_and_highspy_agree(self):
+        gm = make_fx(lambda x, w1, w2: torch.relu(x @ w1) @ w2)(torch.randn(8, 4), torch.randn(4, 8), torch.randn(8, 4))
+        graph = passes.placement_graph(gm, GRID)
+        costs = {
+            (backend, reduce): solve_graph(graph, cost_model=SLOW_LINK, milp_solver=backend, reduce=reduce).cost
+            for backend in ("scipy", "highspy")
+            for reduce in (True, False)
+        }
+        self.assertEqual(len({round(c, 12) for c in costs.values()}), 1, costs)
+
+
+class TestFixedPlacements(TestCase):
+    def test_annotations_and_regions_are_honoured_even_when_costly(self):
+        replicated = ShardingSpec(GRID, (R, R))
+        region = hops.local_map(
+            lambda a, b: a @ b, mesh=GRID, in_placements=((S0, R), (R, S1)), out_placements=(S0, S1)
+        )
+
+        def program(x, w):
+            h = hops.annotate_sharding(x.sin(), replicated)  # forces a gather of a large value
+            return region(h, w).cos()
+
+        gm = make_fx(program)(torch.randn(64, 32), torch.randn(32, 64))
+        solution = passes.solve_placements(gm, GRID, cost_model=SLOW_LINK)
+        self.assertEqual(solution.placements["hops_sharding_annotation"], (R, R))
+        self.assertEqual(solution.strategies["hops_local_map"].inputs, ((S0, R), (R, S1)))
+        self.assertEqual(solution.placements["getitem"], (S0, S1))
+        # What is not fixed follows the fixed layouts: sin runs replicated, cos on the region's layout.
+        self.assertEqual(solution.placements["cos"], (S0, S1))
+
+
+class TestMemoryBudget(TestCase):
+    def mlp_graphs(self):
+        x = torch.randn(16, 32)
+        w1 = torch.randn(32, 64, requires_grad=True)
+        w2 = torch.randn(64, 32, requires_grad=True)
+        forward, backward, _ = aot_trace(lambda x, w1, w2: torch.relu(x @ w1) @ w2, x, w1, w2)
+        return forward, backward
+
+    def test_a_budget_below_the_replicated_footprint_makes_the_solver_shard(self):
+        forward, backward = self.mlp_graphs()
+        fast_link = CostModel(peak_flops=1e9, memory_bandwidth=1e9, link_bandwidth=1e12, link_latency=1e-3)
+        free = passes.solve_placements((forward, backward), GRID, cost_model=fast_link)
+        # Latency dominates: without a budget nothing is worth a collective.
+        self.assertEqual(free.placements["forward/primals_2"], (R, R))
+        self.assertEqual(free.placements["forward/primals_3"], (R, R))
+        params = 4 * (32 * 64 + 64 * 32) * (2 + fast_link.optimizer_state_bytes)
+        self.assertGreaterEqual(free.memory, params)
+        budget = free.memory / 2
+        bound = passes.solve_placements((forward, backward), GRID, cost_model=fast_link, memory_budget=budget)
+        self.assertLessEqual(bound.memory, budget)
+        self.assertGreater(bound.cost, free.cost)
+        sharded = [k for k in ("forward/primals_2", "forward/primals_3") if bound.placements[k] != (R, R)]
+        self.assertTrue(sharded, bound.placements)
+
+    def test_an_infeasible_budget_is_refused_with_the_smallest_footprint(self):
+        forward, backward = self.mlp_graphs()
+        with self.assertRaisesRegex(
+            InfeasiblePlacementError, r"memory_budget=1000 bytes per device is below the smallest footprint any placement allows \(\d+ bytes"
+        ):
+            passes.solve_placements((forward, backward), GRID, memory_budget=1000)
+
+    def test_bad_budget_and_cost_model_arguments(self):
+        forward, backward = self.mlp_graphs()
+        with self.assertRaisesRegex(ValueError, "memory_budget=...\\) must be a positive number of bytes per device, got -1"):
+            passes.solve_placements((forward, backward), GRID, memory_budget=-1)
+        with self.assertRaisesRegex(TypeError, "cost_model=...\\) must be a CostModel, got str"):
+            passes.solve_placements((forward, backward), GRID, cost_model="h100")
+
+
+def step(h, w):
+    h = torch.tanh(h @ w)
+    return h, h.sum(-1)
+
+
+def scanned(h, ws):
+    last, ys = hops.scan(step, h, ws)
+    return last.sum() + ys.sum()
+
+
+class TestScan(TestCase):
+    def test_a_scan_is_solved_once_whatever_its_length(self):
+        solutions = {}
+        for length in (2, 6):
+            forward, backward, _ = aot_trace(scanned, torch.randn(8, 16), torch.randn(length, 16, 16, requires_grad=True))
+            solutions[length] = passes.solve_placements((forward, backward), GRID, cost_model=SLOW_LINK)
+        self.assertEqual(solutions[2].stats["variables"], solutions[6].stats["variables"])
+        self.assertEqual(solutions[2].stats["constraints"], solutions[6].stats["constraints"])
+        self.assertGreater(solutions[6].cost, 2 * solutions[2].cost)
+        # The body's placements hold at every step: one placement per body value.
+        body = [k for k in solutions[6].placements if "step_body_0/" in k]
+        self.assertTrue(body)
+
+    def test_the_scan_plan_measured_on_the_unrolled_graph(self):
+        from passes.solver.solve import evaluate_placements
+        from passes.solver.unrolled import scan_plan_on_unrolled, unrolled_graph
+
+        forward, backward, _ = aot_trace(scanned, torch.randn(8, 16), torch.randn(3, 16, 16, requires_grad=True))
+        scan_solution = passes.solve_placements((forward, backward), GRID, cost_model=SLOW_LINK)
+        unrolled, origin = unrolled_graph(scan_solution.graph)
+        # One copy of each body value per step; no body value left uncopied.
+        self.assertEqual(sum(1 for k in origin if origin[k] == "forward/step_body_0/mm"), 3)
+        self.assertNotIn("forward/step_body_0/mm", unrolled)
+        plan = scan_plan_on_unrolled(unrolled, origin, scan_solution)
+        measured = evaluate_placements(unrolled, plan, SLOW_LINK)
+        optimum = solve_graph(unrolled, cost_model=SLOW_LINK)
+        # Per-step placements can only do better than one placement for every step.
+        self.assertLessEqual(optimum.cost, measured * (1 + 1e-9))
+        self.assertGreater(optimum.stats["choices"], scan_solution.stats["choices"])
+
+    def test_an_unrolled_program_has_no_body_left(self):
+        forward, backward, _ = aot_trace(scanned, torch.randn(8, 16), torch.randn(3, 16, 16, requires_grad=True))
+        unrolled = (passes.unroll_scan(forward), passes.unroll_scan(backward))
+        solution = passes.solve_placements(unrolled, GRID, cost_model=SLOW_LINK)
+        self.assertFalse([k for k in solution.placements if "_body_" in k])
+        self.assertEqual(solution.stats["status"], "optimal")
+
+
+class TestCostModel(TestCase):
+    def test_collectives_are_priced_per_mesh_axis(self):
+        model = CostModel(peak_flops=1e12, memory_bandwidth=1e11, link_bandwidth=(1e9, 1e10), link_latency=(1e-5, 1e-6))
+        shape, itemsize = (64, 64), 4
+        local = 64 * 64 * 4 / 2
+        # All-gather over "data" (axis 0): one latency plus (n-1) local shards.
+        self.assertAlmostEqual(model.redistribute_seconds(shape, itemsize, (S0, R), (R, R), GRID), 1e-5 + local / 1e9)
+        # The same over "model" uses its faster link.
+        self.assertAlmostEqual(model.redistribute_seconds(shape, itemsize, (R, S0), (R, R), GRID), 1e-6 + local / 1e10)
+        # All-reduce: 2 (n-1)/n of the whole value.
+        self.assertAlmostEqual(
+            model.redistribute_seconds(shape, itemsize, (Partial(), R), (R, R), GRID), 1e-5 + 2 * 0.5 * 64 * 64 * 4 / 1e9
+        )
+        # Slicing a replicated value is a local copy of the slice.
+        self.assertAlmostEqual(model.redistribute_seconds(shape, itemsize, (R, R), (S0, R), GRID), local / 1e11)
+
+    def test_compute_is_a_roofline_on_local_shapes(self):
+        model = CostModel(peak_flops=1e9, memory_bandwidth=1e12, link_bandwidth=1e9, link_latency=0)
+        mm = torch.ops.aten.mm.default
+        self.assertAlmostEqual(model.compute_seconds(mm, [(64, 32), (32, 16)], [(64, 16)], 4), 2 * 64 * 32 * 16 / 1e9)
+        self.assertEqual(model.compute_seconds(torch.ops.aten.view.default, [(64, 32)], [(2048,)], 4), 0.0)
+
+    def test_presets_and_bad_parameters(self):
+        h100 = CostModel.preset("h100", link_bandwidth=(50e9, 450e9))
+        self.assertEqual(h100.link_bandwidth, (50e9, 450e9))
+        self.assertEqual(h100.peak_flops, passes.solver.PRESETS["h100"].peak_flops)
+        with self.assertRaisesRegex(ValueError, "unknown device 'b200'; presets are"):
+            CostModel.preset("b200")
+        with self.assertRaisesRegex(ValueError, "peak_flops=...\\) must be a positive number, got 0"):
+            CostModel(peak_flops=0, memory_bandwidth=1, link_bandwidth=1, link_latency=0)
+        with self.assertRaisesRegex(ValueError, "link_bandwidth has 3 entries but the mesh has 2 axes"):
+            CostModel(1, 1, (1, 1, 1), 0).redistribute_seconds((4, 4), 4, (S0, R), (R, R), GRID)
+
+
+class TestMetaFree(TestCase):
+    def test_the_same_solution_without_metadata(self):
+        args = (torch.randn(8, 16), torch.randn(3, 16, 16, requires_grad=True))
+        forward, backward, _ = aot_trace(scanned, *args)
+        with_meta = passes.solve_placements((forward, backward), GRID, cost_model=SLOW_LINK)
+        printed = passes.format_placements((forward, backward), with_meta)
+        delete_meta(forward)
+        delete_meta(backward)
+        without_meta = passes.solve_placements((forward, backward), GRID, cost_model=SLOW_LINK, example_inputs=args)
+        self.assertEqual(without_meta.placements, with_meta.placements)
+        self.assertEqual(without_meta.cost, with_meta.cost)
+        self.assertEqual(passes.format_placements((forward, backward), without_meta), printed)
+        # Applied without metadata, the program states the same layouts as a twin with it.
+        twin_forward, twin_backward, _ = aot_trace(scanned, *args)
+        passes.apply_placements((twin_forward, twin_backward), passes.solve_placements(
+            (twin_forward, twin_backward), GRID, cost_model=SLOW_LINK))
+        passes.apply_placements((forward, backward), without_meta)
+        self.assertEqual(stated_layouts(forward), stated_layouts(twin_forward))
+        self.assertEqual(stated_layouts(backward), stated_layouts(twin_backward))
+        self.assertTrue(stated_layouts(forward))
+
+
+def stated_layouts(gm):
+    return [
+        (name, node.args[0].name, node.args[1].placements)
+        for name, module in gm.named_modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.target is hops.sharding_annotation_hop
+    ]
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])
