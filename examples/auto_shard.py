@@ -4,7 +4,7 @@
 
 1. The model: token embedding, then layers of RMSNorm, attention (rotary embeddings, grouped
    query heads; the attention itself a ``hops.local_map`` region on each device's batch and
-   heads), RMSNorm and a SwiGLU MLP, run by ``hops.scan`` over weights stacked along dim 0; a
+   heads, with two placement options the solver chooses from), RMSNorm and a SwiGLU MLP, run by ``hops.scan`` over weights stacked along dim 0; a
    final norm, the output projection and cross-entropy.
 2. AOTAutograd traces the training step into forward and backward graphs: one scan each, the
    region inside.
@@ -91,8 +91,7 @@ def constants(config: Config) -> dict[str, torch.Tensor]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # x * x, not x.pow(2): see the solver's request about pow in a scan with a region.
-    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5) * weight
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -105,7 +104,9 @@ def make_loss(config: Config, mesh: Mesh, *, unrolled: bool = False):
     (``unrolled``: the layers as a Python loop instead of a scan, for comparisons)."""
     H, KV, HD = config.heads, config.kv_heads, config.head_dim
     # The attention region: each device computes the heads it holds of the batch rows it holds.
+    # Two options for the solver: batch over "data" and heads over "model", or the other way.
     heads = (Shard(0), Shard(2))  # [batch, seq, heads, head_dim]: batch over "data", heads over "model"
+    swapped = (Shard(2), Shard(0))  # heads over "data", batch over "model"
     whole = tuple(Replicate() for _ in mesh.shape)
 
     def attention(q, k, v, future):
@@ -115,7 +116,11 @@ def make_loss(config: Config, mesh: Mesh, *, unrolled: bool = False):
         return (scores.softmax(-1) @ v).transpose(1, 2).contiguous()
 
     local_attention = hops.local_map(
-        attention, mesh=mesh, in_placements=(heads, heads, heads, whole), out_placements=heads
+        attention,
+        mesh=mesh,
+        in_placements=(heads, heads, heads, whole),
+        out_placements=heads,
+        alternatives=[dict(in_placements=(swapped, swapped, swapped, whole), out_placements=swapped)],
     )
 
     def layer(h, weights, consts):

@@ -37,7 +37,17 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hops import _dynamo, _layout
 from hops._base import BodyHOP, call_body_hop, set_trace_key
 from hops._subgraph import body_name, named, rename_inner_function
-from hops.specs import LocalMapSpec, Mesh, Placement, Replicate, Shard, is_placement_like, placements_tuple
+from hops.specs import (
+    LocalMapSpec,
+    Mesh,
+    Placement,
+    RegionPlacements,
+    Replicate,
+    Shard,
+    is_placement_like,
+    parse_groups,
+    placements_tuple,
+)
 
 __all__ = ["local_map", "local_map_hop"]
 
@@ -60,10 +70,11 @@ class LocalMap(BodyHOP):
     def outputs_from_body(self, outputs: Sequence[Any], tensors: Sequence[Any], spec: LocalMapSpec) -> tuple:
         name = "local_map"
         _check_outputs(name, outputs, spec)
-        return tuple(
-            output.new_empty(_layout.global_shape(output.shape, placements, spec.mesh, f"local_map: output {j}"))
+        shapes = [
+            _layout.global_shape(output.shape, placements, spec.mesh, f"local_map: output {j}")
             for j, (output, placements) in enumerate(zip(outputs, spec.out_placements))
-        )
+        ]
+        return tuple(output.new_empty(shape) for output, shape in zip(outputs, shapes))
 
     def run(self, body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> tuple:
         return simulate(body, tensors, spec)
@@ -73,26 +84,32 @@ class LocalMap(BodyHOP):
 
     # Traced autograd: residuals leave the forward region laid out per device.
 
+    # Each placement option of a region (``alternatives``) gets its own forward and backward
+    # placements, in the same order, so a solver's choice applies to both regions.
+
     def forward_spec(self, spec: LocalMapSpec, residuals: Sequence[Any]) -> LocalMapSpec:
         per_device = _per_device(spec.mesh)
-        return LocalMapSpec(
-            spec.mesh,
-            spec.in_placements,
-            spec.out_placements + tuple(per_device for _ in residuals),
-            spec.in_grad_placements,
-        )
+        options = [
+            LocalMapSpec(o.mesh, o.in_placements, o.out_placements + tuple(per_device for _ in residuals), o.in_grad_placements)
+            for o in spec.options()
+        ]
+        return LocalMapSpec.with_options(options, spec.active or 0, _hints(spec))
 
     def backward_spec(self, spec, split, residuals, needs_grad, present) -> LocalMapSpec:
         per_device = _per_device(spec.mesh)
-        return LocalMapSpec(
-            spec.mesh,
-            (
-                *(spec.in_placements[i] for i in split.primals_in_backward),
-                *(per_device for _ in residuals),
-                *(spec.cotangent_placement(j) for j in present),
-            ),
-            tuple(spec.grad_placement(i) for i, need in enumerate(needs_grad) if need),
-        )
+        options = [
+            LocalMapSpec(
+                o.mesh,
+                (
+                    *(o.in_placements[i] for i in split.primals_in_backward),
+                    *(per_device for _ in residuals),
+                    *(o.cotangent_placement(j) for j in present),
+                ),
+                tuple(o.grad_placement(i) for i, need in enumerate(needs_grad) if need),
+            )
+            for o in spec.options()
+        ]
+        return LocalMapSpec.with_options(options, spec.active or 0)
 
     def residuals_out(self, forward: Callable, num_outputs: int) -> Callable:
         # A 0-d residual has no dim 0 to lay devices along: it leaves as shape (1,).
@@ -107,6 +124,10 @@ class LocalMap(BodyHOP):
 
 
 local_map_hop = LocalMap()
+
+
+def _hints(spec: LocalMapSpec) -> list | None:
+    return [o.cost_hint for o in spec.alternatives] or None
 
 
 def _per_device(mesh: Mesh) -> tuple[Placement, ...]:
@@ -131,7 +152,16 @@ def _check_call(body: Any, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
             continue
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what} must be a Tensor, got {type(tensor).__name__}")
-        _layout.local_shape(tensor.shape, placements, spec.mesh, what)
+        local = _layout.local_shape(tensor.shape, placements, spec.mesh, what)
+        # The body is traced once, on the active option's local shapes: every option must
+        # give the body the same shapes.
+        for k, option in enumerate(spec.alternatives):
+            other = _layout.local_shape(tensor.shape, option.in_placements[i], spec.mesh, f"{what} (alternative {k})")
+            if list(other) != list(local):
+                raise ValueError(
+                    f"{what}: alternative {k} ({option!r}) gives the body local shape {tuple(other)}, the active "
+                    f"placements {tuple(local)}; every alternative must give the body the same local shapes"
+                )
 
 
 # --------------------------------------------------------------------------- public API
@@ -205,6 +235,39 @@ def _per_leaf(placements: Any, args: tuple, leaves: list, where: str) -> list[An
     )
 
 
+_OPTION_FIELDS = ("in_placements", "out_placements", "in_grad_placements", "cost_hint")
+
+
+def _alternatives(name: str, alternatives: Any) -> list[dict[str, Any]]:
+    """Each alternative as a dict of the ``RegionPlacements`` fields, as given (placements
+    normalized per mesh later, like the main ones)."""
+    if isinstance(alternatives, (RegionPlacements, dict)) or not isinstance(alternatives, (tuple, list)):
+        raise LocalMapTypeError(
+            f"local_map({name}): alternatives must be a list of hops.RegionPlacements or dicts, got {alternatives!r}"
+        )
+    options = []
+    for k, option in enumerate(alternatives, start=1):
+        if isinstance(option, RegionPlacements):
+            option = {field: getattr(option, field) for field in _OPTION_FIELDS}
+        if not isinstance(option, dict) or "out_placements" not in option or set(option) - set(_OPTION_FIELDS):
+            raise LocalMapTypeError(
+                f"local_map({name}): alternative {k} must be a hops.RegionPlacements or a dict with keys "
+                f"{_OPTION_FIELDS} (out_placements required), got {option!r}"
+            )
+        hint = option.get("cost_hint")
+        RegionPlacements((), (), None, hint)  # validates the hint
+        # Text ("S(0)R, RR") is one entry per flattened input, as RegionPlacements reads it.
+        options.append(
+            {
+                field: parse_groups(option[field], f"local_map({name}) alternative {k} {field}")
+                if isinstance(option.get(field), str)
+                else option.get(field)
+                for field in _OPTION_FIELDS
+            }
+        )
+    return options
+
+
 def _mesh_of(mesh: Any, device_mesh: Any, name: str) -> Mesh | None:
     if mesh is not None and device_mesh is not None and mesh != device_mesh:
         raise LocalMapArgumentError(f"local_map({name}): mesh= and device_mesh= disagree: {mesh!r} vs {device_mesh!r}")
@@ -225,6 +288,7 @@ def local_map(
     *,
     redistribute_inputs: bool = False,
     mesh: Mesh | None = None,
+    alternatives: Sequence[Any] = (),
 ) -> Callable:
     """Wrap ``func`` so that it runs on each device's local shards of global tensors.
 
@@ -244,6 +308,12 @@ def local_map(
     - ``device_mesh``: a ``DeviceMesh`` or a ``hops.Mesh`` (``mesh=`` is the same).
     - ``redistribute_inputs``: for DTensor inputs, reshard them to ``in_placements`` instead
       of refusing a mismatch (global tensors need no redistribution).
+    - ``alternatives``: more placement options for the region, for a sharding solver to
+      choose from (``passes.solve_placements``): each a ``hops.RegionPlacements`` or a dict
+      with its fields (``in_placements``, ``out_placements``, ``in_grad_placements``,
+      ``cost_hint``), given in the forms above. The main placements are option 0, what
+      eager and the lowerings run until one is chosen (``LocalMapSpec.choose``); every
+      option must give the body the same local shapes.
 
     Keyword arguments of the call are passed to ``func`` (tensors whole on every device).
     Plain tensors are global values; DTensor inputs run torch's own ``local_map`` on their
@@ -254,18 +324,39 @@ def local_map(
     """
     if func is None:
         return lambda f: local_map(
-            f, out_placements, in_placements, in_grad_placements, device_mesh, redistribute_inputs=redistribute_inputs, mesh=mesh
+            f,
+            out_placements,
+            in_placements,
+            in_grad_placements,
+            device_mesh,
+            redistribute_inputs=redistribute_inputs,
+            mesh=mesh,
+            alternatives=alternatives,
         )
     name = body_name(func)
     if not callable(func):
         raise TypeError(f"local_map(func=...) must be callable, got {type(func).__name__}")
     fixed_mesh = _mesh_of(mesh, device_mesh, name)
-    plans: dict[Mesh, _Placements] = {}
+    options = _alternatives(name, alternatives)
+    plans: dict[Mesh, list[_Placements]] = {}
+
+    def option_plans(mesh: Mesh) -> list[_Placements]:
+        if mesh not in plans:
+            main = _Placements(name, mesh, in_placements, out_placements, in_grad_placements)
+            others = [
+                _Placements(f"{name}, alternative {k}", mesh, o["in_placements"], o["out_placements"], o["in_grad_placements"])
+                for k, o in enumerate(options, start=1)
+            ]
+            for k, other in enumerate(others, start=1):
+                if [p is None for p in other.out_flat] != [p is None for p in main.out_flat]:
+                    raise LocalMapArgumentError(
+                        f"local_map({name}): alternative {k}'s out_placements describe other outputs than out_placements"
+                    )
+            plans[mesh] = [main, *others]
+        return plans[mesh]
 
     def placements_on(mesh: Mesh) -> _Placements:
-        if mesh not in plans:
-            plans[mesh] = _Placements(name, mesh, in_placements, out_placements, in_grad_placements)
-        return plans[mesh]
+        return option_plans(mesh)[0]
 
     if fixed_mesh is not None:
         placements_on(fixed_mesh)  # validate now, before any call
@@ -280,27 +371,13 @@ def local_map(
             )(*args, **kwargs)
         if fixed_mesh is None:
             return func(*args, **kwargs)
-        plan = placements_on(fixed_mesh)
+        all_plans = option_plans(fixed_mesh)
+        plan = all_plans[0]
         leaves, args_treespec = pytree.tree_flatten((args, kwargs))
         num_arg_leaves = len(pytree.tree_leaves(args))
-        per_leaf = plan.inputs(args, leaves[:num_arg_leaves]) + [None] * (len(leaves) - num_arg_leaves)
-        grads_per_leaf = plan.input_grads(args, leaves[:num_arg_leaves]) + [None] * (len(leaves) - num_arg_leaves)
-        tensor_positions = []
-        for position, (leaf, placements) in enumerate(zip(leaves, per_leaf)):
-            if isinstance(leaf, torch.Tensor):
-                tensor_positions.append(position)
-            elif placements is not None:
-                raise LocalMapTypeError(
-                    f"local_map({name}): in_placements gives placements for input leaf {position}, which is "
-                    f"a {type(leaf).__name__}, not a tensor; use None for non-tensor inputs"
-                )
-        replicated = tuple(Replicate() for _ in fixed_mesh.shape)
-        spec = LocalMapSpec(
-            fixed_mesh,
-            tuple(per_leaf[p] or replicated for p in tensor_positions),
-            plan.tensor_outputs,
-            plan.grads_spec(tensor_positions, per_leaf, grads_per_leaf, replicated),
-        )
+        tensor_positions = [position for position, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        specs = [option.spec(args, leaves, num_arg_leaves, tensor_positions) for option in all_plans]
+        spec = LocalMapSpec.with_options(specs, 0, [None, *(o["cost_hint"] for o in options)])
         # Under Dynamo the body returns the caller's result itself (Dynamo's rule hands back
         # the body's structure, and a body may not record anything on the side there).
         structured = torch.compiler.is_dynamo_compiling()
@@ -363,6 +440,24 @@ class _Placements:
 
     def inputs(self, args: tuple, leaves: list) -> list[Any]:
         return _per_leaf(self.in_placements, args, leaves, f"local_map({self.name}) in_placements")
+
+    def spec(self, args: tuple, leaves: list, num_arg_leaves: int, tensor_positions: list[int]) -> LocalMapSpec:
+        """The region's spec for a call with these flattened arguments."""
+        per_leaf = self.inputs(args, leaves[:num_arg_leaves]) + [None] * (len(leaves) - num_arg_leaves)
+        grads_per_leaf = self.input_grads(args, leaves[:num_arg_leaves]) + [None] * (len(leaves) - num_arg_leaves)
+        for position, (leaf, placements) in enumerate(zip(leaves, per_leaf)):
+            if not isinstance(leaf, torch.Tensor) and placements is not None:
+                raise LocalMapTypeError(
+                    f"local_map({self.name}): in_placements gives placements for input leaf {position}, which is "
+                    f"a {type(leaf).__name__}, not a tensor; use None for non-tensor inputs"
+                )
+        replicated = tuple(Replicate() for _ in self.mesh.shape)
+        return LocalMapSpec(
+            self.mesh,
+            tuple(per_leaf[p] or replicated for p in tensor_positions),
+            self.tensor_outputs,
+            self.grads_spec(tensor_positions, per_leaf, grads_per_leaf, replicated),
+        )
 
     def input_grads(self, args: tuple, leaves: list) -> list[Any]:
         return _per_leaf(self.in_grad_placements, args, leaves, f"local_map({self.name}) in_grad_placements")
@@ -512,6 +607,19 @@ def _check_outputs(name: str, outputs: Sequence[Any], spec: LocalMapSpec) -> tup
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"local_map {name}: output {j} is a {type(output).__name__}, not a tensor")
         _layout.check_rank(output.dim(), placements, spec.mesh, f"local_map {name}: output {j}")
+        if not spec.alternatives:
+            continue
+        # Eager and traced alike: a solver may pick any option, and every option must leave
+        # the program around the region with the same global shapes.
+        shape = _layout.global_shape(output.shape, placements, spec.mesh, f"local_map {name}: output {j}")
+        for k, option in enumerate(spec.alternatives):
+            what = f"local_map {name}: output {j} (alternative {k})"
+            other = _layout.global_shape(output.shape, option.out_placements[j], spec.mesh, what)
+            if list(other) != list(shape):
+                raise ValueError(
+                    f"local_map {name}: output {j}: alternative {k} ({option!r}) makes it of global shape "
+                    f"{tuple(other)}, the active placements {tuple(shape)}; every alternative must give the same global shapes"
+                )
     return tuple(outputs)
 
 

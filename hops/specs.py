@@ -548,6 +548,55 @@ def transpose_placement(placement: Placement, where: str) -> Placement:
     return placement
 
 
+def _groups(value: Any, name: str, *, allow_none: bool, mesh: Mesh | None = None) -> tuple:
+    """Per-tensor placements from text (``"S(0)R, -"``) or a sequence, each a tuple of
+    placements (checked against ``mesh`` when given) or ``None`` where allowed."""
+    if isinstance(value, str):
+        value = parse_groups(value, name)
+    if not isinstance(value, (tuple, list)):
+        raise TypeError(f"{name} must be a tuple of per-tensor placements, got {value!r}")
+    groups = []
+    for i, p in enumerate(value):
+        if p is None and allow_none:
+            groups.append(None)
+        elif mesh is not None:
+            groups.append(placements_tuple(p, mesh, f"{name}[{i}]"))
+        elif isinstance(p, (Placement, str)) or not isinstance(p, Iterable):
+            raise TypeError(f"{name}[{i}] must be a sequence of placements, got {p!r}")
+        else:
+            groups.append(tuple(_as_placement(q, f"{name}[{i}][{k}]") for k, q in enumerate(p)))
+    return tuple(groups)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class RegionPlacements(_FxLiteral):
+    """One placement option of a ``local_map`` region: its ``in_placements``,
+    ``out_placements`` and ``in_grad_placements`` (as ``LocalMapSpec`` takes them), and an
+    optional ``cost_hint`` (seconds per call on one device) a sharding solver may use
+    instead of costing the body."""
+
+    in_placements: tuple[tuple[Placement, ...] | None, ...]
+    out_placements: tuple[tuple[Placement, ...], ...]
+    in_grad_placements: tuple[tuple[Placement, ...] | None, ...] | None = None
+    cost_hint: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "in_placements", _groups(self.in_placements, "RegionPlacements(in_placements)", allow_none=True))
+        object.__setattr__(self, "out_placements", _groups(self.out_placements, "RegionPlacements(out_placements)", allow_none=False))
+        if self.in_grad_placements is not None:
+            grads = _groups(self.in_grad_placements, "RegionPlacements(in_grad_placements)", allow_none=True)
+            object.__setattr__(self, "in_grad_placements", grads)
+        if self.cost_hint is not None:
+            if isinstance(self.cost_hint, bool) or not isinstance(self.cost_hint, (int, float)) or not self.cost_hint >= 0:
+                raise ValueError(f"RegionPlacements(cost_hint=...) must be None or a number of seconds >= 0, got {self.cost_hint!r}")
+            object.__setattr__(self, "cost_hint", float(self.cost_hint))
+
+    def __repr__(self) -> str:
+        grads = "" if self.in_grad_placements is None else f", {groups_text(self.in_grad_placements)!r}"
+        hint = "" if self.cost_hint is None else f", cost_hint={self.cost_hint!r}"
+        return f"hops.RegionPlacements({groups_text(self.in_placements)!r}, {groups_text(self.out_placements)!r}{grads}{hint})"
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class LocalMapSpec(_FxLiteral):
     """Everything a ``local_map_hop`` node needs besides its body and tensors.
@@ -571,42 +620,104 @@ class LocalMapSpec(_FxLiteral):
     in_placements: tuple[tuple[Placement, ...] | None, ...]
     out_placements: tuple[tuple[Placement, ...], ...]
     in_grad_placements: tuple[tuple[Placement, ...] | None, ...] | None = None
+    alternatives: tuple[RegionPlacements, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
             raise TypeError(
                 f"LocalMapSpec(mesh=...) must be a hops.Mesh, got {type(self.mesh).__name__}"
             )
-        for name in ("in_placements", "out_placements", "in_grad_placements"):
-            value = getattr(self, name)
-            if value is None and name == "in_grad_placements":
-                continue
-            if isinstance(value, str):
-                value = parse_groups(value, f"LocalMapSpec({name}=...)")
-            if not isinstance(value, (tuple, list)):
-                raise TypeError(f"{name} must be a tuple of per-tensor placements, got {value!r}")
-            # None marks a non-tensor input (an int or SymInt the body reads), passed as is.
-            allow_none = name != "out_placements"
-            object.__setattr__(
-                self,
-                name,
-                tuple(
-                    None if p is None and allow_none else placements_tuple(p, self.mesh, f"{name}[{i}]")
-                    for i, p in enumerate(value)
-                ),
-            )
+        # None marks a non-tensor input (an int or SymInt the body reads), passed as is.
+        object.__setattr__(self, "in_placements", _groups(self.in_placements, "in_placements", allow_none=True, mesh=self.mesh))
+        object.__setattr__(self, "out_placements", _groups(self.out_placements, "out_placements", allow_none=False, mesh=self.mesh))
+        if self.in_grad_placements is not None:
+            grads = _groups(self.in_grad_placements, "in_grad_placements", allow_none=True, mesh=self.mesh)
+            object.__setattr__(self, "in_grad_placements", grads)
         if self.in_grad_placements is not None and len(self.in_grad_placements) != len(self.in_placements):
             raise ValueError(
                 f"in_grad_placements has {len(self.in_grad_placements)} entries but there are "
                 f"{len(self.in_placements)} tensor inputs"
             )
+        object.__setattr__(self, "alternatives", self._checked_alternatives())
+
+    def _checked_alternatives(self) -> tuple[RegionPlacements, ...]:
+        if not isinstance(self.alternatives, (tuple, list)):
+            raise TypeError(f"LocalMapSpec(alternatives=...) must be a tuple of hops.RegionPlacements, got {self.alternatives!r}")
+        checked = []
+        for k, option in enumerate(self.alternatives):
+            where = f"LocalMapSpec(alternatives[{k}])"
+            if not isinstance(option, RegionPlacements):
+                raise TypeError(f"{where} must be a hops.RegionPlacements, got {type(option).__name__} {option!r}")
+            # Normalized against the mesh by the same rules as the spec's own fields.
+            as_spec = LocalMapSpec(self.mesh, option.in_placements, option.out_placements, option.in_grad_placements)
+            for name in ("in_placements", "out_placements"):
+                if len(getattr(as_spec, name)) != len(getattr(self, name)):
+                    raise ValueError(
+                        f"{where}: {len(getattr(as_spec, name))} {name} for a region with {len(getattr(self, name))}"
+                    )
+            if [p is None for p in as_spec.in_placements] != [p is None for p in self.in_placements]:
+                raise ValueError(f"{where}: non-tensor inputs (None in_placements) differ from the region's")
+            checked.append(RegionPlacements(as_spec.in_placements, as_spec.out_placements, as_spec.in_grad_placements, option.cost_hint))
+        plain = [dataclasses.replace(o, cost_hint=None) for o in checked]
+        for k, option in enumerate(plain):
+            if option in plain[:k]:
+                raise ValueError(f"LocalMapSpec: alternatives {plain.index(option)} and {k} have the same placements {option!r}")
+        if checked and self.active_placements() not in [dataclasses.replace(o, cost_hint=None) for o in checked]:
+            raise ValueError(
+                "LocalMapSpec: its own placements must be one of its alternatives (the active one); "
+                f"got {self.active_placements()!r} and alternatives {tuple(checked)!r}"
+            )
+        return tuple(checked)
 
     def __repr__(self) -> str:
         grads = "" if self.in_grad_placements is None else f", {groups_text(self.in_grad_placements)!r}"
+        alternatives = "" if not self.alternatives else f", alternatives={self.alternatives!r}"
         return (
             f"hops.LocalMapSpec({self.mesh!r}, {groups_text(self.in_placements)!r}, "
-            f"{groups_text(self.out_placements)!r}{grads})"
+            f"{groups_text(self.out_placements)!r}{grads}{alternatives})"
         )
+
+    def active_placements(self) -> RegionPlacements:
+        """The spec's own placements (what eager, the lowerings and the solver's default use)."""
+        return RegionPlacements(self.in_placements, self.out_placements, self.in_grad_placements)
+
+    @property
+    def active(self) -> int | None:
+        """The index of the active placements among ``alternatives`` (None without them)."""
+        own = self.active_placements()
+        for k, option in enumerate(self.alternatives):
+            if dataclasses.replace(option, cost_hint=None) == own:
+                return k
+        return None
+
+    def choose(self, index: int) -> LocalMapSpec:
+        """This spec with ``alternatives[index]`` as its placements (the alternatives kept)."""
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self.alternatives):
+            raise IndexError(
+                f"LocalMapSpec.choose({index!r}): the region has {len(self.alternatives)} alternatives "
+                f"(indices 0..{len(self.alternatives) - 1})"
+            )
+        option = self.alternatives[index]
+        return LocalMapSpec(self.mesh, option.in_placements, option.out_placements, option.in_grad_placements, self.alternatives)
+
+    def options(self) -> tuple[LocalMapSpec, ...]:
+        """One spec per alternative, each without alternatives (just this spec without them)."""
+        if not self.alternatives:
+            return (self,)
+        return tuple(LocalMapSpec(self.mesh, o.in_placements, o.out_placements, o.in_grad_placements) for o in self.alternatives)
+
+    @classmethod
+    def with_options(cls, options: Sequence[LocalMapSpec], active: int = 0, cost_hints: Sequence[Any] | None = None) -> LocalMapSpec:
+        """The spec whose alternatives are ``options`` (specs on one mesh), ``options[active]``
+        active; one option gives that spec without alternatives."""
+        if len(options) == 1:
+            return options[0]
+        hints = cost_hints or [None] * len(options)
+        alternatives = tuple(
+            RegionPlacements(o.in_placements, o.out_placements, o.in_grad_placements, hint) for o, hint in zip(options, hints)
+        )
+        chosen = options[active]
+        return cls(chosen.mesh, chosen.in_placements, chosen.out_placements, chosen.in_grad_placements, alternatives)
 
     @property
     def replicated_cotangents(self) -> bool:
@@ -664,10 +775,14 @@ class LocalMapSpec(_FxLiteral):
             tuple(Replicate() for _ in self.mesh.shape) if isinstance(v, torch.Tensor) else None
             for v in lifted
         )
-        grads = None
-        if self.in_grad_placements is not None:
-            grads = self.in_grad_placements + tuple(None for _ in extra)  # derived in the spec's convention
-        return LocalMapSpec(self.mesh, self.in_placements + extra, self.out_placements, grads)
+        def lifted_option(option: LocalMapSpec) -> LocalMapSpec:
+            grads = None
+            if option.in_grad_placements is not None:
+                grads = option.in_grad_placements + tuple(None for _ in extra)  # derived in the spec's convention
+            return LocalMapSpec(self.mesh, option.in_placements + extra, option.out_placements, grads)
+
+        hints = [o.cost_hint for o in self.alternatives] or None
+        return LocalMapSpec.with_options([lifted_option(o) for o in self.options()], self.active or 0, hints)
 
 
 # --------------------------------------------------------------------------- text form
@@ -694,6 +809,7 @@ for _name, _constructor in (
     ("Partial", Partial),
     ("ShardingSpec", ShardingSpec),
     ("LocalMapSpec", LocalMapSpec),
+    ("RegionPlacements", RegionPlacements),
 ):
     register_spec_type(_name, _constructor)
 

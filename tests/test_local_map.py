@@ -949,3 +949,164 @@ class TestRegressions(TestCase):
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+# --------------------------------------------------------------------------- alternatives
+
+
+def row_scale(x, w):  # x (4, 4), w (4,)
+    return x * w
+
+
+ON_MODEL = hops.RegionPlacements("RS(0), RR", "RS(0)", cost_hint=0.5)
+
+
+def scaled_region(**kwargs):
+    # Rows sharded over "data" (option 0) or over "model" (option 1): both give the body a
+    # (2, 4) slice of a (4, 4) input, so either option runs the same traced body.
+    return hops.local_map(
+        row_scale,
+        mesh=MESH,
+        in_placements=((Shard(0), Replicate()), (Replicate(), Replicate())),
+        out_placements=((Shard(0), Replicate()),),
+        **kwargs,
+    )
+
+
+def region_spec(gm):
+    (node,) = local_map_nodes(gm)
+    return node.args[-1]
+
+
+def choose(gm, index):
+    """Make the graph's one region run its alternative ``index``, as ``apply_placements`` does."""
+    (node,) = local_map_nodes(gm)
+    node.args = (*node.args[:-1], node.args[-1].choose(index))
+    gm.recompile()
+
+
+class TestAlternatives(TestCase):
+    def test_spec_records_every_option_and_runs_the_first(self):
+        region = hops.local_map(
+            row_scale,
+            mesh=MESH,
+            in_placements=((Shard(0), Replicate()), (Replicate(), Replicate())),
+            out_placements=((Shard(0), Replicate()),),
+            alternatives=[{"in_placements": "RS(0), RR", "out_placements": "RS(0)", "cost_hint": 2}],
+        )
+        x, w = spread((4, 4)), spread((4,), seed=1)
+        gm = make_fx(region)(x, w)
+        spec = region_spec(gm)
+        self.assertExpectedInline(repr(spec), """\
+hops.LocalMapSpec(hops.Mesh.of(data=2, model=2), 'S(0)R, RR', 'S(0)R', alternatives=(hops.RegionPlacements('S(0)R, RR', 'S(0)R'), hops.RegionPlacements('RS(0), RR', 'RS(0)', cost_hint=2.0)))""")
+        self.assertEqual(spec.active, 0)
+        self.assertEqual(hops.spec_from_text(repr(spec)), spec)
+        self.assertEqual(gm(x, w), x * w)
+        self.assertEqual(region(x, w), x * w)
+
+    def test_each_option_runs_its_own_placements(self):
+        # Option 1 puts device (i, j)'s block back at block (j, i): an identity body then
+        # transposes the blocks, which tells which option ran.
+        region = hops.local_map(
+            torch.clone,
+            mesh=MESH,
+            in_placements=((Shard(0), Shard(1)),),
+            out_placements=((Shard(0), Shard(1)),),
+            alternatives=[hops.RegionPlacements("S(0)S(1)", "S(1)S(0)")],
+        )
+        x = spread((4, 4))
+        gm = make_fx(region)(x)
+        self.assertEqual(gm(x), x)
+        choose(gm, 1)
+        blocks = x.reshape(2, 2, 2, 2).permute(2, 1, 0, 3).reshape(4, 4)
+        self.assertEqual(gm(x), blocks)
+        self.assertEqual(blocks[:2, 2:], x[2:, :2])
+
+    def test_choose_keeps_alternatives_and_refuses_out_of_range(self):
+        region = scaled_region(alternatives=[ON_MODEL])
+        spec = region_spec(make_fx(region)(spread((4, 4)), spread((4,), seed=1)))
+        chosen = spec.choose(1)
+        self.assertEqual(chosen.active, 1)
+        self.assertEqual(chosen.alternatives, spec.alternatives)
+        self.assertEqual(chosen.in_placements, ((Replicate(), Shard(0)), (Replicate(), Replicate())))
+        self.assertEqual(chosen.choose(0), spec)
+        with self.assertRaisesRegex(IndexError, r"choose\(2\).*2 alternatives"):
+            spec.choose(2)
+        with self.assertRaisesRegex(IndexError, r"choose\(True\)"):
+            spec.choose(True)
+
+    def test_gradients_match_for_every_option(self):
+        region = scaled_region(alternatives=[ON_MODEL])
+        x, w = requiring_grad(spread((4, 4)), spread((4,), seed=1))
+        expected = torch.autograd.grad((x * w * spread((4, 4), seed=2)).sum(), (x, w))
+        gm = make_fx(region)(x.detach(), w.detach())
+        for index in (0, 1):
+            choose(gm, index)
+            got = torch.autograd.grad((gm(x, w) * spread((4, 4), seed=2)).sum(), (x, w))
+            self.assertEqual(got, expected)
+
+    def test_backward_regions_carry_the_options_in_order(self):
+        region = scaled_region(alternatives=[ON_MODEL])
+        x, w = requiring_grad(spread((4, 4)), spread((4,), seed=1))
+        forward, backward, _ = aot_graphs(lambda x, w: region(x, w), x, w)
+        forward_spec, backward_spec = region_spec(forward), region_spec(backward)
+        self.assertEqual(len(forward_spec.alternatives), 2)
+        self.assertEqual(len(backward_spec.alternatives), 2)
+        self.assertEqual(forward_spec.active, 0)
+        self.assertEqual(backward_spec.active, 0)
+        self.assertEqual(forward_spec.alternatives[1].cost_hint, 0.5)
+        # Each option's backward takes that option's cotangent layout (its last input).
+        cotangents = [option.cotangent_placement(0) for option in forward_spec.options()]
+        self.assertNotEqual(cotangents[0], cotangents[1])
+        self.assertEqual([o.in_placements[-1] for o in backward_spec.alternatives], cotangents)
+
+    def test_closures_lift_into_every_option(self):
+        scale = spread((4,), seed=3)
+
+        def scaled(x):
+            return x * scale
+
+        region = hops.local_map(
+            scaled, mesh=MESH, in_placements=((Shard(0), Replicate()),), out_placements=((Shard(0), Replicate()),),
+            alternatives=[hops.RegionPlacements("RS(0)", "RS(0)")],
+        )
+        x = spread((4, 4))
+        spec = region_spec(make_fx(region)(x))
+        self.assertEqual([len(o.in_placements) for o in spec.alternatives], [2, 2])
+        self.assertEqual(spec.alternatives[1].in_placements[1], (Replicate(), Replicate()))
+
+    def test_dynamo_keeps_the_alternatives(self):
+        region = scaled_region(alternatives=[ON_MODEL])
+        graphs = []
+
+        def backend(gm, inputs):
+            graphs.append(gm)
+            return gm
+
+        x, w = spread((4, 4)), spread((4,), seed=1)
+        out = torch.compile(lambda x, w: region(x, w), backend=backend, fullgraph=True)(x, w)
+        self.assertEqual(out, x * w)
+        (spec,) = [a for g in graphs for n in g.graph.nodes for a in n.args if isinstance(a, LocalMapSpec)]
+        self.assertEqual(len(spec.alternatives), 2)
+        self.assertEqual(spec.alternatives[1].cost_hint, 0.5)
+
+    def test_bad_alternatives_are_refused_by_name(self):
+        x, w = spread((4, 4)), spread((4,), seed=1)
+        cases = [
+            (ON_MODEL, TypeError, r"alternatives must be a list"),
+            ([{"in_placements": "RS(1), R"}], TypeError, r"alternative 1 must be .*out_placements required"),
+            ([{"out_placements": "S(0)R", "bogus": 1}], TypeError, r"alternative 1 must be"),
+            ([hops.RegionPlacements("S(0)R, RR", "S(0)R")], ValueError, r"alternatives 0 and 1 have the same placements"),
+            ([hops.RegionPlacements("S(0)R", "S(0)R")], ValueError, r"alternative 1\) in_placements length 1 does not match"),
+            ([hops.RegionPlacements("S(0)S(1), RR", "S(0)S(1)")], ValueError, r"alternative 1 .* local shape \(2, 2\)"),
+            ([hops.RegionPlacements("RS(0), RR", "S(0)S(1)")], ValueError, r"output 0: alternative 1 .* same global shapes"),
+        ]
+        for alternatives, error, message in cases:
+            with self.subTest(alternatives=alternatives), self.assertRaisesRegex(error, message):
+                scaled_region(alternatives=alternatives)(x, w)
+        with self.assertRaisesRegex(ValueError, r"cost_hint=.*seconds >= 0, got -1"):
+            hops.RegionPlacements("R", "R", cost_hint=-1)
+        with self.assertRaisesRegex(ValueError, r"own placements must be one of its alternatives"):
+            LocalMapSpec(LINE, "S(0)", "S(0)", alternatives=(hops.RegionPlacements("S(1)", "S(1)"),))
+        with self.assertRaisesRegex(TypeError, r"alternatives\[0\]\) must be a hops.RegionPlacements"):
+            LocalMapSpec(LINE, "S(0)", "S(0)", alternatives=("S(1)",))

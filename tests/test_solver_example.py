@@ -29,6 +29,8 @@ def test_auto_shard_example():
     assert out.count("# body lambda_bwd_body_0, once for 4 steps") == 1
     assert "hops_local_map(attention_body_0" in out and "placement=(" in out
     assert ", optimal, " in out
+    # The attention region's two placement options, forward and backward.
+    assert out.count(" of 2, cost=") == 2
     # One While (the layers) with the region and the stated shardings; numbers equal eager.
     assert "# forward HLO: 1 While (the layers)" in out and "4 manual-region entries" in out
     assert "gradients of all 12 parameters on 4 XLA devices match eager PyTorch" in out

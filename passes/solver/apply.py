@@ -32,7 +32,7 @@ def _stateable(placements: Any) -> bool:
 
 def choose_alternative(spec: Any, index: int) -> Any:
     """``spec`` with its alternative ``index`` as the region's placements."""
-    if hasattr(spec, "choose"):
+    if spec.alternatives:
         return spec.choose(index)
     if index == 0:
         return spec

@@ -118,17 +118,8 @@ class RegionChoice(NamedTuple):
 
 def region_choices(spec: LocalMapSpec) -> list[RegionChoice]:
     """A region's placement options: its ``alternatives`` when the spec has them, else its one set."""
-    alternatives = getattr(spec, "alternatives", None)
-    if alternatives:
-        return [
-            RegionChoice(
-                tuple(a.in_placements),
-                tuple(a.out_placements),
-                getattr(a, "in_grad_placements", None),
-                getattr(a, "cost_hint", None),
-            )
-            for a in alternatives
-        ]
+    if spec.alternatives:
+        return [RegionChoice(a.in_placements, a.out_placements, a.in_grad_placements, a.cost_hint) for a in spec.alternatives]
     return [RegionChoice(spec.in_placements, spec.out_placements, spec.in_grad_placements, None)]
 
 
