@@ -121,6 +121,9 @@ class BodyHOP(HigherOrderOperator):
         super().__init__(name)
         # Selective activation checkpointing caches or replays the whole HOP as one op.
         _compat.redirect_checkpoint_modes(self)
+        for transform in _compat.transform_types():
+            self.py_impl(transform)(self.transform_rule)
+        self.py_impl(DispatchKey.FuncTorchGradWrapper)(_compat.dead_wrapper_rule(self))
 
     # ----------------------------------------------------------------- what each HOP says
 
@@ -278,10 +281,21 @@ class BodyHOP(HigherOrderOperator):
         out_proxy = mode.tracer.create_proxy("call_function", self, node_args, {})
         return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
 
+    def transform_rule(self, interpreter: Any, body: Callable, *args: Any) -> Any:
+        """torch.func (``grad``, ``vjp``, ``jvp``, ``vmap``, ``jacrev``, ``hessian``, ... and
+        their compositions): the HOP's eager semantics run at the transform's level, so the
+        transform differentiates or batches the body's own ops, closures, random draws and
+        nested transforms included, to any order. Under a tracer the node is then inlined
+        into the traced transform (right, and what torch does for plain functions)."""
+        operands, spec = self.split_args(args)
+        return self.run(body, operands, spec)
+
     def autograd_rule(self, body: Callable, *args: Any) -> Any:
         operands, spec = self.split_args(args)
-        if not needs_traced_autograd(operands):
+        if not needs_traced_autograd(operands) or _compat.has_forward_tangent(operands):
             # Eager: the reference semantics under autograd. Its gradients are autograd's own.
+            # Forward-mode AD (a dual level, linearize) also takes this path when traced: the
+            # tangents flow through the body's ops, inlined; a HOP node would drop them.
             return self.run(body, operands, spec)
         if not any(isinstance(o, torch.Tensor) and o.requires_grad for o in operands) or not torch.is_grad_enabled():
             with torch._C._AutoDispatchBelowAutograd():

@@ -71,7 +71,12 @@ def stand_in(t: torch.Tensor, mode: Any) -> torch.Tensor:
     strides, dtype, device and ``requires_grad``; writing into it touches nothing of ``t``."""
     inner = _unwrap_functional(t)
     with mode:
-        fresh = torch.empty_strided(inner.size(), inner.stride(), dtype=inner.dtype, device=inner.device)
+        if _compat.is_functorch_wrapped(inner):
+            # A torch.func wrapper: its logical shape is what the body sees (a batched
+            # tensor's has no batch dim); its strides are not queryable.
+            fresh = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device)
+        else:
+            fresh = torch.empty_strided(inner.size(), inner.stride(), dtype=inner.dtype, device=inner.device)
         if t.requires_grad and (t.is_floating_point() or t.is_complex()):
             # A non-leaf, so that an in-place write is recorded as such instead of autograd's
             # "leaf variable" error, and the body may still differentiate through it.
@@ -110,7 +115,7 @@ def inspection_mode(values: Sequence[Any]) -> Any:
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    inner = [_unwrap_functional(v) for v in values if isinstance(v, torch.Tensor)]
+    inner = [_compat.peel_functorch(_unwrap_functional(v)) for v in values if isinstance(v, torch.Tensor)]
     mode = detect_fake_mode(inner)
     return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=False)
 
@@ -128,13 +133,16 @@ def fake_run_context() -> Iterator[None]:
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
     from torch.utils._python_dispatch import _disable_current_modes
 
+    # Hiding the caller's hooks takes hooks of our own, which a torch.func.grad inside the
+    # body would refuse: pushed only when there is something to hide.
+    hooks = torch.autograd.graph.saved_tensors_hooks(_keep, _keep) if _compat.caller_saved_tensors_hooks() else contextlib.nullcontext()
     with (
         suspend_functionalization(),
         disable_functional_mode(),
         disable_proxy_modes_tracing(),
         _disable_current_modes(),
-        torch._C._DisableFuncTorch(),
-        torch.autograd.graph.saved_tensors_hooks(_keep, _keep),
+        _compat.outside_functorch(),
+        hooks,
         _compat.eager_stance(),
     ):
         yield

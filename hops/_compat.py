@@ -190,3 +190,114 @@ def xla_ir_debug() -> bool:
     import torch_xla
 
     return bool(torch_xla._XLAC._get_ir_debug())
+
+
+# --------------------------------------------------------------------------- torch.func
+#
+# torch.func dispatches a HOP to ``functorch_table[TransformType.X]`` (``py_impl(TransformType.X)``);
+# the helpers below are private in ``torch._functorch`` and the same in 2.9 .. 2.15.
+
+
+def transform_types() -> tuple[Any, Any, Any]:
+    """``(Grad, Jvp, Vmap)`` of ``torch._C._functorch.TransformType``."""
+    from torch._C._functorch import TransformType
+
+    return TransformType.Grad, TransformType.Jvp, TransformType.Vmap
+
+
+@contextlib.contextmanager
+def outside_functorch() -> Iterator[None]:
+    """No torch.func transform is active inside (the interpreter stack is set aside, not
+    disabled: under ``_DisableFuncTorch`` a wrapped tensor reaching a HOP would dispatch to a
+    functorch key with no interpreter to run it)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    with temporarily_clear_interpreter_stack():
+        yield
+
+
+def caller_saved_tensors_hooks() -> bool:
+    """Whether the caller has saved-tensor hooks active (an offloading hook, checkpointing).
+    torch.func.grad / vjp refuse to run under any (``_top_saved_tensors_default_hooks`` is
+    private, the same in 2.9 .. 2.15)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def functorch_active() -> bool:
+    """Whether a torch.func transform is active (its interpreter stack is not empty)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def differentiating_over_functionalize() -> bool:
+    """Whether a torch.func derivative (grad, vjp, jvp, ...) is taken of a function under
+    ``torch.func.functionalize``: torch has no functionalize rule for autograd Functions, so
+    none can run there."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    below_functionalize = False
+    for interpreter in retrieve_all_functorch_interpreters():  # outermost first
+        if interpreter.key() == TransformType.Functionalize:
+            below_functionalize = True
+        elif below_functionalize and interpreter.key() in (TransformType.Grad, TransformType.Jvp):
+            return True
+    return False
+
+
+def peel_functorch(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under every torch.func wrapper (GradTrackingTensor, BatchedTensor)."""
+    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+
+    while is_functorch_wrapped_tensor(t):
+        t = get_unwrapped(t)
+    return t
+
+
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    from torch._C._functorch import is_functorch_wrapped_tensor
+
+    return bool(is_functorch_wrapped_tensor(t))
+
+
+def has_forward_tangent(values: Any) -> bool:
+    """Whether forward-mode AD carries a tangent on any of ``values`` (a plain
+    ``forward_ad.dual_level``, ``torch.func.jvp`` or ``linearize``)."""
+    import torch.autograd.forward_ad as fwAD
+
+    if not torch._C._is_fwd_grad_enabled():
+        return False
+    return any(isinstance(v, torch.Tensor) and fwAD.unpack_dual(v).tangent is not None for v in values)
+
+
+def unwrap_batched(values: tuple, level: int) -> tuple[tuple, tuple]:
+    from torch._functorch.vmap import unwrap_batched as unwrap
+
+    return unwrap(values, level)
+
+
+def wrap_batched(values: tuple, out_dims: tuple, level: int) -> Any:
+    from torch._functorch.vmap import wrap_batched as wrap
+
+    return wrap(values, out_dims, level)
+
+
+def dead_wrapper_rule(hop: Any) -> Any:
+    """The rule for ``DispatchKey.FuncTorchGradWrapper``: a ``vjp_fn`` called after
+    ``torch.func.vjp`` returned runs its backward on wrappers of a finished level. ATen
+    unwraps them in C++; a HOP must do it itself (``unwrap_if_dead``) and call again."""
+    import torch.utils._pytree as pytree
+    from torch._C._functorch import unwrap_if_dead
+
+    def rule(*args: Any, **kwargs: Any) -> Any:
+        unwrapped = pytree.tree_map_only(torch.Tensor, unwrap_if_dead, (args, kwargs))
+        before = pytree.tree_leaves((args, kwargs))
+        if all(a is b for a, b in zip(before, pytree.tree_leaves(unwrapped))):
+            raise RuntimeError(
+                f"{hop.__name__}: reached with a live torch.func tensor while torch.func dispatch is "
+                "disabled; call it inside the transform"
+            )
+        args, kwargs = unwrapped
+        return hop(*args, **kwargs)
+
+    return rule
+

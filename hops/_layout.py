@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hops import _compat
 from hops.specs import Mesh, Partial, Placement, Replicate, Shard
 
 
@@ -72,13 +73,17 @@ def shard_for_device(
 ) -> torch.Tensor:
     """The local tensor device ``coordinate`` holds of the global ``tensor`` (a new tensor).
 
-    Copies (``narrow_copy``), not views: torch_xla runs views only through functionalization,
-    and this also runs below it."""
+    Copies, not views: torch_xla runs views only through functionalization, and this also
+    runs below it (``narrow_copy`` there; elsewhere a narrow view copied, which forward-mode
+    AD differentiates on every supported torch version, ``narrow_copy`` not on 2.9)."""
     local = tensor
     for size, placement, index in zip(mesh.shape, placements, coordinate):
         if isinstance(placement, Shard):
             length = local.shape[placement.dim] // size
-            local = torch.narrow_copy(local, placement.dim, index * length, length)
+            if local.device.type == "xla":
+                local = torch.narrow_copy(local, placement.dim, index * length, length)
+            else:
+                local = local.narrow(placement.dim, index * length, length).clone()
         elif isinstance(placement, Partial) and placement.reduce_op == "sum" and index != 0:
             local = torch.zeros_like(local)
     return local if local is not tensor else local.clone()
@@ -114,6 +119,33 @@ def assemble(
     return grid[()]
 
 
+def _difference(first: torch.Tensor, other: torch.Tensor) -> float | None:
+    """The largest difference between two devices' values of a replicated result, or None
+    if they agree. Compared on the values under torch.func and functionalization wrappers,
+    unseen by tracers; not compared where there are no values (fake or meta tensors while
+    tracing, or one value batched by vmap and the other not)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    from hops._body import _unwrap_functional
+
+    values = []
+    for t in (first, other):
+        t = _unwrap_functional(_compat.peel_functorch(t))
+        if isinstance(t, FakeTensor) or t.device.type == "meta" or torch._is_functional_tensor(t):
+            return None
+        values.append(t.detach())
+    a, b = values
+    if a.shape != b.shape:
+        return None
+    with disable_proxy_modes_tracing():
+        if a.is_floating_point() or a.is_complex():
+            same = torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            same = torch.equal(a, b)
+        return None if same else (a.double() - b.double()).abs().max().item()
+
+
 def _combine(row: list[torch.Tensor], placement: Placement, axis: str, what: str) -> torch.Tensor:
     if isinstance(placement, Shard):
         return torch.cat(row, dim=placement.dim)
@@ -122,17 +154,12 @@ def _combine(row: list[torch.Tensor], placement: Placement, axis: str, what: str
     assert isinstance(placement, Replicate)
     first = row[0]
     for index, other in enumerate(row[1:], start=1):
-        same = (
-            torch.allclose(first, other, rtol=1e-5, atol=1e-6)
-            if first.is_floating_point() or first.is_complex()
-            else torch.equal(first, other)
-        )
-        if not same:
+        difference = _difference(first, other)
+        if difference is not None:
             raise ValueError(
                 f"{what} is declared Replicate on mesh axis {axis!r}, but device {index} along that "
-                f"axis produced a different value than device 0 (max difference "
-                f"{(first.double() - other.double()).abs().max().item():.3g}); declare it Partial "
-                "or Shard, or make the body's result identical on every device"
+                f"axis produced a different value than device 0 (max difference {difference:.3g}); "
+                "declare it Partial or Shard, or make the body's result identical on every device"
             )
     return first
 

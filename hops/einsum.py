@@ -18,6 +18,7 @@ torch_xla compiles to one ``dot`` that keeps every batch dim.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -177,7 +178,16 @@ def _einsum(*operands: torch.Tensor, equation: str) -> torch.Tensor:
     return _fresh_einsum(equation, operands)
 
 
-einsum_kernel = kernel(_einsum, abstract=_einsum_shapes, backward=_einsum_backward, name="einsum")
+def _einsum_jvp(*values: torch.Tensor, equation: str) -> torch.Tensor:
+    # Multilinear: the tangent is the sum of the einsums with one operand's tangent each.
+    operands, tangents = values[: len(values) // 2], values[len(values) // 2 :]
+    terms = [
+        einsum_kernel(*operands[:k], tangent, *operands[k + 1 :], equation=equation) for k, tangent in enumerate(tangents)
+    ]
+    return functools.reduce(torch.add, terms)
+
+
+einsum_kernel = kernel(_einsum, abstract=_einsum_shapes, backward=_einsum_backward, jvp=_einsum_jvp, name="einsum")
 
 
 def einsum(equation: str, *operands: Any) -> torch.Tensor:
@@ -232,8 +242,16 @@ def _einsum_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
     return torch.einsum(_LINEAR, x, weight) + bias
 
 
+def _linear_jvp(x, weight, bias, tx, tweight, tbias):
+    return (
+        einsum_kernel(tx, weight, equation=_LINEAR)
+        + einsum_kernel(x, tweight, equation=_LINEAR)
+        + tbias
+    )
+
+
 einsum_linear_kernel = kernel(
-    _einsum_linear, abstract=_linear_shapes, backward=_linear_backward, name="einsum_linear"
+    _einsum_linear, abstract=_linear_shapes, backward=_linear_backward, jvp=_linear_jvp, name="einsum_linear"
 )
 
 

@@ -142,12 +142,14 @@ class Kernel(HigherOrderOperator):
         abstract: Callable,
         backward: Callable | None,
         xla: Callable | None,
+        jvp: Callable | None = None,
     ) -> None:
         super().__init__(f"hops_kernel_{name}")
         self.kernel_name = name
         self.implementation = implementation
         self.abstract_rule = abstract
         self.backward_rule = backward
+        self.jvp_rule = jvp
         self.xla_implementation = xla
         self.origin = _origin(implementation)
         self.__doc__ = implementation.__doc__
@@ -304,6 +306,7 @@ def kernel(
     *,
     abstract: Callable | None = None,
     backward: Callable | None = None,
+    jvp: Callable | None = None,
     xla: Callable | None = None,
     name: str | None = None,
 ) -> Any:
@@ -316,6 +319,10 @@ def kernel(
       None) per tensor input; it may call kernels or plain torch code. If it accepts a keyword
       ``needs_input_grad`` it also gets a tuple of bools, one per input. Without ``backward``
       a gradient through the kernel raises ``RuntimeError`` naming it.
+    - ``jvp(*inputs, *tangents, **params)``: forward mode (forward AD, ``torch.func.jvp``,
+      ``jacfwd``, ``hessian``): the outputs' tangents (a Tensor or a tuple) from the inputs
+      and their tangents (zeros where an input has none). Without it forward mode raises
+      ``NotImplementedError`` naming the kernel.
     - ``xla(*tensors, **params)``: the implementation for XLA tensors (e.g. built with
       torch_xla's builder or a custom call); default: ``implementation`` on XLA tensors.
     - ``name``: the kernel's name (default ``implementation.__name__``); the HOP is
@@ -331,7 +338,7 @@ def kernel(
             "hops.kernel(abstract=...) is required: a function of the kernel's arguments (fake "
             "tensors) that returns fake outputs of the right shapes and dtypes"
         )
-    for argument, value in (("abstract", abstract), ("backward", backward), ("xla", xla)):
+    for argument, value in (("abstract", abstract), ("backward", backward), ("jvp", jvp), ("xla", xla)):
         if value is not None and not callable(value):
             raise TypeError(f"hops.kernel({argument}=...) must be callable, got {type(value).__name__} {value!r}")
     if name is not None and (not isinstance(name, str) or not name.isidentifier()):
@@ -353,7 +360,7 @@ def kernel(
                 f"hops.kernel: a kernel named {kernel_name!r} is already defined (by {where}); "
                 f"{_origin(fn)} needs another name: pass name=..."
             )
-        defined = Kernel(fn, name=kernel_name, abstract=abstract, backward=backward, xla=xla)
+        defined = Kernel(fn, name=kernel_name, abstract=abstract, backward=backward, xla=xla, jvp=jvp)
         _register_rules(defined)
         _KERNELS[kernel_name] = defined
         return defined
@@ -369,7 +376,12 @@ def _register_rules(kernel_hop: Kernel) -> None:
     kernel_hop.py_impl(FakeTensorMode)(functools.partial(_fake, kernel_hop))
     kernel_hop.py_functionalize_impl(functools.partial(_functionalize, kernel_hop))
     kernel_hop.py_impl(ProxyTorchDispatchMode)(functools.partial(_proxy, kernel_hop))
-    kernel_hop.py_autograd_impl(functools.partial(_autograd, kernel_hop))
+    kernel_hop.py_impl(DispatchKey.Autograd)(functools.partial(_autograd, kernel_hop))
+    grad, jvp, vmap = _compat.transform_types()
+    kernel_hop.py_impl(grad)(functools.partial(_differentiate, kernel_hop))
+    kernel_hop.py_impl(jvp)(functools.partial(_differentiate, kernel_hop))
+    kernel_hop.py_impl(vmap)(functools.partial(_vmap, kernel_hop))
+    kernel_hop.py_impl(DispatchKey.FuncTorchGradWrapper)(_compat.dead_wrapper_rule(kernel_hop))
     _dynamo.register_plain_hop(kernel_hop)
 
 
@@ -498,25 +510,33 @@ def _proxy(kernel_hop: Kernel, mode: ProxyTorchDispatchMode, *tensors_and_params
 
 
 class _KernelFunction(torch.autograd.Function):
+    """A kernel's derivatives: its ``backward`` (reverse mode). It has no forward-mode rule:
+    forward AD and ``jvp`` are refused, naming the kernel. New-style, so torch.func
+    transforms go through it."""
+
     @staticmethod
-    def forward(ctx: Any, kernel_hop: Kernel, params: KernelParams, *inputs: torch.Tensor):
+    def forward(kernel_hop: Kernel, params: KernelParams, *inputs: torch.Tensor):
         with torch._C._AutoDispatchBelowAutograd():
-            result = kernel_hop(*inputs, params)
+            return kernel_hop(*inputs, params)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, result: Any) -> None:
+        kernel_hop, params, *tensors = inputs
         outputs = (result,) if isinstance(result, torch.Tensor) else tuple(result)
         ctx.kernel_hop, ctx.params = kernel_hop, params
-        if is_tracing(inputs):
+        if is_tracing(tensors):
             # The backward is traced in the same trace: hold the outputs as they are. Saved
             # with save_for_backward, they would gain detach nodes (in the forward graph on
             # torch 2.13, in the backward graph on 2.9).
-            ctx.save_for_backward(*inputs)
+            ctx.save_for_backward(*tensors)
             ctx.traced_outputs = outputs
         else:
-            ctx.save_for_backward(*inputs, *outputs)
+            ctx.save_for_backward(*tensors, *outputs)
             ctx.traced_outputs = None
+        ctx.save_for_forward(*tensors)
         not_differentiable = [o for o in outputs if not (o.is_floating_point() or o.is_complex())]
         if not_differentiable:
             ctx.mark_non_differentiable(*not_differentiable)
-        return result
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor):
@@ -528,10 +548,72 @@ class _KernelFunction(torch.autograd.Function):
         grads = ctx.kernel_hop.run_backward(inputs, outputs, grad_outputs, ctx.params, ctx.needs_input_grad[2:])
         return (None, None, *grads)
 
+    @staticmethod
+    def jvp(ctx: Any, _kernel: Any, _params: Any, *tangents: Any):
+        kernel_hop = ctx.kernel_hop
+        if kernel_hop.jvp_rule is None:
+            raise NotImplementedError(
+                f"{kernel_hop.describe()} has no forward-mode derivative (forward AD, torch.func.jvp, "
+                "jacfwd, linearize, hessian): give hops.kernel(jvp=...), or use reverse mode "
+                "(torch.func.grad, jacrev)"
+            )
+        inputs = ctx.saved_tensors  # save_for_forward's: the inputs
+        tangents = [torch.zeros_like(x) if t is None else t for x, t in zip(inputs, tangents)]
+        result = kernel_hop.jvp_rule(*inputs, *tangents, **ctx.params.as_dict())
+        return result if isinstance(result, torch.Tensor) else tuple(result)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, kernel_hop: Kernel, params: KernelParams, *inputs: torch.Tensor):
+        return _per_sample(kernel_hop, params, inputs, in_dims[2:], info.batch_size)
+
 
 def _autograd(kernel_hop: Kernel, *tensors_and_params: Any):
     tensors, params = _split(tensors_and_params)
+    # Forward-mode tangents count too: below autograd they would be dropped.
+    needs = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if needs or _compat.has_forward_tangent(tensors):
+        return _KernelFunction.apply(kernel_hop, params, *tensors)
+    with torch._C._AutoDispatchBelowAutograd():
+        return kernel_hop(*tensors, params)
+
+
+# --------------------------------------------------------------------------- torch.func
+
+
+def _differentiate(kernel_hop: Kernel, interpreter: Any, *tensors_and_params: Any):
+    # torch.func routes the Function to its own rules, which call the kernel at the level below.
+    tensors, params = _split(tensors_and_params)
+    if _compat.differentiating_over_functionalize():
+        raise NotImplementedError(
+            f"{kernel_hop.describe()}: torch.func cannot differentiate a kernel under torch.func.functionalize "
+            "(torch has no functionalize rule for custom autograd Functions); functionalize inside the "
+            "gradient (grad(functionalize(f))), or trace with make_fx / torch.compile, which functionalize themselves"
+        )
     return _KernelFunction.apply(kernel_hop, params, *tensors)
+
+
+def _vmap(kernel_hop: Kernel, interpreter: Any, *tensors_and_params: Any):
+    tensors, params = _split(tensors_and_params)
+    unwrapped, in_dims = _compat.unwrap_batched(tuple(tensors), interpreter.level())
+    with interpreter.lower():
+        if all(d is None for d in in_dims):
+            return kernel_hop(*unwrapped, params)
+        result, out_dims = _per_sample(kernel_hop, params, unwrapped, in_dims, interpreter.batch_size())
+    return _compat.wrap_batched(result, out_dims, interpreter.level())
+
+
+def _per_sample(kernel_hop: Kernel, params: KernelParams, inputs: Sequence[Any], in_dims: Sequence[Any], size: int):
+    """An opaque kernel has no batching rule: it runs once per sample, the results stacked
+    at dim 0 (what ``vmap`` means, one kernel call per sample)."""
+    per_sample = []
+    for b in range(size):
+        args = [t if d is None else t.select(d, b) for t, d in zip(inputs, in_dims)]
+        result = kernel_hop(*args, params)
+        per_sample.append((result,) if isinstance(result, torch.Tensor) else tuple(result))
+    stacked = tuple(torch.stack([sample[j] for sample in per_sample]) for j in range(len(per_sample[0])))
+    if len(stacked) == 1 and isinstance(result, torch.Tensor):
+        return stacked[0], 0
+    return stacked, tuple(0 for _ in stacked)
 
 
 # --------------------------------------------------------------------------- as a torch.library op

@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hops import _dynamo, _layout
+from hops import _compat, _dynamo, _layout
 from hops._base import BodyHOP, call_body_hop, set_trace_key
 from hops._subgraph import body_name, named, rename_inner_function
 from hops.specs import (
@@ -626,16 +626,24 @@ def _check_outputs(name: str, outputs: Sequence[Any], spec: LocalMapSpec) -> tup
 class _Distribute(torch.autograd.Function):
     """A global tensor -> each device's local piece (row-major device order). The backward
     assembles the pieces' gradients into the global gradient per the gradient placements:
-    a pending sum adds them, a shard concatenates them, a replicated gradient must agree."""
+    a pending sum adds them, a shard concatenates them, a replicated gradient must agree.
+
+    New-style (``setup_context``, ``jvp``, generated vmap rule), so torch.func transforms
+    and forward-mode AD go through it: the tangent is distributed like the value."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, spec: LocalMapSpec, index: int, what: str, tensor: torch.Tensor):
-        ctx.spec, ctx.index, ctx.what = spec, index, what
+    def forward(spec: LocalMapSpec, index: int, what: str, tensor: torch.Tensor):
         placements, mesh = spec.in_placements[index], spec.mesh
         return tuple(
             _layout.shard_for_device(tensor, placements, mesh, coordinate)
             for coordinate in _layout.device_coordinates(mesh)
         )
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.spec, ctx.index, ctx.what, _ = inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: Any):
@@ -652,6 +660,10 @@ class _Distribute(torch.autograd.Function):
         grad = _layout.assemble(pieces, grad_placements, mesh, f"the gradient of {ctx.what}")
         return None, None, None, grad
 
+    @staticmethod
+    def jvp(ctx: Any, _spec: Any, _index: Any, _what: Any, tangent: torch.Tensor):
+        return _Distribute.forward(ctx.spec, ctx.index, ctx.what, tangent)
+
 
 def simulate(body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> tuple[torch.Tensor, ...]:
     """Run ``body`` once per device on its local shards and assemble the global outputs.
@@ -659,6 +671,13 @@ def simulate(body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> tupl
     Differentiable: run above autograd, the gradient of each input is assembled from its
     pieces' gradients per the spec's gradient placements."""
     name = body_name(body)
+    if _compat.differentiating_over_functionalize():
+        raise NotImplementedError(
+            f"local_map {name}: torch.func cannot differentiate a local_map region under "
+            "torch.func.functionalize (torch has no functionalize rule for the autograd Functions "
+            "that assemble its gradients); functionalize inside the gradient (grad(functionalize(f))), "
+            "or trace with make_fx / torch.compile, which functionalize themselves"
+        )
     coordinates = _layout.device_coordinates(spec.mesh)
     per_input = []
     for i, (t, placements) in enumerate(zip(tensors, spec.in_placements)):
@@ -696,12 +715,18 @@ def _assemble_output(pieces: dict, placements: tuple, spec: LocalMapSpec, what: 
 
 class _WholeCotangents(torch.autograd.Function):
     """Pieces of an output as they are; in the backward, each piece replicated along an axis
-    gets the cotangent its whole replicated group receives (the identity on values)."""
+    gets the cotangent its whole replicated group receives (the identity on values, and on
+    tangents)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, placements: tuple, mesh: Mesh, what: str, *pieces: torch.Tensor):
-        ctx.placements, ctx.mesh = placements, mesh
+    def forward(placements: tuple, mesh: Mesh, what: str, *pieces: torch.Tensor):
         return tuple(p.clone() for p in pieces)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.placements, ctx.mesh = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx: Any, *grads: Any):
@@ -714,6 +739,10 @@ class _WholeCotangents(torch.autograd.Function):
             grad = by_coordinate[source]
             spread.append(None if grad is None else grad.clone())
         return (None, None, None, *spread)
+
+    @staticmethod
+    def jvp(ctx: Any, _placements: Any, _mesh: Any, _what: Any, *tangents: Any):
+        return tuple(t.clone() for t in tangents)
 
 
 @local_map_hop.py_impl(DispatchKey.CompositeExplicitAutograd)

@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hops import _dynamo
+from hops import _compat, _dynamo
 from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, flat_body, fresh_outputs, known_functional, set_trace_key
 from hops._joint import body_output_examples, is_differentiable, split_joint, trace_joint
 from hops._subgraph import body_name, named, rename_inner_function
@@ -377,8 +377,13 @@ def _run_steps(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> tuple[t
     name = body_name(body)
     length = _length(xs, spec)
     flat = flat_body(body)
-    checkpointed = spec.remat and torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in inputs
+    # Under torch.func, which refuses checkpoint's saved-tensor hooks, steps are not
+    # checkpointed: remat saves memory only, the values and gradients are the same.
+    checkpointed = (
+        spec.remat
+        and torch.is_grad_enabled()
+        and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+        and not _compat.functorch_active()
     )
     ys_per_step: list[Any] = [None] * length
     order = range(length - 1, -1, -1) if spec.reverse else range(length)

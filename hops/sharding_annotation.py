@@ -25,10 +25,10 @@ from torch.fx.experimental.proxy_tensor import (
     track_tensor_tree,
 )
 
-from hops import _dynamo
+from hops import _compat, _dynamo
 from hops._subgraph import refuse_untracked_xla_operands
 from hops._targets import load_device_rules
-from hops.specs import ShardingSpec
+from hops.specs import Shard, ShardingSpec
 
 __all__ = ["annotate_sharding", "sharding_annotation_hop"]
 
@@ -148,22 +148,85 @@ def _proxy(mode: ProxyTorchDispatchMode, x: torch.Tensor, spec: ShardingSpec):
 
 
 class _ShardingAnnotationFunction(torch.autograd.Function):
+    """The annotation's derivatives: the cotangent is laid out per the gradient layout (its
+    own cotangent, in double backward, per the value's: the transposed spec), a forward-mode
+    tangent like the value. New-style, so torch.func transforms go through it."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: ShardingSpec):
-        ctx.spec = spec
+    def forward(x: torch.Tensor, spec: ShardingSpec):
         with torch._C._AutoDispatchBelowAutograd():
             return sharding_annotation_hop(x, spec)
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.spec = inputs[1]
+
+    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        # The cotangent is laid out per the gradient layout; its own cotangent (double
-        # backward) per the value's: the transposed spec.
         return sharding_annotation_hop(grad, ctx.spec.grad), None
 
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, _spec: Any):
+        return sharding_annotation_hop(tangent, ctx.spec)
 
-@sharding_annotation_hop.py_autograd_impl
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, spec: ShardingSpec):
+        return _batched(x, in_dims[0], spec), 0
+
+
+@sharding_annotation_hop.py_impl(DispatchKey.Autograd)
 def _autograd(x: torch.Tensor, spec: ShardingSpec):
+    # Forward-mode tangents count too: below autograd they would be dropped.
+    if (torch.is_grad_enabled() and x.requires_grad) or _compat.has_forward_tangent((x,)):
+        return _ShardingAnnotationFunction.apply(x, spec)
+    with torch._C._AutoDispatchBelowAutograd():
+        return sharding_annotation_hop(x, spec)
+
+
+# --------------------------------------------------------------------------- torch.func
+
+_GRAD, _JVP, _VMAP = _compat.transform_types()
+
+
+@sharding_annotation_hop.py_impl(_GRAD)
+@sharding_annotation_hop.py_impl(_JVP)
+def _differentiate(interpreter: Any, x: torch.Tensor, spec: ShardingSpec):
+    if _compat.differentiating_over_functionalize():
+        # torch.func has no functionalize rule for autograd.Functions: the value (the
+        # identity) at this level, differentiated as such; the statement is dropped here.
+        return x.clone()
+    # torch.func routes the Function to its own rules, which call this HOP again at the level below.
     return _ShardingAnnotationFunction.apply(x, spec)
+
+
+sharding_annotation_hop.py_impl(DispatchKey.FuncTorchGradWrapper)(_compat.dead_wrapper_rule(sharding_annotation_hop))
+
+
+@sharding_annotation_hop.py_impl(_VMAP)
+def _vmap(interpreter: Any, x: torch.Tensor, spec: ShardingSpec):
+    (x,), (dim,) = _compat.unwrap_batched((x,), interpreter.level())
+    with interpreter.lower():
+        if dim is None:
+            return sharding_annotation_hop(x, spec)
+        out = _batched(x, dim, spec)
+    return _compat.wrap_batched((out,), (0,), interpreter.level())[0]
+
+
+def _batched(x: torch.Tensor, dim: int, spec: ShardingSpec) -> torch.Tensor:
+    """The annotation of a batch of values stacked at ``dim``: the batch moves to dim 0,
+    replicated, and every sharded dim moves one past it."""
+    shifted = ShardingSpec(
+        spec.mesh,
+        tuple(_past_batch(p) for p in spec.placements),
+        None if spec.grad_placements is None else tuple(_past_batch(p) for p in spec.grad_placements),
+    )
+    return sharding_annotation_hop(x.movedim(dim, 0), shifted)
+
+
+def _past_batch(placement: Any) -> Any:
+    if isinstance(placement, Shard) and placement.dim >= 0:
+        return Shard(placement.dim + 1)
+    return placement
 
 
 # --------------------------------------------------------------------------- dynamo
