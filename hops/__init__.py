@@ -1,9 +1,9 @@
 """Higher-order operators that keep sharding annotations, local_map regions, scans,
 opaque kernels and named scopes in traced graphs, with typed spec arguments.
 
-``import hops`` registers every HOP (eager, fake, functionalization, proxy, autograd
-and Dynamo rules) and binds the name ``hops`` in FX-generated code so spec values in
-node args print and run as ``hops.Shard(0)``.
+``import hops`` registers every HOP (eager, fake, functionalization, proxy, autograd,
+torch.func, Dynamo and inductor rules) and binds the name ``hops`` in FX-generated code so
+spec values in node args print and run as ``hops.Shard(0)``.
 """
 
 import sys as _sys
@@ -23,12 +23,16 @@ from hops.specs import (
 
 _compat.register_fx_global("hops", "import hops", _sys.modules[__name__])
 
+from hops import _inductor  # noqa: E402
 from hops.einsum import EinsumLinear, einsum, einsum_linear, patch_linear  # noqa: E402
 from hops.kernel import Kernel, KernelParams, kernel  # noqa: E402
 from hops.local_map import local_map, local_map_hop  # noqa: E402
 from hops.named_scope import ScopeSpec, named_scope, named_scope_hop  # noqa: E402
 from hops.scan import ScanSpec, scan, scan_hop  # noqa: E402
 from hops.sharding_annotation import annotate_sharding, sharding_annotation_hop  # noqa: E402
+
+for _hop in (sharding_annotation_hop, named_scope_hop, local_map_hop, scan_hop):
+    _inductor.install(_hop)  # kernels are installed as they are defined
 
 __all__ = [
     "Mesh",

@@ -253,6 +253,10 @@ class BodyHOP(HigherOrderOperator):
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
+        decomposition = _compat.proxy_decomposition(mode, self)
+        if decomposition is not None:  # inductor's trace: see hops/_inductor.py
+            with mode:
+                return decomposition(body, *args)
         operands, spec = self.split_args(args)
         name = body_name(body)
         refuse_untracked_xla_operands(mode, operands, f"{self.__name__} {name}")

@@ -301,3 +301,27 @@ def dead_wrapper_rule(hop: Any) -> Any:
 
     return rule
 
+
+# --------------------------------------------------------------------------- inductor
+
+
+def proxy_decomposition(mode: Any, op: Any) -> Any:
+    """The decomposition the make_fx trace of ``mode`` holds for ``op``, or None. A tracer's
+    table may hold a HOP like any op (inductor's does, see ``hops/_inductor.py``). Private: a
+    global of ``proxy_tensor`` in 2.9, an attribute of the mode from 2.13 on."""
+    table = getattr(mode, "decomposition_table", None)
+    if table is None:
+        from torch.fx.experimental import proxy_tensor
+
+        table = getattr(proxy_tensor, "CURRENT_DECOMPOSITION_TABLE", None)
+    return None if not table else table.get(op)
+
+
+def register_inductor_decomposition(op: Any, decomposition: Any) -> None:
+    """Put ``op`` into inductor's decomposition table (``torch._inductor.decomposition
+    .decompositions``, private, the same dict in 2.9 .. 2.15). ``fast_random_decomps`` caches
+    a merged copy of it at inductor's first compile: cleared."""
+    from torch._inductor import decomposition as inductor_decomposition
+
+    inductor_decomposition.decompositions[op] = decomposition
+    inductor_decomposition.fast_random_decomps.cache_clear()

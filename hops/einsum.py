@@ -188,6 +188,7 @@ def _einsum_jvp(*values: torch.Tensor, equation: str) -> torch.Tensor:
 
 
 einsum_kernel = kernel(_einsum, abstract=_einsum_shapes, backward=_einsum_backward, jvp=_einsum_jvp, name="einsum")
+einsum_kernel.hops_transparent = True  # inductor gets torch.einsum (hops/_inductor.py)
 
 
 def einsum(equation: str, *operands: Any) -> torch.Tensor:
@@ -253,6 +254,7 @@ def _linear_jvp(x, weight, bias, tx, tweight, tbias):
 einsum_linear_kernel = kernel(
     _einsum_linear, abstract=_linear_shapes, backward=_linear_backward, jvp=_linear_jvp, name="einsum_linear"
 )
+einsum_linear_kernel.hops_transparent = True
 
 
 def einsum_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

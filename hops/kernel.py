@@ -43,7 +43,7 @@ from torch.fx.experimental.proxy_tensor import (
     track_tensor_tree,
 )
 
-from hops import _compat, _dynamo
+from hops import _compat, _dynamo, _inductor
 from hops._joint import is_tracing
 from hops._subgraph import fresh_outputs, refuse_untracked_xla_operands
 from hops._targets import load_device_rules
@@ -362,6 +362,7 @@ def kernel(
             )
         defined = Kernel(fn, name=kernel_name, abstract=abstract, backward=backward, xla=xla, jvp=jvp)
         _register_rules(defined)
+        _inductor.install(defined)
         _KERNELS[kernel_name] = defined
         return defined
 
@@ -498,6 +499,10 @@ def _functionalize(kernel_hop: Kernel, ctx: Any, *tensors_and_params: Any):
 
 
 def _proxy(kernel_hop: Kernel, mode: ProxyTorchDispatchMode, *tensors_and_params: Any):
+    decomposition = _compat.proxy_decomposition(mode, kernel_hop)
+    if decomposition is not None:  # inductor's trace: see hops/_inductor.py
+        with mode:
+            return decomposition(*tensors_and_params)
     refuse_untracked_xla_operands(mode, tensors_and_params[:-1], kernel_hop.describe())
     with disable_proxy_modes_tracing():
         outputs = kernel_hop(*tensors_and_params)

@@ -136,6 +136,10 @@ def _functionalize(ctx: Any, x: torch.Tensor, spec: ShardingSpec):
 
 @sharding_annotation_hop.py_impl(ProxyTorchDispatchMode)
 def _proxy(mode: ProxyTorchDispatchMode, x: torch.Tensor, spec: ShardingSpec):
+    decomposition = _compat.proxy_decomposition(mode, sharding_annotation_hop)
+    if decomposition is not None:  # inductor's trace: see hops/_inductor.py
+        with mode:
+            return decomposition(x, spec)
     refuse_untracked_xla_operands(mode, (x,), "annotate_sharding")
     with disable_proxy_modes_tracing():
         out = sharding_annotation_hop(x, spec)
