@@ -66,3 +66,10 @@ def test_readme_snippets_run(tmp_path):
     result = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "README ran: program (4, 4)" in result.stdout
+
+
+@pytest.mark.xla
+def test_compile_train_example():
+    stdout = run_example("compile_train.py")
+    assert stdout.count("step ") == 5
+    assert "compiled training on 4 XLA devices matches eager PyTorch on CPU" in stdout
