@@ -9,6 +9,7 @@ spec values in node args print and run as ``hops.Shard(0)``.
 import sys as _sys
 
 from hops import _compat
+from hops import specs as _specs
 from hops.specs import (
     LocalMapSpec,
     Mesh,
@@ -33,6 +34,11 @@ from hops.sharding_annotation import annotate_sharding, sharding_annotation_hop 
 
 for _hop in (sharding_annotation_hop, named_scope_hop, local_map_hop, scan_hop):
     _inductor.install(_hop)  # kernels are installed as they are defined
+
+# torch.export.save / load write each spec argument as its text and read it back typed.
+_compat.register_export_spec_serialization(
+    lambda value: isinstance(value, _specs._FxLiteral), repr, spec_from_text
+)
 
 __all__ = [
     "Mesh",

@@ -325,3 +325,39 @@ def register_inductor_decomposition(op: Any, decomposition: Any) -> None:
 
     inductor_decomposition.decompositions[op] = decomposition
     inductor_decomposition.fast_random_decomps.cache_clear()
+
+
+# --------------------------------------------------------------------------- torch.export
+
+
+_SPEC_TAG = "hops.spec:"
+
+
+def register_export_spec_serialization(is_spec: Any, to_text: Any, from_text: Any) -> None:
+    """Let ``torch.export.save`` / ``load`` carry the HOPs' spec arguments: a spec is written
+    as a tagged string of its text form and read back as the same typed value. torch's
+    serializer has no hook for constant arguments of a HOP (its extension registry covers
+    node targets of non-HOP types; opaque value types are 2.13+ and bind to ScriptObjects),
+    so its ``serialize_input`` / ``deserialize_input`` (private, the same in 2.9 .. 2.15)
+    are wrapped, once."""
+    from torch._export.serde import serialize
+
+    serializer, deserializer = serialize.GraphModuleSerializer, serialize.GraphModuleDeserializer
+    if getattr(serializer.serialize_input, "hops_specs", False):
+        return
+    write, read = serializer.serialize_input, deserializer.deserialize_input
+
+    def serialize_input(self: Any, arg: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_spec(arg):
+            return serialize.Argument.create(as_string=_SPEC_TAG + to_text(arg))
+        return write(self, arg, *args, **kwargs)
+
+    def deserialize_input(self: Any, inp: Any) -> Any:
+        value = read(self, inp)
+        if isinstance(value, str) and value.startswith(_SPEC_TAG):
+            return from_text(value[len(_SPEC_TAG) :])
+        return value
+
+    serialize_input.hops_specs = True  # type: ignore[attr-defined]
+    serializer.serialize_input = serialize_input
+    deserializer.deserialize_input = deserialize_input
