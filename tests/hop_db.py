@@ -23,6 +23,35 @@ def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+# --------------------------------------------------------------------------- running samples
+
+
+class Module(torch.nn.Module):
+    """A sample's program as a module (what torch.export takes)."""
+
+    def __init__(self, program):
+        super().__init__()
+        self.program = program
+
+    def forward(self, *inputs):
+        return self.program(*inputs)
+
+
+def fresh(inputs):
+    """New leaves with the same values and requires_grad."""
+    return [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+
+
+def forward_backward(fn, inputs):
+    """``fn``'s outputs (flattened) and the inputs' gradients after one backward of the
+    outputs weighted by their position (so every output's cotangent differs)."""
+    import torch.utils._pytree as pytree
+
+    outputs = pytree.tree_leaves(fn(*inputs))
+    sum((o * (i + 1)).sum() for i, o in enumerate(outputs) if o.is_floating_point()).backward()
+    return outputs, [t.grad for t in inputs]
+
+
 class Sample:
     """``program(*inputs)`` uses ``hop``; ``reference(*inputs)`` is the same in plain torch."""
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
-from hop_db import SAMPLES
+from hop_db import SAMPLES, forward_backward, fresh
 
 import hops
 from hops import Mesh, Replicate, Shard, ShardingSpec
@@ -14,16 +13,6 @@ from hops import Mesh, Replicate, Shard, ShardingSpec
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
 FEATURES = ShardingSpec(MESH, (Shard(0), Shard(1)))
-
-
-def fresh(inputs):
-    return [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
-
-
-def forward_backward(fn, inputs):
-    outputs = pytree.tree_leaves(fn(*inputs))
-    sum((o * (i + 1)).sum() for i, o in enumerate(outputs) if o.is_floating_point()).backward()
-    return outputs, [t.grad for t in inputs]
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)

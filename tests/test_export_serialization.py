@@ -9,21 +9,12 @@ import io
 import pytest
 import torch
 import torch.fx as fx
-from hop_db import SAMPLES
+from hop_db import SAMPLES, Module
 from snapshot import readable
 
 import hops
 import passes
 from hops.specs import _FxLiteral
-
-
-class Module(torch.nn.Module):
-    def __init__(self, program):
-        super().__init__()
-        self.program = program
-
-    def forward(self, *inputs):
-        return self.program(*inputs)
 
 
 def detached(values):

@@ -10,7 +10,7 @@ import pickle
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from hop_db import SAMPLES, Sample
+from hop_db import SAMPLES, Module, Sample
 from snapshot import TestCase, aot_trace, compile_trace, delete_meta, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -56,16 +56,6 @@ def reference_grads(sample: type[Sample], inputs):
     outputs = sample.reference(*inputs)
     loss = sum(o.sum() for o in pytree.tree_leaves(outputs))
     return outputs, torch.autograd.grad(loss, inputs)
-
-
-class Module(torch.nn.Module):
-    def __init__(self, program):
-        super().__init__()
-        self.program = program
-
-    def forward(self, *inputs):
-        return self.program(*inputs)
-
 
 def trace(frontend: str, sample: type[Sample]) -> dict[str, fx.GraphModule]:
     """The graphs ``frontend`` records for ``sample``, checked against the reference on new inputs."""

@@ -7,22 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
-from hop_db import SAMPLES
+from hop_db import SAMPLES, forward_backward, fresh
 
 import hops
 from hops import Mesh, Replicate, Shard
-
-
-def fresh(inputs):
-    return [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
-
-
-def forward_backward(fn, inputs):
-    outputs = pytree.tree_leaves(fn(*inputs))
-    # Weighted, so every output's cotangent differs.
-    sum((o * (i + 1)).sum() for i, o in enumerate(outputs) if o.is_floating_point()).backward()
-    return outputs, [t.grad for t in inputs]
 
 
 def inductor_graphs():
