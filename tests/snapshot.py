@@ -97,3 +97,27 @@ def compile_trace(fn, *args):
     outputs = torch.compile(fn, backend=backend, fullgraph=True)(*args)
     sum(o.sum() for o in pytree.tree_leaves(outputs)).backward()
     return graphs, outputs
+
+
+# --------------------------------------------------------------------------- XLA (torch_xla imported on use)
+
+
+def device():
+    """The XLA device (SPMD's one virtual device)."""
+    import torch_xla
+
+    return torch_xla.device()
+
+
+def hlo_text(*tensors):
+    """The HLO torch_xla would compile for ``tensors`` (pending computations), as text."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
+
+
+def sharding_of(t):
+    """The sharding torch_xla records on ``t`` ("" when none)."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(t)

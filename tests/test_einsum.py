@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from snapshot import TestCase, aot_trace, readable
+from snapshot import TestCase, aot_trace, hlo_text, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -268,12 +268,6 @@ class <lambda>(torch.nn.Module):
 
 
 # --------------------------------------------------------------------------- XLA
-
-
-def hlo_text(*tensors):
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
 
 
 def dots(hlo):

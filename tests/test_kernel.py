@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 import torch
-from snapshot import TestCase, aot_trace, readable
+from snapshot import TestCase, aot_trace, hlo_text, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -451,12 +451,6 @@ def xla_device():
     import torch_xla
 
     return torch_xla.device()
-
-
-def hlo_text(*tensors):
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
 
 
 @pytest.mark.xla

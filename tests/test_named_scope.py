@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from snapshot import TestCase, aot_trace, readable
+from snapshot import TestCase, aot_trace, hlo_text, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -392,12 +392,6 @@ def xla_ir_debug():
     torch_xla._XLAC._set_ir_debug(True)
     yield
     torch_xla._XLAC._set_ir_debug(before)
-
-
-def hlo_text(*tensors):
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
 
 
 def op_names(hlo, opcode):

@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from snapshot import TestCase, aot_trace, readable
+from snapshot import TestCase, aot_trace, hlo_text, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -177,12 +177,6 @@ def sync():
 
     torch_xla.sync()
     xm.wait_device_ops()
-
-
-def hlo_text(*tensors):
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
 
 
 def xla_sharding_of(spec, shape):

@@ -5,6 +5,7 @@ PyTorch on CPU."""
 import numpy as np
 import pytest
 import torch
+from snapshot import device, hlo_text, sharding_of
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -14,24 +15,6 @@ pytestmark = pytest.mark.xla
 
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
-
-
-def device():
-    import torch_xla
-
-    return torch_xla.device()
-
-
-def hlo_text(*tensors):
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
-
-
-def sharding_of(t):
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_sharding_spec(t)
 
 
 def test_an_annotation_shards_like_mark_sharding_forward_and_backward():

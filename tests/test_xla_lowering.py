@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from snapshot import aot_trace
+from snapshot import aot_trace, hlo_text
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -33,12 +33,6 @@ def sync():
 
     torch_xla.sync()
     xm.wait_device_ops()
-
-
-def hlo_text(*tensors):
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
 
 
 def sharding_custom_calls(hlo):

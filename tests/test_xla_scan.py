@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from snapshot import aot_trace
+from snapshot import aot_trace, device, hlo_text
 
 import hops
 import passes
@@ -14,18 +14,6 @@ pytestmark = pytest.mark.xla
 
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
-
-
-def device():
-    import torch_xla
-
-    return torch_xla.device()
-
-
-def hlo_text(*tensors):
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
 
 
 def sync():
