@@ -297,7 +297,8 @@ def test_each_step_and_each_call_draws_its_own_random_numbers():
 
 
 def test_a_step_is_staged_once_per_input_layout_and_reads_what_it_closes_over():
-    from passes.xla.while_loop import LITERAL_ELEMENTS, xla_while
+    from passes.xla.staging import LITERAL_ELEMENTS
+    from passes.xla.while_loop import xla_while
 
     big = torch.randn(LITERAL_ELEMENTS + 1)
     small = torch.randn(3)
@@ -327,7 +328,7 @@ def test_a_step_that_returns_no_flat_tensors_is_refused_before_staging():
     from passes.xla.while_loop import xla_while
 
     c, xs = torch.zeros(4, device=device()), torch.zeros(5, 4, device=device())
-    with pytest.raises(TypeError, match=r"step lambda: must return \(\*new_carry, \*ys\) as tensors, got a tuple at position 0"):
+    with pytest.raises(TypeError, match=r"step lambda: \(\*new_carry, \*ys\): must return tensors, got a tuple at position 0"):
         xla_while(lambda c, x: ((c + x,), (c.sum(),)), [c], [xs], [], length=5)
     with pytest.raises(ValueError, match=r"carry 0 leaves the step as \(3,\) torch.float32, entered as \(4,\) torch.float32"):
         xla_while(lambda c, x: (c[:3], c.sum()), [c], [xs], [], length=5)

@@ -8,17 +8,11 @@ iteration (as JAX's ``scan(unroll=k)``: ``length // unroll`` iterations, then th
 ``length % unroll`` remaining steps after the loop); the built loop is cached per (step,
 input shapes and dtypes, length, reverse, unroll), so later calls only bind tensors.
 
-The loop state is ``(step index, *carry, *xs, *ys, *additional, *constants, [seeds])``. Values
-torch_xla stages as parameters although the step does not take them ("hoisted": the device
-data it makes for Python scalars, lifted constants, the RNG seed) are handled so that none
-of them is a loop operand the step could use inside a manual-sharding region:
-- constants of at most ``LITERAL_ELEMENTS`` elements become literals of the loop body.
-  A hoisted scalar that a ``local_map`` body uses (``local * 2``) would otherwise be a loop
-  operand that sharding propagation marks ``{manual}``; XLA cannot reshard the replicated
-  value entering the loop to that and aborts (``hlo_sharding.cc: Check failed:
-  !IsManual()``). Literals never cross the loop boundary (as in JAX);
-- larger constants are loop-invariant operands;
-- the RNG seed becomes one fresh seed per step, so each step draws different numbers.
+The step is staged by ``staging.stage`` (which says how values torch_xla hoists into
+parameters are handled). The loop state is ``(step index, *carry, *xs, *ys, *additional,
+*constants, [seeds])``: small constants are literals of the loop body, larger ones
+loop-invariant operands, and the RNG seed one fresh seed per step, so each step draws
+different numbers.
 """
 
 from __future__ import annotations
@@ -30,9 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hops._subgraph import body_name
-
-#: Hoisted constants up to this many elements are written into the loop body as literals.
-LITERAL_ELEMENTS = 64
+from passes.xla.staging import Metadata, metadata, stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +39,6 @@ class _Loop:
 
 # step -> {(layout, length, reverse): _Loop}; weak, so a dropped GraphModule drops its loops.
 _LOOPS: weakref.WeakKeyDictionary[Callable, dict[tuple, _Loop]] = weakref.WeakKeyDictionary()
-
-
-def _metadata(tensors: Sequence[torch.Tensor]) -> tuple:
-    return tuple((tuple(t.shape), t.dtype) for t in tensors)
 
 
 def xla_while(
@@ -70,7 +58,7 @@ def xla_while(
     if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
         raise TypeError(f"xla_while: unroll must be an int >= 1, got {unroll!r}")
     unroll = min(unroll, max(length, 1))
-    key = (_metadata(carry), _metadata(xs), _metadata(additional), length, reverse, unroll)
+    key = (metadata(carry), metadata(xs), metadata(additional), length, reverse, unroll)
     try:
         loops = _LOOPS.setdefault(body, {})
     except TypeError:  # not weak-referenceable: build every call
@@ -107,47 +95,21 @@ def _build(
     reverse: bool,
     unroll: int,
 ) -> _Loop:
-    import torch_xla
     import torch_xla.core.xla_builder as xb
 
     # 1. Stage one step on placeholders (tensors with a shape and no data).
-    inputs = [
-        *(xb.create_placeholder_tensor(tuple(t.shape), t.dtype) for t in carry),
-        *(xb.create_placeholder_tensor(tuple(t.shape[1:]), t.dtype) for t in xs),
-        *(xb.create_placeholder_tensor(tuple(t.shape), t.dtype) for t in additional),
-    ]
-    outputs = list(_with_scalars_as_constants(body, inputs))
+    step = stage(
+        body,
+        (*metadata(carry), *((tuple(t.shape[1:]), t.dtype) for t in xs), *metadata(additional)),
+        name=f"{body_name(body)}_step",
+        what=f"xla_while: step {body_name(body)}: (*new_carry, *ys)",
+    )
     num_carry, num_xs = len(carry), len(xs)
-    _check_step_outputs(body_name(body), outputs, carry)
-    ys = outputs[num_carry:]
-    context = torch_xla._XLAC.lowering.LoweringContext("FnComputation")
-    context.build(outputs)
-    step = xb.computation_from_module_proto(f"{body_name(body)}_step", context.hlo())
+    _check_step_outputs(body_name(body), step.outputs, carry)
+    ys = step.outputs[num_carry:]
+    constants = step.constants
 
-    # 2. Where each parameter of the staged step comes from.
-    source: dict[int, tuple[str, Any]] = {}
-    for position, placeholder in enumerate(inputs):
-        parameter = context.tensor_parameter_id(placeholder)
-        if parameter != -1:
-            source[parameter] = ("input", position)
-    seed_parameter = -1
-    node_ids, node_values = torch_xla._XLAC._get_tensors_xla_device_data_node(outputs)
-    seed_id = torch_xla._XLAC._get_seed_info_id()
-    if seed_id in node_ids:
-        seed_parameter = context.tensor_parameter_id(node_values[node_ids.index(seed_id)])
-    constants: list[torch.Tensor] = []
-    for parameter, tensor in context.device_parameter_id_tensor_mapping().items():
-        if parameter in source:
-            continue
-        if parameter == seed_parameter:
-            source[parameter] = ("seed", None)
-        elif tensor.numel() <= LITERAL_ELEMENTS:
-            source[parameter] = ("literal", tensor.cpu())
-        else:
-            source[parameter] = ("constant", len(constants))
-            constants.append(tensor)
-
-    # 3. The loop: state (index, *carry, *xs, *ys, *additional, *constants, [seeds]).
+    # 2. The loop: state (index, *carry, *xs, *ys, *additional, *constants, [seeds]).
     ys_start = 1 + num_carry + num_xs
     additional_start = ys_start + len(ys)
     constants_start = additional_start + len(additional)
@@ -160,11 +122,11 @@ def _build(
         shape((), torch.int64),
         *(shape(t.shape, t.dtype) for t in carry),
         *(shape(t.shape, t.dtype) for t in xs),
-        *(shape((length, *y.shape), y.dtype) for y in ys),
+        *(shape((length, *y_shape), y_dtype) for y_shape, y_dtype in ys),
         *(shape(t.shape, t.dtype) for t in additional),
         *(shape(t.shape, t.dtype) for t in constants),
     ]
-    if seed_parameter != -1:
+    if step.seeded:
         state_shapes.append(shape((length,), torch.int64))
     builder = xb.create_builder("scan")
     state = [xb.mkparam(builder, i, s) for i, s in enumerate(state_shapes)]
@@ -183,18 +145,9 @@ def _build(
         position = xb.Op.scalar(index.builder(), length - 1, dtype=xb.Type.S64) - index if reverse else index
         slices = [_slice(state[1 + num_carry + i], position) for i in range(num_xs)]
         step_inputs = [*state[1 : 1 + num_carry], *slices, *state[additional_start:constants_start]]
-
-        def argument(parameter: int) -> Any:
-            kind, value = source[parameter]
-            if kind == "input":
-                return step_inputs[value]
-            if kind == "literal":
-                return xb.Op.constant(index.builder(), value)
-            if kind == "constant":
-                return state[constants_start + value]
-            return _slice(state[seeds_position], position)  # this step's seed
-
-        result = xb.Op.call(step, [argument(p) for p in range(len(source))])
+        seed = _slice(state[seeds_position], position) if step.seeded else None  # this step's seed
+        arguments = step.arguments(step_inputs, state[constants_start:seeds_position], seed, index.builder())
+        result = xb.Op.call(step.computation, arguments)
         state = list(state)
         for i in range(num_carry):
             state[1 + i] = result.get_tuple_element(i)
@@ -220,42 +173,16 @@ def _build(
         loop = xb.Op.tuple(state)
 
     computation = loop.build("scan")
-    return _Loop(computation, _metadata(ys), tuple(constants), seed_parameter != -1)
+    return _Loop(computation, tuple(ys), tuple(constants), step.seeded)
 
 
-def _with_scalars_as_constants(body: Callable, inputs: Sequence[torch.Tensor]) -> Any:
-    """``body(*inputs)`` staged with every Python number as an XLA constant.
-
-    By default torch_xla makes a number other than 0 and 1 device data, cached by value and
-    shared by every op that uses it: a step parameter. One such scalar used both inside a
-    manual-sharding region and outside it (``x.pow(2)``'s backward multiplies by 2.0, as a
-    region body doing ``local * 2`` does) gets one sharding for both uses, and XLA's
-    sharding propagation aborts the process (``hlo_sharding.h: Check failed: IsTiled()``).
-    A constant belongs to each op that uses it."""
-    import torch_xla
-
-    before = torch_xla._XLAC._get_xla_all_numbers_special_scalars()
-    torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)
-    try:
-        return body(*inputs)
-    finally:
-        torch_xla._XLAC._set_xla_all_numbers_special_scalars(before)
-
-
-def _check_step_outputs(name: str, outputs: Sequence[Any], carry: Sequence[torch.Tensor]) -> None:
-    # torch_xla crashes the process on anything but tensors here: refuse first.
-    for position, value in enumerate(outputs):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"xla_while: step {name}: must return (*new_carry, *ys) as tensors, "
-                f"got a {type(value).__name__} at position {position}"
-            )
+def _check_step_outputs(name: str, outputs: Metadata, carry: Sequence[torch.Tensor]) -> None:
     if len(outputs) < len(carry):
         raise ValueError(f"xla_while: step {name}: returned {len(outputs)} tensors for {len(carry)} carries")
-    for i, (new, old) in enumerate(zip(outputs, carry)):
-        if new.shape != old.shape or new.dtype != old.dtype:
+    for i, ((shape, dtype), old) in enumerate(zip(outputs, carry)):
+        if shape != tuple(old.shape) or dtype != old.dtype:
             raise ValueError(
-                f"xla_while: step {name}: carry {i} leaves the step as {tuple(new.shape)} {new.dtype}, "
+                f"xla_while: step {name}: carry {i} leaves the step as {shape} {dtype}, "
                 f"entered as {tuple(old.shape)} {old.dtype}"
             )
 
