@@ -1,0 +1,344 @@
+"""``hops.assume_pure(fn)``: trace ``fn`` once per input signature, then run the cached graphs.
+
+The first call with a signature (the pytree structure of the arguments; each tensor's
+shape, dtype, device, layout and ``requires_grad``; each other leaf's value, spec values
+included; and whether grad mode is on) traces ``fn`` into forward and backward graphs with
+AOTAutograd, the HOPs of this package kept as nodes, and caches them. Later calls with that
+signature run the cached graphs: ``fn``'s Python does not run again (as ``jax.jit``). On XLA
+tensors the graphs are lowered by the XLA target and each is staged once into one XLA
+computation that a call binds (one node of the lazy graph per call); on other devices they
+run as traced, each HOP by its eager rule. ``fn`` may call every HOP of this package.
+
+``fn`` must be pure in its tensors: mutating an input or a tensor it closes over is refused
+when it is traced (a cached graph would not repeat the mutation), and so is a tensor it
+reads from its closure or globals (a cached graph would keep the value it had when traced,
+and a parameter's gradient would be lost): pass tensors as arguments, or wrap a module
+(``hops.assume_pure(module)`` passes its parameters and buffers as arguments on each call).
+Python side effects happen once per signature, when tracing.
+
+The cache is bounded (``max_cache_size`` signatures, least recently used evicted) and
+inspectable: ``cache_info()`` counts hits, misses and traces; ``cached()`` lists each
+signature with its forward and backward graphs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from hops import _targets
+
+__all__ = ["assume_pure", "PureFunction", "PureModule", "CacheInfo", "CachedTrace", "ImpureFunctionError"]
+
+
+class ImpureFunctionError(RuntimeError):
+    """``fn`` does something a cached graph would not repeat (the message says what)."""
+
+
+CacheInfo = collections.namedtuple("CacheInfo", "hits misses traces size max_size")
+
+
+@dataclasses.dataclass
+class CachedTrace:
+    """One signature's traced graphs: ``forward`` (and ``backward`` once a backward ran)."""
+
+    signature: str
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+    run: Callable | None = dataclasses.field(default=None, repr=False)
+    positions: tuple[int, ...] = ()
+    out_spec: Any = None
+
+
+def assume_pure(fn: Callable | None = None, *, max_cache_size: int = 8) -> Any:
+    """``fn`` traced once per input signature (see the module docstring); a decorator.
+
+    An ``nn.Module`` gives a ``PureModule`` whose parameters and buffers are arguments."""
+    if fn is None:
+        return functools.partial(assume_pure, max_cache_size=max_cache_size)
+    if isinstance(max_cache_size, bool) or not isinstance(max_cache_size, int) or max_cache_size < 1:
+        raise TypeError(f"assume_pure: max_cache_size must be an int >= 1, got {max_cache_size!r}")
+    if isinstance(fn, torch.nn.Module):
+        return PureModule(fn, max_cache_size=max_cache_size)
+    if not callable(fn):
+        raise TypeError(f"assume_pure: expected a function or an nn.Module, got {type(fn).__name__}")
+    return PureFunction(fn, max_cache_size=max_cache_size)
+
+
+class PureFunction:
+    """``fn`` with a cache of traced graphs per input signature (``hops.assume_pure``)."""
+
+    def __init__(self, fn: Callable, *, max_cache_size: int = 8) -> None:
+        self.fn = fn
+        self.max_cache_size = max_cache_size
+        self._cache: collections.OrderedDict[tuple, CachedTrace] = collections.OrderedDict()
+        self._hits = self._misses = self._traces = 0
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = pytree.tree_flatten((args, kwargs))
+        try:
+            key = (treedef, torch.is_grad_enabled(), *map(_leaf_key, leaves))
+            entry = self._cache.get(key)
+        except TypeError:  # an unhashable leaf: say which
+            raise TypeError(_unhashable(self._name, (args, kwargs))) from None
+        if entry is None:
+            self._misses += 1
+            entry = self._trace(leaves, treedef, key)
+        else:
+            self._hits += 1
+            self._cache.move_to_end(key)
+        outputs = entry.run(*(leaves[i] for i in entry.positions))
+        return pytree.tree_unflatten(list(outputs), entry.out_spec)
+
+    @property
+    def _name(self) -> str:
+        return getattr(self.fn, "__qualname__", type(self.fn).__name__)
+
+    def cache_info(self) -> CacheInfo:
+        return CacheInfo(self._hits, self._misses, self._traces, len(self._cache), self.max_cache_size)
+
+    def cached(self) -> list[CachedTrace]:
+        """Each cached signature with its graphs, least recently used first."""
+        return list(self._cache.values())
+
+    def cache_clear(self) -> None:
+        self._cache.clear()
+        self._hits = self._misses = self._traces = 0
+
+    def _trace(self, leaves: list, treedef: Any, key: tuple) -> CachedTrace:
+        from functorch.compile import aot_function, make_boxed_func
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+        tensors = [leaves[i] for i in positions]
+        entry = CachedTrace(_signature_text(treedef, leaves), positions=positions)
+        fn = self.fn
+        captured = _captured_tensors(fn)
+
+        def flat_fn(*flat_tensors: torch.Tensor) -> tuple:
+            full = list(leaves)
+            for i, tensor in zip(positions, flat_tensors):
+                full[i] = tensor
+            args, kwargs = pytree.tree_unflatten(full, treedef)
+            with _RefuseRealMutation(self._name, captured):
+                result = fn(*args, **kwargs)
+            outputs, entry.out_spec = pytree.tree_flatten(result)
+            for path, value in zip(_paths(entry.out_spec), outputs):
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(
+                        f"assume_pure({self._name}): returns a {type(value).__name__} at output{path}; "
+                        "a traced function returns tensors (in any pytree)"
+                    )
+            return tuple(outputs)
+
+        compiler = _targets.graph_compiler(tensors)
+        # Traced once without functionalization, to see mutations: AOTAutograd would turn a
+        # mutated input into an epilogue copy and hide it.
+        graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+        _check_pure(self._name, graph, tensors, treedef, leaves, positions, captured)
+
+        def keep(name: str) -> Callable:
+            def compile_graph(gm: fx.GraphModule, example_inputs: list) -> Callable:
+                setattr(entry, name, gm)
+                if compiler is not None:
+                    return compiler(gm, example_inputs)
+                return make_boxed_func(gm)
+
+            return compile_graph
+
+        entry.run = aot_function(graph, fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+        self._traces += 1
+        self._cache[key] = entry
+        while len(self._cache) > self.max_cache_size:
+            self._cache.popitem(last=False)
+        return entry
+
+    def __repr__(self) -> str:
+        return f"assume_pure({self._name}, {self.cache_info()})"
+
+
+class PureModule(torch.nn.Module):
+    """``module`` whose forward is traced once per signature, its parameters and buffers
+    passed as arguments on every call (so optimizer updates and gradients reach them)."""
+
+    def __init__(self, module: torch.nn.Module, *, max_cache_size: int = 8) -> None:
+        super().__init__()
+        self.module = module
+
+        def call_module(state: dict, args: tuple, kwargs: dict) -> Any:
+            return torch.func.functional_call(module, state, args, kwargs)
+
+        call_module.__qualname__ = type(module).__name__
+        self.pure = PureFunction(call_module, max_cache_size=max_cache_size)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        state = dict(self.module.named_parameters(remove_duplicate=False))
+        state.update(self.module.named_buffers(remove_duplicate=False))
+        return self.pure(state, args, kwargs)
+
+    def cache_info(self) -> CacheInfo:
+        return self.pure.cache_info()
+
+    def cached(self) -> list[CachedTrace]:
+        return self.pure.cached()
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return (type(leaf), leaf.shape, leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad)
+    hash(leaf)  # a TypeError names the unhashable leaf in __call__
+    return (type(leaf), leaf)
+
+
+def _paths(spec: Any) -> list[str]:
+    dummy = pytree.tree_unflatten([0] * spec.num_leaves, spec)
+    return [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(dummy)[0]]
+
+
+def _unhashable(name: str, tree: Any) -> str:
+    for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+        if not isinstance(leaf, torch.Tensor):
+            try:
+                hash(leaf)
+            except TypeError:
+                where = _argument_name(path)
+                return (
+                    f"assume_pure({name}): argument {where} is a {type(leaf).__name__}, which cannot be part "
+                    "of a signature: pass tensors, hashable values (numbers, strings, specs) or pytrees of them"
+                )
+    return f"assume_pure({name}): an argument cannot be part of a signature"
+
+
+def _argument_name(path: tuple) -> str:
+    # path[0] selects args (0) or kwargs (1)
+    head, rest = path[0], path[1:]
+    kind = "args" if getattr(head, "idx", None) == 0 else "kwargs"
+    return kind + pytree.keystr(rest)
+
+
+def _signature_text(treedef: Any, leaves: list) -> str:
+    def describe(leaf: Any) -> str:
+        if isinstance(leaf, torch.Tensor):
+            grad = ", requires_grad" if leaf.requires_grad else ""
+            return f"{str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)} on {leaf.device}{grad}"
+        return repr(leaf)
+
+    args, kwargs = pytree.tree_unflatten([describe(leaf) for leaf in leaves], treedef)
+    parts = [str(a) for a in args] + [f"{k}={v}" for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
+
+
+def _captured_tensors(fn: Callable) -> dict[int, str]:
+    """id -> name of the tensors ``fn`` can reach through its closure, its globals, or
+    ``self`` (a bound method's module parameters and buffers)."""
+    found: dict[int, str] = {}
+
+    def add(name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), name)
+        elif isinstance(value, torch.nn.Module):
+            for sub, tensor in [*value.named_parameters(), *value.named_buffers()]:
+                found.setdefault(id(tensor), f"{name}.{sub}")
+
+    target = inspect.unwrap(fn)
+    if inspect.ismethod(target):
+        add("self", target.__self__)
+        target = target.__func__
+    if inspect.isfunction(target):
+        try:
+            closure = inspect.getclosurevars(target)
+        except (TypeError, ValueError):
+            return found
+        for name, value in {**closure.globals, **closure.nonlocals}.items():
+            add(name, value)
+    return found
+
+
+class _RefuseRealMutation(torch.overrides.TorchFunctionMode):
+    """While tracing, refuse an in-place op on a real tensor (one ``fn`` reached outside its
+    arguments) before it runs: the trace must not change the caller's state."""
+
+    def __init__(self, name: str, captured: dict[int, str]) -> None:
+        super().__init__()
+        self.name, self.captured = name, captured
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        op = getattr(func, "__name__", "")
+        in_place = (op.endswith("_") and not op.endswith("__")) or op in _IN_PLACE_DUNDERS
+        targets = [kwargs.get("out")] + ([args[0]] if in_place and args else [])
+        for target in pytree.tree_leaves(targets):
+            if isinstance(target, torch.Tensor) and not _is_traced(target):
+                label = self.captured.get(id(target), "a tensor it closes over")
+                raise ImpureFunctionError(
+                    f"assume_pure({self.name}): mutates the tensor {label} ({op}); a cached graph would not "
+                    "repeat the mutation: pass it as an argument and return the new value instead"
+                )
+        return func(*args, **kwargs)
+
+
+_IN_PLACE_DUNDERS = frozenset(
+    {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+)
+
+
+def _is_traced(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor) or type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter)
+
+
+def _base(node: Any) -> Any:
+    """The placeholder or constant a (chain of) view(s) reads."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        aliases = [a for a in node.target._schema.arguments if a.alias_info is not None and not a.alias_info.is_write]
+        if not aliases or not node.args:
+            break
+        node = node.args[0]
+    return node
+
+
+def _check_pure(
+    name: str, graph: fx.GraphModule, tensors: list, treedef: Any, leaves: list, positions: tuple, captured: dict
+) -> None:
+    paths = [_argument_name(p) for p, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(leaves, treedef))[0]]
+    placeholders = list(graph.graph.find_nodes(op="placeholder"))
+
+    def what(node: Any) -> str:
+        if isinstance(node, fx.Node) and node.op == "placeholder":
+            return f"its input {paths[positions[placeholders.index(node)]]}"
+        if isinstance(node, fx.Node) and node.op == "get_attr":
+            tensor = getattr(graph, str(node.target), None)
+            return f"the tensor {captured.get(id(tensor), 'it closes over')}"
+        return ""
+
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            schema = node.target._schema
+            for argument, value in zip(schema.arguments, node.args):
+                if argument.alias_info is not None and argument.alias_info.is_write:
+                    mutated = what(_base(value))
+                    if mutated:
+                        raise ImpureFunctionError(
+                            f"assume_pure({name}): mutates {mutated} ({node.target}); a cached graph would not "
+                            "repeat the mutation: return the new value instead"
+                        )
+    for node in graph.graph.find_nodes(op="get_attr"):
+        tensor = getattr(graph, str(node.target), None)
+        if isinstance(tensor, torch.Tensor) and (tensor.requires_grad or id(tensor) in captured):
+            label = captured.get(id(tensor), "a tensor that requires grad")
+            lost = " (and lose its gradient)" if tensor.requires_grad else ""
+            raise ImpureFunctionError(
+                f"assume_pure({name}): reads {label} from its closure or globals; a cached graph would keep "
+                f"the value it had when traced{lost}: pass it as an argument, or wrap a module with "
+                "hops.assume_pure(module)"
+            )
