@@ -25,6 +25,7 @@ from hops.specs import (
 _compat.register_fx_global("hops", "import hops", _sys.modules[__name__])
 
 from hops import _inductor  # noqa: E402
+from hops.assume_pure import assume_pure  # noqa: E402
 from hops.einsum import EinsumLinear, einsum, einsum_linear, patch_linear  # noqa: E402
 from hops.kernel import Kernel, KernelParams, kernel  # noqa: E402
 from hops.local_map import local_map, local_map_hop  # noqa: E402
@@ -67,4 +68,5 @@ __all__ = [
     "named_scope",
     "named_scope_hop",
     "ScopeSpec",
+    "assume_pure",
 ]
