@@ -1,0 +1,79 @@
+"""The DTensor target: ``lower_to_dtensor(gm, device_mesh)`` (rules in ``rules.py``, what the
+lowered graph calls in ``runtime.py``).
+
+The lowered graph takes and returns DTensors on ``device_mesh`` and runs on real processes
+(``torchrun --nproc-per-node 4`` with gloo on CPU; NCCL at scale): every collective is a
+redistribution the placements in the graph state, issued by DTensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from hops.named_scope import named_scope_hop
+from hops.specs import Mesh
+from passes._infra import HopRulePass
+from passes.dtensor import rules
+
+__all__ = ["lower_to_dtensor"]
+
+
+class _DTensorPass(HopRulePass):
+    """``HopRulePass`` that first finds which graphs run on local tensors (region bodies)."""
+
+    def __init__(self, mesh: Mesh, device_mesh: Any, *, record_scopes: bool) -> None:
+        overrides = {named_scope_hop: rules.profile_named_scope} if record_scopes else None
+        super().__init__(rules.TARGET, name="lower_to_dtensor", rules=overrides)
+        # Without names on the DeviceMesh, specs' axis names are not compared.
+        self.state = {"mesh": mesh, "device_mesh": device_mesh, "named": device_mesh.mesh_dim_names is not None, "local": set()}
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        self.state["local"] = rules.local_bodies(graph_module)
+        token = rules._LOWERING.set(self.state)
+        try:
+            return super().call(graph_module)
+        finally:
+            rules._LOWERING.reset(token)
+
+    def ensures(self, graph_module: fx.GraphModule) -> None:
+        token = rules._LOWERING.set(self.state)
+        try:
+            super().ensures(graph_module)
+        finally:
+            rules._LOWERING.reset(token)
+
+
+def _device_mesh(device_mesh: Any) -> Any:
+    """A DTensor ``DeviceMesh`` from the argument (a ``hops.Mesh`` needs a live process group)."""
+    if isinstance(device_mesh, Mesh):
+        try:
+            return device_mesh.to_device_mesh()
+        except (RuntimeError, ValueError) as error:
+            raise ValueError(f"lower_to_dtensor(device_mesh={device_mesh!r}): {error}") from None
+    if hasattr(device_mesh, "mesh") and hasattr(device_mesh, "mesh_dim_names") and hasattr(device_mesh, "get_coordinate"):
+        return device_mesh
+    raise TypeError(
+        f"lower_to_dtensor(device_mesh=...) must be a torch.distributed DeviceMesh or a hops.Mesh, "
+        f"got {type(device_mesh).__name__} {device_mesh!r}"
+    )
+
+
+def lower_to_dtensor(gm: fx.GraphModule, device_mesh: Any, *, record_scopes: bool = False) -> fx.GraphModule:
+    """Lower every HOP of this package in ``gm`` and its subgraphs to DTensor (in place); return ``gm``.
+
+    ``device_mesh``: a DTensor ``DeviceMesh`` or a ``hops.Mesh`` (converted on the initialized
+    process group). Every spec's mesh must have its shape, axis names and ranks; the lowered
+    graph takes and returns DTensors on it (plain tensors inside ``local_map`` bodies).
+    ``record_scopes``: run named scopes under ``torch.profiler.record_function`` instead of
+    inlining them. Raises ``PassError`` naming the node for a mesh mismatch, a kernel outside
+    a region, or a region inside a region.
+    """
+    device_mesh = _device_mesh(device_mesh)
+    mesh = Mesh.from_device_mesh(device_mesh)
+    if device_mesh.get_coordinate() is None:
+        raise ValueError(f"lower_to_dtensor(device_mesh=...): this rank is not in {device_mesh!r}")
+    _DTensorPass(mesh, device_mesh, record_scopes=record_scopes)(gm)
+    return gm

@@ -1,0 +1,341 @@
+"""Scenarios for ``passes.lower_to_dtensor`` run by real processes (``tests/test_dtensor.py``).
+
+Each rank runs every scenario once and writes ``rank<r>.json`` to the output directory:
+per scenario ``error`` (a traceback, or None), ``comms`` (collective counts by kind, from
+``CommDebugMode``) and what the scenario reports (placements, predicted counts). Each
+scenario compares every value it computes on DTensors (``full_tensor()``) with single-device
+eager on every rank. Run by the test's spawner (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT`` set), or ``torchrun --nproc-per-node 4 tests/dtensor_scenarios.py OUTDIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_here, os.path.join(_here, ".."), os.path.join(_here, "..", "examples")]
+
+import hops  # noqa: E402
+import passes  # noqa: E402
+from hops import Mesh, Partial, Replicate, Shard, ShardingSpec  # noqa: E402
+
+MESH = Mesh.of(data=2, model=2)
+ROWS, WHOLE = (Shard(0), Replicate()), (Replicate(), Replicate())
+SCENARIOS = {}
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def comm_kinds(mode: CommDebugMode) -> dict[str, int]:
+    """Collective counts by kind (``all_gather``, ``all_reduce``, ``reduce_scatter``, ``all_to_all``)."""
+    kinds = {}
+    for op, count in mode.get_comm_counts().items():
+        name = str(op).split(".")[-1]
+        for kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
+            if name.startswith(kind):
+                kinds[kind] = kinds.get(kind, 0) + count
+    return kinds
+
+
+def on_mesh(device_mesh, tensor, placements):
+    return distribute_tensor(tensor, device_mesh, [p.to_dtensor() for p in placements])
+
+
+def names(placements):
+    return [repr(Placement) for Placement in placements]
+
+
+def aot(fn, *args):
+    from functorch.compile import aot_function, make_boxed_func
+
+    graphs = {}
+
+    def keep(name):
+        def compile_graph(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm)
+
+        return compile_graph
+
+    out = aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(
+        *(a.clone().requires_grad_() for a in args)
+    )
+    out.sum().backward()
+    return graphs["forward"], graphs["backward"]
+
+
+def eager_grads(fn, *args):
+    leaves = [a.clone().requires_grad_() for a in args]
+    out = fn(*leaves)
+    out.sum().backward()
+    return out.detach(), [leaf.grad for leaf in leaves]
+
+
+def run_aot(device_mesh, fn, reference, args, placements, report):
+    """Trace ``fn`` with AOTAutograd, lower both graphs, run them on DTensors laid out per
+    ``placements``; compare the output and the gradients of its sum with ``reference``."""
+    forward, backward = aot(fn, *args)
+    passes.lower_to_dtensor(forward, device_mesh)
+    passes.lower_to_dtensor(backward, device_mesh)
+    expected, expected_grads = eager_grads(reference, *args)
+    with CommDebugMode() as forward_comms, torch.no_grad():
+        out, *saved = forward(*(on_mesh(device_mesh, a, p) for a, p in zip(args, placements)))
+    # A whole cotangent (not laid out like the output, which may be a pending sum).
+    cotangent = on_mesh(device_mesh, torch.ones(out.shape), WHOLE)
+    with CommDebugMode() as backward_comms, torch.no_grad():
+        grads = backward(*saved, cotangent)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    for i, (grad, want) in enumerate(zip(grads, expected_grads)):
+        torch.testing.assert_close(grad.full_tensor(), want, msg=f"gradient {i}")
+    report["forward_comms"] = comm_kinds(forward_comms)
+    report["backward_comms"] = comm_kinds(backward_comms)
+    report["grad_placements"] = [names(g.placements) for g in grads]
+    return forward, backward
+
+
+# --------------------------------------------------------------------------- annotations
+
+
+def annotation_program(placements, grad_placements=None):
+    spec = ShardingSpec(MESH, placements, grad_placements)
+    return make_fx(lambda x: hops.annotate_sharding(x, spec), tracing_mode="fake")(torch.randn(4, 4))
+
+
+@scenario
+def annotation_keeping_the_layout(device_mesh, report):
+    gm = passes.lower_to_dtensor(annotation_program(ROWS), device_mesh)
+    x = torch.randn(4, 4)
+    with CommDebugMode() as comms:
+        out = gm(on_mesh(device_mesh, x, ROWS))
+    report["comms"] = comm_kinds(comms)
+    report["placements"] = names(out.placements)
+    torch.testing.assert_close(out.full_tensor(), x)
+
+
+@scenario
+def annotation_shard_to_replicate(device_mesh, report):
+    gm = passes.lower_to_dtensor(annotation_program(WHOLE), device_mesh)
+    x = torch.randn(4, 4)
+    with CommDebugMode() as comms:
+        out = gm(on_mesh(device_mesh, x, ROWS))
+    report["comms"] = comm_kinds(comms)
+    report["placements"] = names(out.placements)
+    torch.testing.assert_close(out.to_local(), x)
+
+
+@scenario
+def annotation_of_a_partial_value(device_mesh, report):
+    gm = passes.lower_to_dtensor(annotation_program(ROWS), device_mesh)
+    x = torch.randn(4, 4)
+    # Each rank holds a quarter: the value is their sum (Partial on both axes).
+    partial = DTensor.from_local(x / 4, device_mesh, [Partial().to_dtensor()] * 2, run_check=False)
+    with CommDebugMode() as comms:
+        out = gm(partial)
+    report["comms"] = comm_kinds(comms)
+    report["placements"] = names(out.placements)
+    torch.testing.assert_close(out.full_tensor(), x)
+
+
+@scenario
+def annotation_gradient_layout_under_autograd(device_mesh, report):
+    # A forward-only lowered graph run under autograd: the gradient takes the grad layout.
+    gm = passes.lower_to_dtensor(annotation_program(ROWS, WHOLE), device_mesh)
+    x = on_mesh(device_mesh, torch.randn(4, 4), (Shard(1), Replicate())).requires_grad_()
+    grad = torch.randn(4, 4)
+    out = gm(x)
+    with CommDebugMode() as comms:
+        out.backward(on_mesh(device_mesh, grad, ROWS))
+    report["comms"] = comm_kinds(comms)
+    report["placements"] = names(out.placements)
+    report["grad_placements"] = names(x.grad.placements)
+    torch.testing.assert_close(x.grad.full_tensor(), grad)
+
+
+@scenario
+def annotation_in_aot_backward_graph(device_mesh, report):
+    spec = ShardingSpec(MESH, ROWS, (Shard(1), Replicate()))
+
+    def fn(x):
+        return hops.annotate_sharding(x * 2, spec).tanh()
+
+    forward, backward = run_aot(device_mesh, fn, lambda x: (x * 2).tanh(), (torch.randn(4, 4),), (WHOLE,), report)
+    report["backward_specs"] = [
+        repr(n.args[-1]) for n in backward.graph.nodes if n.op == "call_function" and "annotate" in str(n.target)
+    ]
+
+
+# --------------------------------------------------------------------------- local_map
+
+
+def matmul(x, w):
+    return x @ w
+
+
+@scenario
+def region_replicated_weight_gets_a_partial_gradient(device_mesh, report):
+    # autoparallel#515: the weight is whole on every rank, each rank's gradient a partial sum.
+    region = hops.local_map(
+        matmul, mesh=MESH, in_placements=(ROWS, WHOLE), out_placements=ROWS, in_grad_placements=(ROWS, (Partial(), Replicate()))
+    )
+    args = (torch.randn(8, 6), torch.randn(6, 4))
+    run_aot(device_mesh, region, matmul, args, (ROWS, WHOLE), report)
+    # The same graph forward-only, under autograd.
+    gm = passes.lower_to_dtensor(make_fx(region, tracing_mode="fake")(*args), device_mesh)
+    x, w = on_mesh(device_mesh, args[0], ROWS).requires_grad_(), on_mesh(device_mesh, args[1], WHOLE).requires_grad_()
+    with CommDebugMode() as comms:
+        gm(x, w).sum().backward()
+    _, (x_grad, w_grad) = eager_grads(matmul, *args)
+    torch.testing.assert_close(w.grad.full_tensor(), w_grad)
+    torch.testing.assert_close(x.grad.full_tensor(), x_grad)
+    report["autograd_comms"] = comm_kinds(comms)
+    report["autograd_grad_placements"] = [names(x.grad.placements), names(w.grad.placements)]
+
+
+def scaled_sum(x):
+    return (x * 3).sum(0)
+
+
+@scenario
+def region_replicated_output_pending_sum_cotangent(device_mesh, report):
+    # Default convention: a replicated output's cotangent is a pending sum, so a replicated
+    # input's gradient is Partial and sums to the right value.
+    region = hops.local_map(scaled_sum, mesh=MESH, in_placements=(WHOLE,), out_placements=WHOLE)
+    run_aot(device_mesh, region, scaled_sum, (torch.randn(4, 4),), (WHOLE,), report)
+
+
+@scenario
+def region_replicated_output_whole_cotangent(device_mesh, report):
+    # torch's convention (in_grad_placements given): every rank receives the whole cotangent.
+    region = hops.local_map(scaled_sum, mesh=MESH, in_placements=(WHOLE,), out_placements=WHOLE, in_grad_placements=(WHOLE,))
+    run_aot(device_mesh, region, scaled_sum, (torch.randn(4, 4),), (WHOLE,), report)
+
+
+@hops.kernel(abstract=lambda x: torch.empty_like(x), backward=lambda x, out, grad: (grad * (1 - out * out),))
+def tanh_kernel(x):
+    return torch.tanh(x)
+
+
+def kernel_body(x, w):
+    return tanh_kernel(x @ w)
+
+
+@scenario
+def kernel_in_a_region(device_mesh, report):
+    region = hops.local_map(kernel_body, mesh=MESH, in_placements=(ROWS, WHOLE), out_placements=ROWS)
+    run_aot(device_mesh, region, lambda x, w: torch.tanh(x @ w), (torch.randn(8, 6), torch.randn(6, 4)), (ROWS, WHOLE), report)
+
+
+# --------------------------------------------------------------------------- scan, scopes
+
+
+def rnn_step(h, x, w):
+    h = hops.annotate_sharding(torch.tanh(h @ w + x), ShardingSpec(MESH, ROWS))
+    return h, h.sum(-1)
+
+
+def rnn(h, xs, w):
+    h, ys = hops.scan(rnn_step, h, xs, additional_inputs=(w,))
+    return h.sum() + ys.square().sum()
+
+
+def rnn_reference(h, xs, w):
+    ys = []
+    for x in xs:
+        h = torch.tanh(h @ w + x)
+        ys.append(h.sum(-1))
+    return h.sum() + torch.stack(ys).square().sum()
+
+
+@scenario
+def scan_with_an_annotated_body(device_mesh, report):
+    args = (torch.randn(4, 3), torch.randn(5, 4, 3), torch.randn(3, 3) / 2)
+    run_aot(device_mesh, rnn, rnn_reference, args, (ROWS, WHOLE, WHOLE), report)
+
+
+@hops.named_scope("block")
+def scoped_block(x, w):
+    return torch.tanh(x @ w)
+
+
+@scenario
+def named_scope_inlined_and_recorded(device_mesh, report):
+    args = (torch.randn(4, 6), torch.randn(6, 6))
+    forward, _ = run_aot(device_mesh, scoped_block, lambda x, w: torch.tanh(x @ w), args, (ROWS, WHOLE), report)
+    report["inlined_code_mentions_scope"] = "profiler_scope" in forward.code
+    recorded = passes.lower_to_dtensor(make_fx(scoped_block, tracing_mode="fake")(*args), device_mesh, record_scopes=True)
+    with torch.profiler.profile() as profile:
+        out = recorded(*(on_mesh(device_mesh, a, p) for a, p in zip(args, (ROWS, WHOLE))))
+    torch.testing.assert_close(out.full_tensor(), torch.tanh(args[0] @ args[1]))
+    report["recorded_events"] = sorted({e.name for e in profile.events() if e.name == "block"})
+
+
+# --------------------------------------------------------------------------- examples
+
+
+@scenario
+def example_sharded_mlp(device_mesh, report):
+    import run_on_dtensor
+
+    report.update(run_on_dtensor.sharded_mlp(device_mesh))
+
+
+@scenario
+def example_local_map_attention(device_mesh, report):
+    import run_on_dtensor
+
+    report.update(run_on_dtensor.local_map_attention(device_mesh))
+
+
+@scenario
+def example_scan_layers(device_mesh, report):
+    import run_on_dtensor
+
+    report.update(run_on_dtensor.scan_layers(device_mesh))
+
+
+@scenario
+def example_auto_shard(device_mesh, report):
+    import auto_shard
+    import run_on_dtensor
+
+    report.update(run_on_dtensor.auto_shard(device_mesh, auto_shard.Config(dim=16, heads=2, kv_heads=1, vocab=32, ffn=32, layers=1, batch=2, seq=4)))
+
+
+def main(outdir: str, only: list[str]) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    device_mesh = MESH.to_device_mesh()
+    results = {}
+    for name, fn in SCENARIOS.items():
+        if only and name not in only:
+            continue
+        report = {"error": None}
+        start = time.perf_counter()
+        try:
+            torch.manual_seed(0)
+            fn(device_mesh, report)
+        except Exception:  # recorded per scenario: the test of that scenario fails with it
+            report["error"] = traceback.format_exc()
+        report["seconds"] = round(time.perf_counter() - start, 2)
+        results[name] = report
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,280 @@
+"""Target ``"dtensor"`` (``passes.lower_to_dtensor``) on real processes.
+
+Four worker processes (gloo on loopback) are spawned once for this module and run every
+scenario of ``tests/dtensor_scenarios.py``; each test asserts one scenario's result on every
+rank: its numbers equal single-device eager (checked in the worker), its collectives
+(``CommDebugMode``) are exactly those the placements call for, its gradients have the
+layouts the specs state. Lowering-time errors are tested in this process on a fake process
+group.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from snapshot import delete_meta
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import hops
+import passes
+from hops import Mesh, Replicate, Shard, ShardingSpec
+
+dist = pytest.importorskip("torch.distributed", reason="torch.distributed is not available in this torch build")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
+
+WORLD_SIZE = 4
+TIMEOUT_SECONDS = 240
+HERE = os.path.dirname(os.path.abspath(__file__))
+MESH = Mesh.of(data=2, model=2)
+ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every rank's per-scenario results (spawned once; killed after ``TIMEOUT_SECONDS``)."""
+    outdir = tmp_path_factory.mktemp("dtensor")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD_SIZE), OMP_NUM_THREADS="1")
+    workers = []
+    for rank in range(WORLD_SIZE):
+        log = open(outdir / f"rank{rank}.log", "w")
+        worker_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        command = [sys.executable, os.path.join(HERE, "dtensor_scenarios.py"), str(outdir)]
+        workers.append((subprocess.Popen(command, env=worker_env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + TIMEOUT_SECONDS
+    try:
+        for process, _ in workers:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for process, log in workers:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            log.close()
+    by_rank = []
+    for rank in range(WORLD_SIZE):
+        path = outdir / f"rank{rank}.json"
+        log = (outdir / f"rank{rank}.log").read_text()[-3000:]
+        by_rank.append({"results": json.loads(path.read_text()) if path.exists() else {}, "log": log, "code": workers[rank][0].returncode})
+    return by_rank
+
+
+def scenario(results, name):
+    """The scenario's report on rank 0, after checking that it ran without error on every rank
+    and reported the same on every rank."""
+    reports = []
+    for rank, outcome in enumerate(results):
+        report = outcome["results"].get(name)
+        assert report is not None, f"rank {rank} did not finish scenario {name} (exit code {outcome['code']}):\n{outcome['log']}"
+        assert report["error"] is None, f"rank {rank}, scenario {name}:\n{report['error']}"
+        reports.append({k: v for k, v in report.items() if k != "seconds"})
+    for rank, report in enumerate(reports[1:], start=1):
+        assert report == reports[0], f"scenario {name}: rank {rank} reports {report}, rank 0 {reports[0]}"
+    return reports[0]
+
+
+R, S0, S1, P = "Replicate()", "Shard(dim=0)", "Shard(dim=1)", "Partial(sum)"
+
+
+# --------------------------------------------------------------------------- annotations
+
+
+def test_an_annotation_that_keeps_the_layout_issues_no_collective(results):
+    report = scenario(results, "annotation_keeping_the_layout")
+    assert report["comms"] == {}
+    assert report["placements"] == [S0, R]
+
+
+def test_shard_to_replicate_is_one_all_gather(results):
+    report = scenario(results, "annotation_shard_to_replicate")
+    assert report["comms"] == {"all_gather": 1}
+    assert report["placements"] == [R, R]
+
+
+def test_a_partial_value_is_reduced_where_the_annotation_says(results):
+    # Partial on both axes -> Shard(0) on "data" (reduce-scatter), Replicate on "model" (all-reduce).
+    report = scenario(results, "annotation_of_a_partial_value")
+    assert report["comms"] == {"reduce_scatter": 1, "all_reduce": 1}
+    assert report["placements"] == [S0, R]
+
+
+def test_a_forward_graph_under_autograd_lays_the_gradient_out_per_grad_spec(results):
+    report = scenario(results, "annotation_gradient_layout_under_autograd")
+    assert report["placements"] == [S0, R]
+    assert report["grad_placements"] == [R, R]
+    assert report["comms"] == {"all_gather": 1}  # the Shard(0) cotangent gathered to Replicate
+
+
+def test_the_aot_backward_graph_holds_the_transposed_annotation(results):
+    report = scenario(results, "annotation_in_aot_backward_graph")
+    assert report["backward_specs"] == ["hops.ShardingSpec(hops.Mesh.of(data=2, model=2), 'S(1)R', 'S(0)R')"]
+    assert report["grad_placements"] == [[S1, R]]
+    assert report["forward_comms"] == {}  # Replicate -> Shard(0) is local
+    # The gradient reaches the annotation as Shard(0) and leaves as Shard(1): an all-to-all,
+    # which DTensor runs as one all-gather (then a local chunk) on gloo.
+    assert report["backward_comms"] == {"all_gather": 1}
+
+
+# --------------------------------------------------------------------------- local_map
+
+
+def test_a_replicated_weight_gets_a_partial_gradient_autoparallel_515(results):
+    report = scenario(results, "region_replicated_weight_gets_a_partial_gradient")
+    for placements in (report["grad_placements"], report["autograd_grad_placements"]):
+        assert placements == [[S0, R], [P, R]]
+    assert report["forward_comms"] == report["backward_comms"] == report["autograd_comms"] == {}
+
+
+def test_a_replicated_output_takes_a_pending_sum_cotangent_by_default(results):
+    report = scenario(results, "region_replicated_output_pending_sum_cotangent")
+    assert report["grad_placements"] == [[P, P]]
+    assert report["forward_comms"] == report["backward_comms"] == {}
+
+
+def test_given_in_grad_placements_take_whole_cotangents(results):
+    report = scenario(results, "region_replicated_output_whole_cotangent")
+    assert report["grad_placements"] == [[R, R]]
+    assert report["forward_comms"] == report["backward_comms"] == {}
+
+
+def test_a_kernel_runs_on_local_shards_inside_a_region(results):
+    report = scenario(results, "kernel_in_a_region")
+    assert report["grad_placements"] == [[S0, P], [P, P]]
+    assert report["forward_comms"] == report["backward_comms"] == {}
+
+
+# --------------------------------------------------------------------------- scan, scopes
+
+
+def test_a_scan_runs_as_a_loop_of_dtensor_steps(results):
+    report = scenario(results, "scan_with_an_annotated_body")
+    assert report["grad_placements"] == [[S0, R], [S1, R], [P, R]]
+    assert report["forward_comms"] == report["backward_comms"] == {}
+
+
+def test_a_named_scope_is_inlined_or_recorded(results):
+    report = scenario(results, "named_scope_inlined_and_recorded")
+    assert report["inlined_code_mentions_scope"] is False
+    assert report["recorded_events"] == ["block"]
+
+
+# --------------------------------------------------------------------------- examples
+
+
+@pytest.mark.parametrize("example", ["sharded_mlp", "local_map_attention", "scan_layers", "auto_shard"])
+def test_example_matches_single_device_eager(results, example):
+    report = scenario(results, f"example_{example}")
+    assert set(report["forward_comms"]) <= {"all_gather", "all_reduce", "reduce_scatter", "all_to_all"}
+
+
+def test_sharded_mlp_collectives(results):
+    # Forward: the Partial product of the down projection reduced once (S(0)S(1) @ R -> S(0)P -> S(0)R).
+    report = scenario(results, "example_sharded_mlp")
+    assert report["forward_comms"] == {"all_reduce": 1}
+
+
+# --------------------------------------------------------------------------- in this process
+
+
+@pytest.fixture(scope="module")
+def fake_mesh():
+    """A 2x2 DeviceMesh on a fake process group of 4 ranks (lowering issues no collective)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialized in the test process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
+    try:
+        yield MESH.to_device_mesh()
+    finally:
+        dist.destroy_process_group()
+
+
+@hops.kernel(abstract=lambda x: torch.empty_like(x))
+def doubled(x):
+    return x * 2
+
+
+def test_every_hop_has_a_dtensor_rule():
+    from test_targets import package_hops
+
+    for hop in package_hops():
+        assert passes.rule_for("dtensor", hop) is not None, hop.__name__
+
+
+def test_a_kernel_outside_a_region_is_refused_naming_it(fake_mesh):
+    gm = make_fx(lambda x: doubled(x) + 1, tracing_mode="fake")(torch.randn(4, 4))
+    with pytest.raises(passes.PassError, match=r"hops_kernel_doubled.*kernel 'hops_kernel_doubled' is called on DTensors.*local_map"):
+        passes.lower_to_dtensor(gm, fake_mesh)
+
+
+def annotating(spec):
+    return lambda x: hops.annotate_sharding(x, spec)
+
+
+def test_a_mesh_that_is_not_the_device_mesh_is_refused_naming_the_node(fake_mesh):
+    for mesh, why in (
+        (Mesh.of(data=4, model=1), r"shape \(4, 1\) vs \(2, 2\)"),
+        (Mesh.of(batch=2, model=2), r"axis names \('batch', 'model'\) vs \('data', 'model'\)"),
+        (Mesh.of((3, 2, 1, 0), data=2, model=2), r"ranks \(3, 2, 1, 0\) vs \(0, 1, 2, 3\)"),
+    ):
+        spec = ShardingSpec(mesh, (Shard(0), Replicate()))
+        gm = make_fx(annotating(spec), tracing_mode="fake")(torch.randn(4, 4))
+        with pytest.raises(passes.PassError, match=rf"lower_to_dtensor: %hops_sharding_annotation.*does not match the DeviceMesh.*{why}"):
+            passes.lower_to_dtensor(gm, fake_mesh)
+        region = hops.local_map(lambda x: x * 2, mesh=mesh, in_placements=((Shard(0), Replicate()),), out_placements=(Shard(0), Replicate()))
+        gm = make_fx(region, tracing_mode="fake")(torch.randn(4, 4))
+        with pytest.raises(passes.PassError, match=rf"lower_to_dtensor: %hops_local_map.*{why}"):
+            passes.lower_to_dtensor(gm, fake_mesh)
+
+
+def test_a_hops_mesh_needs_a_process_group_of_its_size(fake_mesh):
+    gm = make_fx(lambda x: hops.annotate_sharding(x, ROWS), tracing_mode="fake")(torch.randn(4, 4))
+    with pytest.raises(ValueError, match=r"lower_to_dtensor\(device_mesh=hops.Mesh.of\(data=4, model=2\)\).*world size 4"):
+        passes.lower_to_dtensor(gm, Mesh.of(data=4, model=2))
+    with pytest.raises(TypeError, match=r"device_mesh=...\) must be a torch.distributed DeviceMesh or a hops.Mesh, got str"):
+        passes.lower_to_dtensor(gm, "cpu")
+
+
+def test_a_region_inside_a_region_body_is_refused(fake_mesh):
+    inner = hops.local_map(lambda x: x * 2, mesh=MESH, in_placements=((Replicate(), Replicate()),), out_placements=(Replicate(), Replicate()))
+    outer = hops.local_map(inner, mesh=MESH, in_placements=(ROWS.placements,), out_placements=ROWS.placements)
+    gm = make_fx(outer, tracing_mode="fake")(torch.randn(4, 4))
+    with pytest.raises(passes.PassError, match=r"hops_local_map.*a local_map region inside a region body"):
+        passes.lower_to_dtensor(gm, fake_mesh)
+
+
+def test_lowering_without_meta_gives_the_same_code(fake_mesh):
+    from hop_db import SAMPLES
+    from snapshot import aot_trace
+
+    for sample in SAMPLES:
+        inputs = [t.requires_grad_() if t.is_floating_point() else t for t in sample.inputs(0)]
+        forward, backward, _ = aot_trace(sample.program, *inputs)
+        for gm in (make_fx(sample.program, tracing_mode="fake")(*sample.inputs(0)), forward, backward):
+            outcomes = []
+            for graph in (copy.deepcopy(gm), copy.deepcopy(gm)):
+                if outcomes:
+                    delete_meta(graph)
+                try:
+                    passes.lower_to_dtensor(graph, fake_mesh)
+                    outcomes.append({n: m.code for n, m in graph.named_modules() if isinstance(m, torch.fx.GraphModule)})
+                except passes.PassError as error:
+                    outcomes.append(str(error))
+            assert outcomes[0] == outcomes[1], sample.name
