@@ -6,6 +6,9 @@ Each lowering target is a table of rules, one per HOP (``passes/_infra.py``):
   ``torch.library`` ops any backend runs;
 - ``lower_to_xla`` (target ``"xla"``, ``passes/xla/``): HOPs -> functional ``hops_xla`` ops
   whose XLA kernels emit sharding custom calls, a scan -> one XLA ``While``;
+- ``lower_to_dtensor`` (target ``"dtensor"``, ``passes/dtensor/``): HOPs -> DTensor redistributions,
+  ``local_map`` regions on local shards, a scan as a Python loop over DTensor steps; runs on
+  real processes (``torch.distributed``);
 - ``unroll_scan`` (target ``"unroll"``, ``passes/unroll.py``): a scan -> ``length`` copies of
   its body (for backends without loops); other HOPs are kept.
 
@@ -19,6 +22,7 @@ each local_map region's.
 import hops  # noqa: F401  (registers the HOPs the rule tables refer to)
 from passes._infra import RULES, HopRulePass, PassError, graph_modules, keep, refuse, register_rule, rule_for
 from passes.check import check_placements
+from passes.dtensor import lower_to_dtensor
 from passes.inline import inline_hops, run_scan_loop
 from passes.solver import (
     CostModel,
@@ -36,6 +40,7 @@ from passes.xla import lower_to_xla, run_in_named_scope, run_scan
 __all__ = [
     "inline_hops",
     "lower_to_xla",
+    "lower_to_dtensor",
     "unroll_scan",
     "check_placements",
     "run_scan",
