@@ -7,8 +7,11 @@ decoder) is traced with AOTAutograd on CPU, exactly as for XLA; ``passes.lower_t
 lowers its forward and backward graphs for a 2x2 ``DeviceMesh`` ("data", "model"); the inputs
 and parameters are distributed as DTensors (``distribute_tensor``) and the graphs run on 4
 processes. Every rank checks the loss and every gradient (``full_tensor()``) against
-single-device eager PyTorch. The same program runs on GPUs with ``init_process_group("nccl")``
-and a ``"cuda"`` DeviceMesh. No torch_xla is needed.
+single-device eager PyTorch. The decoder's placements come from ``passes.solve_placements``;
+its collectives (``CommDebugMode``) are printed next to those the solution predicts
+(``PlacementSolution.collectives``). Making an example's plan (``PLANS``) needs no process
+group; ``run_plan`` lowers and runs it. The same program runs on GPUs with
+``init_process_group("nccl")`` and a ``"cuda"`` DeviceMesh. No torch_xla is needed.
 """
 
 from __future__ import annotations
@@ -25,42 +28,26 @@ import passes  # noqa: E402
 from hops import Mesh, Replicate, Shard  # noqa: E402
 
 WHOLE = (Replicate(), Replicate())
+MESH = Mesh.of(data=2, model=2)
 
 
-def _comm_kinds(mode) -> dict[str, int]:
-    kinds: dict[str, int] = {}
-    for op, count in mode.get_comm_counts().items():
-        name = str(op).split(".")[-1]
-        for kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
-            if name.startswith(kind):
-                kinds[kind] = kinds.get(kind, 0) + count
-    return kinds
+# --------------------------------------------------------------------------- plans (no process group)
+#
+# A plan is what every rank runs: the traced (and, for the solver, annotated) forward and
+# backward graphs, the inputs and their placements, the eager loss and gradients to compare
+# with. Making one needs no process group, so one process can make it for all ranks (it is
+# picklable); ``run_plan`` lowers and runs it on each rank.
 
 
-def run_lowered(device_mesh, forward, backward, inputs, placements, expected_loss, expected_grads, *, rtol=None, atol=None):
-    """Lower ``forward``/``backward`` for ``device_mesh``, run them on ``inputs`` distributed per
-    ``placements``, and check the loss and the gradients (those in ``expected_grads``, by
-    position) against eager. Returns the collective counts of each graph."""
-    from torch.distributed.tensor import distribute_tensor
-    from torch.distributed.tensor import ones as dtensor_ones
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    passes.lower_to_dtensor(forward, device_mesh)
-    passes.lower_to_dtensor(backward, device_mesh)
-    distributed = [distribute_tensor(t, device_mesh, [p.to_dtensor() for p in ps]) for t, ps in zip(inputs, placements)]
-    with CommDebugMode() as forward_comms, torch.no_grad():
-        loss, *saved = forward(*distributed)
-    with CommDebugMode() as backward_comms, torch.no_grad():
-        # The loss's cotangent is whole on every rank (the loss itself may be a pending sum).
-        grads = backward(*saved, dtensor_ones((), device_mesh=device_mesh, placements=[Replicate().to_dtensor()] * 2))
-    tolerance = {} if rtol is None else {"rtol": rtol, "atol": atol}
-    torch.testing.assert_close(loss.full_tensor(), expected_loss, **tolerance)
-    for position, want in expected_grads.items():
-        torch.testing.assert_close(grads[position].full_tensor(), want, msg=f"gradient {position}", **tolerance)
-    return {"forward_comms": _comm_kinds(forward_comms), "backward_comms": _comm_kinds(backward_comms)}
+def _reference(loss_fn, inputs, positions):
+    """The eager loss of ``loss_fn(*inputs)`` and its gradients at ``positions``."""
+    leaves = [t.detach().clone().requires_grad_(i in positions) for i, t in enumerate(inputs)]
+    loss = loss_fn(*leaves)
+    loss.backward()
+    return loss.detach(), {i: leaves[i].grad for i in positions}
 
 
-def sharded_mlp(device_mesh) -> dict:
+def plan_sharded_mlp() -> dict:
     import sharded_mlp as example
 
     torch.manual_seed(0)
@@ -69,47 +56,45 @@ def sharded_mlp(device_mesh) -> dict:
     model.zero_grad()
     reference = model(x).square().mean()
     reference.backward()
-    return run_lowered(
-        device_mesh, forward, backward, [model.up.detach(), model.down.detach(), x], [WHOLE, WHOLE, example.BATCH.placements],
-        reference.detach(), {0: model.up.grad, 1: model.down.grad},
+    return dict(
+        mesh=example.MESH, forward=forward, backward=backward, inputs=[model.up.detach(), model.down.detach(), x],
+        placements=[WHOLE, WHOLE, example.BATCH.placements], loss=reference.detach(),
+        grads={0: model.up.grad, 1: model.down.grad}, tolerance={},
     )
 
 
-def local_map_attention(device_mesh=None) -> dict:
+def plan_local_map_attention() -> dict:
     import local_map_attention as example
 
     args = example.inputs()
     forward, backward = example.aot_graphs(*args)
-    device_mesh = example.MESH.to_device_mesh()  # its axes are ("data", "context")
-    reference = [a.clone().requires_grad_() for a in args]
-    loss = example.single_device_block(*reference).square().mean()
-    loss.backward()
-    return run_lowered(
-        device_mesh, forward, backward, list(args), [example.QUERIES, *[WHOLE] * 4],
-        loss.detach(), {i: r.grad for i, r in enumerate(reference)},
+    loss, grads = _reference(lambda *a: example.single_device_block(*a).square().mean(), args, range(len(args)))
+    return dict(
+        mesh=example.MESH,  # its axes are ("data", "context")
+        forward=forward, backward=backward, inputs=list(args), placements=[example.QUERIES, *[WHOLE] * 4],
+        loss=loss, grads=grads, tolerance={},
     )
 
 
-def scan_layers(device_mesh) -> dict:
+def plan_scan_layers() -> dict:
     import scan_layers as example
 
     args = example.inputs()
     forward, backward = example.aot_graphs(args)
-    reference = [a.clone().requires_grad_() for a in args]
-    loss = example.unrolled_loss(*reference)
-    loss.backward()
-    return run_lowered(
-        device_mesh, forward, backward, list(args), [(Shard(0), Replicate()), WHOLE, WHOLE],
-        loss.detach(), {i: r.grad for i, r in enumerate(reference)}, rtol=1e-4, atol=1e-5,
+    loss, grads = _reference(example.unrolled_loss, args, range(len(args)))
+    return dict(
+        mesh=example.MESH, forward=forward, backward=backward, inputs=list(args),
+        placements=[(Shard(0), Replicate()), WHOLE, WHOLE], loss=loss, grads=grads,
+        tolerance=dict(rtol=1e-4, atol=1e-5),
     )
 
 
-def auto_shard(device_mesh, config=None) -> dict:
-    """The solver's decoder: solved, the plan applied, lowered and run. Reports the
-    collectives the solution predicts next to those counted."""
+def plan_auto_shard(config=None, mesh: Mesh = MESH, *, device_type: str = "cpu") -> dict:
+    """The solver's decoder: solved, the plan applied as annotations; the inputs laid out as
+    solved. ``predicted``: the collectives the solution says each graph issues on a
+    ``device_type`` mesh (``PlacementSolution.collectives``)."""
     import auto_shard as example
 
-    mesh = Mesh.from_device_mesh(device_mesh)
     config = config or example.Config()
     loss = example.make_loss(config, mesh)
     tokens, targets, params, consts = example.example_inputs(config)
@@ -117,24 +102,79 @@ def auto_shard(device_mesh, config=None) -> dict:
     solution = passes.solve_placements((forward, backward), mesh, cost_model=passes.CostModel.preset("tpu-v5e"))
     passes.apply_placements((forward, backward), solution)
     inputs = [tokens, targets, *params.values(), *consts.values()]
-    reference_params = {name: p.detach().clone().requires_grad_() for name, p in params.items()}
-    reference = loss(tokens, targets, reference_params, consts)
-    reference.backward()
-    report = run_lowered(
-        device_mesh, forward, backward, inputs, [WHOLE] * len(inputs), reference.detach(),
-        {2 + i: reference_params[name].grad for i, name in enumerate(params)}, rtol=1e-4, atol=1e-5,
+    placeholders = [node.name for node in forward.graph.find_nodes(op="placeholder")]
+    names = list(params)
+
+    def flat_loss(tokens, targets, *tensors):
+        return loss(tokens, targets, dict(zip(names, tensors[: len(names)])), dict(zip(consts, tensors[len(names) :])))
+
+    reference, grads = _reference(flat_loss, inputs, range(2, 2 + len(params)))
+    return dict(
+        mesh=mesh, forward=forward, backward=backward, inputs=inputs,
+        placements=[solution.placements[f"forward/{name}"] for name in placeholders],
+        loss=reference, grads=grads, tolerance=dict(rtol=1e-4, atol=1e-5),
+        predicted={graph: solution.collectives(graph, device_type=device_type) for graph in ("forward", "backward")},
     )
-    return report
+
+
+PLANS = {
+    "sharded_mlp": plan_sharded_mlp,
+    "local_map_attention": plan_local_map_attention,
+    "scan_layers": plan_scan_layers,
+    "auto_shard": plan_auto_shard,
+}
+
+
+# --------------------------------------------------------------------------- running a plan
+
+_DEVICE_MESHES: dict = {}
+
+
+def device_mesh_for(mesh: Mesh):
+    """One DeviceMesh per ``hops.Mesh`` in this process (each makes process groups)."""
+    if mesh not in _DEVICE_MESHES:
+        _DEVICE_MESHES[mesh] = mesh.to_device_mesh()
+    return _DEVICE_MESHES[mesh]
+
+
+def run_plan(plan: dict) -> dict:
+    """Lower the plan's graphs for its mesh, run them on its inputs distributed per its
+    placements, and check the loss and the gradients (those in ``plan["grads"]``, by position)
+    against eager. Returns the collectives each graph issued (``passes.dtensor.collective_counts``)."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import ones as dtensor_ones
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from passes.dtensor import collective_counts
+
+    device_mesh = device_mesh_for(plan["mesh"])
+    forward, backward = plan["forward"], plan["backward"]
+    passes.lower_to_dtensor(forward, device_mesh)
+    passes.lower_to_dtensor(backward, device_mesh)
+    distributed = [
+        distribute_tensor(t, device_mesh, [p.to_dtensor() for p in ps]) for t, ps in zip(plan["inputs"], plan["placements"])
+    ]
+    with CommDebugMode() as forward_comms, torch.no_grad():
+        loss, *saved = forward(*distributed)
+    with CommDebugMode() as backward_comms, torch.no_grad():
+        # The loss's cotangent is whole on every rank (the loss itself may be a pending sum).
+        grads = backward(*saved, dtensor_ones((), device_mesh=device_mesh, placements=[Replicate().to_dtensor()] * device_mesh.ndim))
+    torch.testing.assert_close(loss.full_tensor(), plan["loss"], **plan["tolerance"])
+    for position, want in plan["grads"].items():
+        torch.testing.assert_close(grads[position].full_tensor(), want, msg=f"gradient {position}", **plan["tolerance"])
+    return {"forward_comms": collective_counts(forward_comms), "backward_comms": collective_counts(backward_comms)}
 
 
 def main() -> None:
     dist.init_process_group("gloo")
-    device_mesh = Mesh.of(data=2, model=2).to_device_mesh()
-    for name, run in (("sharded_mlp", sharded_mlp), ("local_map_attention", local_map_attention),
-                      ("scan_layers", scan_layers), ("auto_shard", auto_shard)):
-        counts = run(device_mesh)
+    device_mesh = MESH.to_device_mesh()
+    _DEVICE_MESHES[MESH] = device_mesh
+    for name, make_plan in PLANS.items():
+        plan = make_plan()
+        counts = run_plan(plan)
         if dist.get_rank() == 0:
-            print(f"{name}: loss and gradients match single-device eager; collectives {counts}")
+            predicted = f" (the solver predicted {plan['predicted']})" if "predicted" in plan else ""
+            print(f"{name}: loss and gradients match single-device eager; collectives {counts}{predicted}")
     dist.destroy_process_group()
 
 

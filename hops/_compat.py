@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -361,3 +362,30 @@ def register_export_spec_serialization(is_spec: Any, to_text: Any, from_text: An
     serialize_input.hops_specs = True  # type: ignore[attr-defined]
     serializer.serialize_input = serialize_input
     deserializer.deserialize_input = deserialize_input
+
+
+# DTensor before torch 2.13 (checked: 2.9 differs, 2.13 and 2.15 do not):
+# - its ``select.int`` rule gives a DTensor that is not sharded on the selected dim the input's
+#   own spec as the output's, then writes the output's shape into it (pytorch/pytorch#179290),
+#   so a second ``select`` of the same DTensor sees a wrong shape (``select_step`` avoids it);
+# - its view rules cannot flatten dims sharded on different mesh axes (``(Shard(0), Shard(1))``
+#   of ``[4, 8, 16]`` viewed as ``[32, 16]``): 2.13 lays the result out with ``_StridedShard``;
+# - it has no rule for ``aten.fill.Scalar`` (2.13 runs it);
+# - ``Replicate + Partial`` (the replicated operand first) all-reduces the ``Partial`` one, and
+#   ``zeros_like`` of a ``Partial`` value is ``Replicate``, where 2.13 takes the replicated operand
+#   as ``Partial`` locally: a gradient summed over a loop's steps is reduced at every step.
+DTENSOR_SELECT_ALIASES_INPUT_SPEC = TORCH_VERSION < (2, 13)
+DTENSOR_FLATTENS_SHARDED_DIMS = TORCH_VERSION >= (2, 13)
+DTENSOR_RUNS_FILL_SCALAR = TORCH_VERSION >= (2, 13)
+DTENSOR_ADDS_REPLICATE_TO_PARTIAL_LOCALLY = TORCH_VERSION >= (2, 13)
+
+
+def select_step(x: torch.Tensor, index: int) -> torch.Tensor:
+    """``x.select(0, index)``: step ``index`` of a scan's stacked ``x``. A DTensor on a torch whose
+    ``select`` corrupts its input (``DTENSOR_SELECT_ALIASES_INPUT_SPEC``) is sliced by
+    ``narrow`` then ``squeeze`` (the same view, through rules that make a fresh spec)."""
+    if DTENSOR_SELECT_ALIASES_INPUT_SPEC:
+        dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: x is no DTensor
+        if dtensor is not None and isinstance(x, dtensor.DTensor):
+            return x.narrow(0, index, 1).squeeze(0)
+    return x.select(0, index)

@@ -388,7 +388,7 @@ def _run_steps(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> tuple[t
     ys_per_step: list[Any] = [None] * length
     order = range(length - 1, -1, -1) if spec.reverse else range(length)
     for i in order:
-        step_inputs = (*carry, *(x.select(0, i) for x in xs), *additional)
+        step_inputs = (*carry, *(_compat.select_step(x, i) for x in xs), *additional)
         if checkpointed:
             outputs = torch.utils.checkpoint.checkpoint(flat, *step_inputs, use_reentrant=False)
         else:

@@ -25,9 +25,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_here, os.path.join(_here, ".."), os.path.join(_here, "..", "examples")]
 
+import run_on_dtensor  # noqa: E402
+
 import hops  # noqa: E402
 import passes  # noqa: E402
-from hops import Mesh, Partial, Replicate, Shard, ShardingSpec  # noqa: E402
+from hops import Mesh, Partial, Replicate, Shard, ShardingSpec, _compat  # noqa: E402
+from passes.dtensor import collective_counts  # noqa: E402
 
 MESH = Mesh.of(data=2, model=2)
 ROWS, WHOLE = (Shard(0), Replicate()), (Replicate(), Replicate())
@@ -37,17 +40,6 @@ SCENARIOS = {}
 def scenario(fn):
     SCENARIOS[fn.__name__] = fn
     return fn
-
-
-def comm_kinds(mode: CommDebugMode) -> dict[str, int]:
-    """Collective counts by kind (``all_gather``, ``all_reduce``, ``reduce_scatter``, ``all_to_all``)."""
-    kinds = {}
-    for op, count in mode.get_comm_counts().items():
-        name = str(op).split(".")[-1]
-        for kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
-            if name.startswith(kind):
-                kinds[kind] = kinds.get(kind, 0) + count
-    return kinds
 
 
 def on_mesh(device_mesh, tensor, placements):
@@ -91,8 +83,10 @@ def run_aot(device_mesh, fn, reference, args, placements, report):
     passes.lower_to_dtensor(forward, device_mesh)
     passes.lower_to_dtensor(backward, device_mesh)
     expected, expected_grads = eager_grads(reference, *args)
+    # Laid out before counting: distribute_tensor's own scatter / broadcast are not the graph's.
+    inputs = [on_mesh(device_mesh, a, p) for a, p in zip(args, placements)]
     with CommDebugMode() as forward_comms, torch.no_grad():
-        out, *saved = forward(*(on_mesh(device_mesh, a, p) for a, p in zip(args, placements)))
+        out, *saved = forward(*inputs)
     # A whole cotangent (not laid out like the output, which may be a pending sum).
     cotangent = on_mesh(device_mesh, torch.ones(out.shape), WHOLE)
     with CommDebugMode() as backward_comms, torch.no_grad():
@@ -100,8 +94,8 @@ def run_aot(device_mesh, fn, reference, args, placements, report):
     torch.testing.assert_close(out.full_tensor(), expected)
     for i, (grad, want) in enumerate(zip(grads, expected_grads)):
         torch.testing.assert_close(grad.full_tensor(), want, msg=f"gradient {i}")
-    report["forward_comms"] = comm_kinds(forward_comms)
-    report["backward_comms"] = comm_kinds(backward_comms)
+    report["forward_comms"] = collective_counts(forward_comms)
+    report["backward_comms"] = collective_counts(backward_comms)
     report["grad_placements"] = [names(g.placements) for g in grads]
     return forward, backward
 
@@ -118,9 +112,10 @@ def annotation_program(placements, grad_placements=None):
 def annotation_keeping_the_layout(device_mesh, report):
     gm = passes.lower_to_dtensor(annotation_program(ROWS), device_mesh)
     x = torch.randn(4, 4)
+    rows = on_mesh(device_mesh, x, ROWS)
     with CommDebugMode() as comms:
-        out = gm(on_mesh(device_mesh, x, ROWS))
-    report["comms"] = comm_kinds(comms)
+        out = gm(rows)
+    report["comms"] = collective_counts(comms)
     report["placements"] = names(out.placements)
     torch.testing.assert_close(out.full_tensor(), x)
 
@@ -129,9 +124,10 @@ def annotation_keeping_the_layout(device_mesh, report):
 def annotation_shard_to_replicate(device_mesh, report):
     gm = passes.lower_to_dtensor(annotation_program(WHOLE), device_mesh)
     x = torch.randn(4, 4)
+    rows = on_mesh(device_mesh, x, ROWS)
     with CommDebugMode() as comms:
-        out = gm(on_mesh(device_mesh, x, ROWS))
-    report["comms"] = comm_kinds(comms)
+        out = gm(rows)
+    report["comms"] = collective_counts(comms)
     report["placements"] = names(out.placements)
     torch.testing.assert_close(out.to_local(), x)
 
@@ -144,7 +140,7 @@ def annotation_of_a_partial_value(device_mesh, report):
     partial = DTensor.from_local(x / 4, device_mesh, [Partial().to_dtensor()] * 2, run_check=False)
     with CommDebugMode() as comms:
         out = gm(partial)
-    report["comms"] = comm_kinds(comms)
+    report["comms"] = collective_counts(comms)
     report["placements"] = names(out.placements)
     torch.testing.assert_close(out.full_tensor(), x)
 
@@ -156,9 +152,10 @@ def annotation_gradient_layout_under_autograd(device_mesh, report):
     x = on_mesh(device_mesh, torch.randn(4, 4), (Shard(1), Replicate())).requires_grad_()
     grad = torch.randn(4, 4)
     out = gm(x)
+    cotangent = on_mesh(device_mesh, grad, ROWS)
     with CommDebugMode() as comms:
-        out.backward(on_mesh(device_mesh, grad, ROWS))
-    report["comms"] = comm_kinds(comms)
+        out.backward(cotangent)
+    report["comms"] = collective_counts(comms)
     report["placements"] = names(out.placements)
     report["grad_placements"] = names(x.grad.placements)
     torch.testing.assert_close(x.grad.full_tensor(), grad)
@@ -200,7 +197,7 @@ def region_replicated_weight_gets_a_partial_gradient(device_mesh, report):
     _, (x_grad, w_grad) = eager_grads(matmul, *args)
     torch.testing.assert_close(w.grad.full_tensor(), w_grad)
     torch.testing.assert_close(x.grad.full_tensor(), x_grad)
-    report["autograd_comms"] = comm_kinds(comms)
+    report["autograd_comms"] = collective_counts(comms)
     report["autograd_grad_placements"] = [names(x.grad.placements), names(w.grad.placements)]
 
 
@@ -282,45 +279,151 @@ def named_scope_inlined_and_recorded(device_mesh, report):
     report["recorded_events"] = sorted({e.name for e in profile.events() if e.name == "block"})
 
 
-# --------------------------------------------------------------------------- examples
+# --------------------------------------------------------------------------- plans: examples, the solver
+#
+# What a rank runs of an example is a plan (``run_on_dtensor``): graphs traced (and solved)
+# without a process group. Under the test, its process makes each plan once and writes it to
+# ``$HOPS_DTENSOR_PLANS/<name>.pkl`` while the ranks run the scenarios above; a rank waits for
+# the file. Run by hand (no ``HOPS_DTENSOR_PLANS``), each rank makes the plans itself.
+
+PLANS_ENV = "HOPS_DTENSOR_PLANS"
+PLAN_WAIT_SECONDS = 200
+# The decoder of examples/auto_shard.py, small: two layers (a scan of two steps), one region.
+AUTO_SHARD_CONFIG = dict(dim=16, heads=2, kv_heads=1, vocab=32, ffn=32, layers=2, batch=2, seq=4)
+
+
+def plan_solved_mlp() -> dict:
+    """A two-layer MLP without annotations, placed by ``passes.solve_placements`` on the 2x2 mesh
+    for a device whose compute is slow next to its free links, so the plan shards and
+    redistributes; ``predicted``: the collectives the solution says each graph issues on CPU."""
+    torch.manual_seed(0)
+    args = [torch.randn(16, 32), torch.randn(32, 64) / 32**0.5, torch.randn(64, 32) / 64**0.5]
+
+    def loss(x, w1, w2):
+        return (torch.tanh(x @ w1) @ w2).square().mean()
+
+    forward, backward = aot(loss, *args)
+    cost_model = passes.CostModel(peak_flops=1e9, memory_bandwidth=1e12, link_bandwidth=1e12, link_latency=0.0)
+    solution = passes.solve_placements((forward, backward), MESH, cost_model=cost_model)
+    passes.apply_placements((forward, backward), solution)
+    reference, grads = run_on_dtensor._reference(loss, args, range(3))
+    placeholders = [node.name for node in forward.graph.find_nodes(op="placeholder")]
+    return dict(
+        mesh=MESH, forward=forward, backward=backward, inputs=args,
+        placements=[solution.placements[f"forward/{name}"] for name in placeholders],
+        loss=reference, grads=grads, tolerance={},
+        predicted={graph: solution.collectives(graph, device_type="cpu") for graph in ("forward", "backward")},
+    )
+
+
+def plan_auto_shard() -> dict:
+    import auto_shard
+
+    return run_on_dtensor.plan_auto_shard(auto_shard.Config(**AUTO_SHARD_CONFIG))
+
+
+# In the order the ranks run them (the test's process makes them in this order).
+PLANS = {
+    "sharded_mlp": run_on_dtensor.plan_sharded_mlp,
+    "local_map_attention": run_on_dtensor.plan_local_map_attention,
+    "scan_layers": run_on_dtensor.plan_scan_layers,
+    "solved_mlp": plan_solved_mlp,
+    "auto_shard": plan_auto_shard,
+}
+
+# Scenarios DTensor of this torch cannot run, with why (the test skips them saying so).
+UNSUPPORTED = {}
+if not _compat.DTENSOR_FLATTENS_SHARDED_DIMS:
+    UNSUPPORTED["example_local_map_attention"] = (
+        "DTensor before torch 2.13 cannot view [4, 8, 16] laid out (Shard(0), Shard(1)) as [32, 16] "
+        "(flattening dims sharded on different mesh axes needs _StridedShard)"
+    )
+if not _compat.DTENSOR_RUNS_FILL_SCALAR:
+    UNSUPPORTED["example_auto_shard"] = (
+        "DTensor before torch 2.13 has no sharding rule for aten.fill.Scalar, which the decoder's backward calls"
+    )
+
+
+def plan_path(outdir: str, name: str) -> str:
+    return os.path.join(outdir, f"{name}.pkl")
+
+
+def write_plans(outdir: str) -> None:
+    """Make every plan and write it (or the error making it) where ``load_plan`` waits for it."""
+    import pickle
+
+    for name, make_plan in PLANS.items():
+        if f"example_{name}" in UNSUPPORTED:
+            continue
+        try:
+            payload = pickle.dumps({"plan": make_plan()})
+        except Exception:  # the rank running this plan reports it
+            payload = pickle.dumps({"error": traceback.format_exc()})
+        path = plan_path(outdir, name)
+        with open(path + ".tmp", "wb") as f:
+            f.write(payload)
+        os.replace(path + ".tmp", path)  # a rank never reads half a file
+
+
+def load_plan(name: str) -> dict:
+    import pickle
+
+    outdir = os.environ.get(PLANS_ENV)
+    if not outdir:
+        return PLANS[name]()
+    path = plan_path(outdir, name)
+    deadline = time.monotonic() + PLAN_WAIT_SECONDS
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no plan {path} after {PLAN_WAIT_SECONDS} s")
+        time.sleep(0.05)
+    with open(path, "rb") as f:
+        loaded = pickle.load(f)
+    if "error" in loaded:
+        raise RuntimeError(f"making plan {name!r} in the test's process failed:\n{loaded['error']}")
+    return loaded["plan"]
+
+
+def run_example(name: str, report: dict) -> None:
+    plan = load_plan(name)
+    report.update(run_on_dtensor.run_plan(plan))
+    if "predicted" in plan:
+        report["predicted"] = plan["predicted"]
 
 
 @scenario
 def example_sharded_mlp(device_mesh, report):
-    import run_on_dtensor
-
-    report.update(run_on_dtensor.sharded_mlp(device_mesh))
+    run_example("sharded_mlp", report)
 
 
 @scenario
 def example_local_map_attention(device_mesh, report):
-    import run_on_dtensor
-
-    report.update(run_on_dtensor.local_map_attention(device_mesh))
+    run_example("local_map_attention", report)
 
 
 @scenario
 def example_scan_layers(device_mesh, report):
-    import run_on_dtensor
+    run_example("scan_layers", report)
 
-    report.update(run_on_dtensor.scan_layers(device_mesh))
+
+@scenario
+def solved_mlp(device_mesh, report):
+    run_example("solved_mlp", report)
 
 
 @scenario
 def example_auto_shard(device_mesh, report):
-    import auto_shard
-    import run_on_dtensor
-
-    report.update(run_on_dtensor.auto_shard(device_mesh, auto_shard.Config(dim=16, heads=2, kv_heads=1, vocab=32, ffn=32, layers=1, batch=2, seq=4)))
+    run_example("auto_shard", report)
 
 
 def main(outdir: str, only: list[str]) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     device_mesh = MESH.to_device_mesh()
+    run_on_dtensor._DEVICE_MESHES[MESH] = device_mesh
     results = {}
     for name, fn in SCENARIOS.items():
-        if only and name not in only:
+        if (only and name not in only) or name in UNSUPPORTED:
             continue
         report = {"error": None}
         start = time.perf_counter()
@@ -333,6 +436,10 @@ def main(outdir: str, only: list[str]) -> None:
         results[name] = report
         with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
+    # This process is a CPU program: nothing may have brought up torch_xla (and its PJRT client).
+    results["process"] = {"error": None, "torch_xla_imported": "torch_xla" in sys.modules}
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
     dist.barrier()
     dist.destroy_process_group()
 

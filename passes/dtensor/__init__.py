@@ -18,7 +18,7 @@ from hops.specs import Mesh
 from passes._infra import HopRulePass
 from passes.dtensor import rules
 
-__all__ = ["lower_to_dtensor"]
+__all__ = ["lower_to_dtensor", "collective_counts"]
 
 
 class _DTensorPass(HopRulePass):
@@ -77,3 +77,21 @@ def lower_to_dtensor(gm: fx.GraphModule, device_mesh: Any, *, record_scopes: boo
         raise ValueError(f"lower_to_dtensor(device_mesh=...): this rank is not in {device_mesh!r}")
     _DTensorPass(mesh, device_mesh, record_scopes=record_scopes)(gm)
     return gm
+
+
+def collective_counts(comm_mode: Any) -> dict[str, int]:
+    """What a ``torch.distributed.tensor.debug.CommDebugMode`` counted, by kind as
+    ``PlacementSolution.collectives()`` names them (``"all_gather"``, ``"all_reduce"``,
+    ``"reduce_scatter"``, ``"all_to_all"``); any other collective under its op's name."""
+    counts: dict[str, int] = {}
+    for op, count in comm_mode.get_comm_counts().items():
+        name = str(op).split(".")[-1]
+        # Functional ops (all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, DTensor's
+        # shard_dim_alltoall) and c10d's (allgather_, allreduce_, ...) spell the kinds differently.
+        flat = name.replace("_", "")
+        kind = next(
+            (k for k in ("all_gather", "all_reduce", "reduce_scatter") if flat.startswith(k.replace("_", ""))),
+            "all_to_all" if "alltoall" in flat else name,
+        )
+        counts[kind] = counts.get(kind, 0) + count
+    return counts

@@ -48,6 +48,24 @@ class PlacementSolution:
         strategy = self.strategies[name]
         return self.graph.nodes[name]["strategies"].index(strategy)
 
+    def collectives(self, graph: str | None = None, *, device_type: str | None = None) -> dict[str, int]:
+        """The collectives one run of the plan issues, by kind (``"all_gather"``, ``"all_reduce"``,
+        ``"reduce_scatter"``, ``"all_to_all"``; kinds with none left out): one per mesh axis of every
+        redistribution the cost model prices, counted as often as the graph reading the value runs
+        (in a scan body once per step; a scan's operands once, before its loop).
+
+        That is what ``CommDebugMode`` counts (``passes.dtensor.collective_counts``) when the plan,
+        stated by ``apply_placements``, runs lowered by ``lower_to_dtensor`` on inputs laid out as
+        solved or replicated. ``graph``: ``"forward"`` or ``"backward"`` of a ``(forward, backward)``
+        program; ``None``: all of it. A graph's outputs are reduced before they leave it, so a saved
+        value, a scan's carry and its stacked results arrive without a pending sum.
+        ``device_type="cpu"``: DTensor runs ``Shard(i) -> Shard(j)`` on CPU meshes as an all-gather
+        and a local chunk (gloo has no all-to-all), so it is counted as ``"all_gather"``.
+        """
+        from passes.solver.collectives import predicted_collectives
+
+        return predicted_collectives(self, graph, device_type=device_type)
+
 
 def _itemsize(dtype: torch.dtype | None) -> int:
     return 0 if dtype is None else torch.empty((), dtype=dtype).element_size()

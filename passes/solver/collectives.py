@@ -1,0 +1,101 @@
+"""The collectives a solved plan issues when it runs: ``PlacementSolution.collectives()``.
+
+Kinds are named as in ``passes.solver.cost``: ``"all_gather"`` (``Shard -> Replicate``),
+``"all_reduce"`` (``Partial -> Replicate``), ``"reduce_scatter"`` (``Partial -> Shard``),
+``"all_to_all"`` (``Shard(i) -> Shard(j)``); ``Replicate -> Shard`` and ``Replicate -> Partial`` are
+local. ``passes.dtensor.collective_counts`` names what DTensor's ``CommDebugMode`` counted the same way.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Sequence
+
+from hops.specs import Mesh, Partial, Replicate, Shard
+from passes.solver.graph import materialized
+from passes.solver.solve import PlacementSolution, required_placement
+
+__all__ = ["COLLECTIVE_KINDS", "predicted_collectives", "redistribution_collectives"]
+
+COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+def redistribution_collectives(
+    source: Sequence[Any], target: Sequence[Any], mesh: Mesh, *, device_type: str | None = None
+) -> list[str]:
+    """The collectives (one per mesh axis whose placement changes by communication) that turn a
+    value laid out as ``source`` into ``target``: what ``CostModel.redistribute_seconds`` prices.
+
+    ``device_type="cpu"``: ``Shard(i) -> Shard(j)`` is an ``all_gather``, because DTensor runs it
+    on CPU meshes as an all-gather and a local chunk (gloo has no all-to-all).
+    ``Shard -> Partial`` is an ``all_gather`` (to ``Replicate``, then the pending sum kept locally).
+    """
+    kinds = []
+    for size, before, after in zip(mesh.shape, source, target):
+        if before == after or size == 1 or isinstance(before, Replicate):
+            continue
+        if isinstance(before, Shard):
+            if isinstance(after, Shard) and device_type != "cpu":
+                kinds.append("all_to_all")
+            else:
+                kinds.append("all_gather")
+        elif isinstance(before, Partial):
+            if isinstance(after, Replicate):
+                kinds.append("all_reduce")
+            elif isinstance(after, Shard):
+                kinds.append("reduce_scatter")
+    return kinds
+
+
+def _whole_on_arrival(solution: PlacementSolution) -> set[str]:
+    """Values that alias a value as it *left* its graph: a saved forward value read by the
+    backward, a scan's carry into the next step, a scan's stacked results. A graph's outputs
+    are reduced before they leave it, so these hold no pending ``Partial`` sum."""
+    graph = solution.graph
+    keys = {
+        key
+        for key, data in graph.nodes(data=True)
+        if data["kind"] == "alias" and data["scope"] == "backward" and data["fx_node"].op == "placeholder"
+    }
+    for scan in graph.graph.get("scans", []):
+        keys.update(k for k in scan["carry_in"] if k is not None)
+        keys.update(scan["results"].values())
+    return keys
+
+
+def _runtime_placement(solution: PlacementSolution, key: str, whole: set[str]) -> Any:
+    placements = solution.placements[key]
+    current = key
+    while current is not None:
+        if current in whole:
+            return materialized(placements)
+        alias = solution.graph.nodes[current]["alias"]
+        current = alias[0] if alias is not None else None
+    return placements
+
+
+def predicted_collectives(
+    solution: PlacementSolution, graph: str | None = None, *, device_type: str | None = None
+) -> dict[str, int]:
+    """See ``PlacementSolution.collectives``."""
+    scopes = {data["scope"].split("/")[0] for _, data in solution.graph.nodes(data=True)}
+    if graph is not None and graph not in scopes:
+        raise ValueError(f"PlacementSolution.collectives(graph={graph!r}): the program's graphs are {sorted(scopes)}")
+    whole = _whole_on_arrival(solution)
+    counts: Counter = Counter()
+    for u, v, edge in solution.graph.edges(data=True):
+        if not edge["uses"] or u not in solution.placements:
+            continue
+        source = solution.graph.nodes[u]
+        if graph is not None and source["scope"].split("/")[0] != graph:
+            continue
+        produced = _runtime_placement(solution, u, whole)
+        for use in edge["uses"]:
+            required = required_placement(solution, v, use, solution.placements[u])
+            if use.kind == "value" and any(isinstance(p, Partial) for p in required):
+                continue  # a pending sum is not stated: the reader takes the value as made
+            # The redistribution runs where the value is read, as often as that graph runs (a
+            # scan's operands once before its loop, a value in its body once per step).
+            for kind in redistribution_collectives(produced, required, solution.mesh, device_type=device_type):
+                counts[kind] += source["multiplier"]
+    return dict(counts)
