@@ -22,7 +22,7 @@ each local_map region's.
 import hops  # noqa: F401  (registers the HOPs the rule tables refer to)
 from passes._infra import RULES, HopRulePass, PassError, graph_modules, keep, refuse, register_rule, rule_for
 from passes.check import check_placements
-from passes.dtensor import lower_to_dtensor
+from passes.dtensor import collective_counts, lower_to_dtensor
 from passes.inline import inline_hops, run_scan_loop
 from passes.solver import (
     CostModel,
@@ -41,6 +41,7 @@ __all__ = [
     "inline_hops",
     "lower_to_xla",
     "lower_to_dtensor",
+    "collective_counts",
     "unroll_scan",
     "check_placements",
     "run_scan",
