@@ -26,6 +26,7 @@ _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_here, os.path.join(_here, ".."), os.path.join(_here, "..", "examples")]
 
 import run_on_dtensor  # noqa: E402
+from snapshot import aot_trace  # noqa: E402
 
 import hops  # noqa: E402
 import passes  # noqa: E402
@@ -50,25 +51,6 @@ def names(placements):
     return [repr(Placement) for Placement in placements]
 
 
-def aot(fn, *args):
-    from functorch.compile import aot_function, make_boxed_func
-
-    graphs = {}
-
-    def keep(name):
-        def compile_graph(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm)
-
-        return compile_graph
-
-    out = aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(
-        *(a.clone().requires_grad_() for a in args)
-    )
-    out.sum().backward()
-    return graphs["forward"], graphs["backward"]
-
-
 def eager_grads(fn, *args):
     leaves = [a.clone().requires_grad_() for a in args]
     out = fn(*leaves)
@@ -79,7 +61,7 @@ def eager_grads(fn, *args):
 def run_aot(device_mesh, fn, reference, args, placements, report):
     """Trace ``fn`` with AOTAutograd, lower both graphs, run them on DTensors laid out per
     ``placements``; compare the output and the gradients of its sum with ``reference``."""
-    forward, backward = aot(fn, *args)
+    forward, backward, _ = aot_trace(fn, *(a.clone().requires_grad_() for a in args))
     passes.lower_to_dtensor(forward, device_mesh)
     passes.lower_to_dtensor(backward, device_mesh)
     expected, expected_grads = eager_grads(reference, *args)
@@ -108,40 +90,37 @@ def annotation_program(placements, grad_placements=None):
     return make_fx(lambda x: hops.annotate_sharding(x, spec), tracing_mode="fake")(torch.randn(4, 4))
 
 
-@scenario
-def annotation_keeping_the_layout(device_mesh, report):
-    gm = passes.lower_to_dtensor(annotation_program(ROWS), device_mesh)
-    x = torch.randn(4, 4)
-    rows = on_mesh(device_mesh, x, ROWS)
+def run_annotation(device_mesh, report, placements, value):
+    """The lowered annotation to ``placements`` applied to the DTensor ``value``; its
+    collectives and output placements reported."""
+    gm = passes.lower_to_dtensor(annotation_program(placements), device_mesh)
     with CommDebugMode() as comms:
-        out = gm(rows)
+        out = gm(value)
     report["comms"] = collective_counts(comms)
     report["placements"] = names(out.placements)
+    return out
+
+
+@scenario
+def annotation_keeping_the_layout(device_mesh, report):
+    x = torch.randn(4, 4)
+    out = run_annotation(device_mesh, report, ROWS, on_mesh(device_mesh, x, ROWS))
     torch.testing.assert_close(out.full_tensor(), x)
 
 
 @scenario
 def annotation_shard_to_replicate(device_mesh, report):
-    gm = passes.lower_to_dtensor(annotation_program(WHOLE), device_mesh)
     x = torch.randn(4, 4)
-    rows = on_mesh(device_mesh, x, ROWS)
-    with CommDebugMode() as comms:
-        out = gm(rows)
-    report["comms"] = collective_counts(comms)
-    report["placements"] = names(out.placements)
+    out = run_annotation(device_mesh, report, WHOLE, on_mesh(device_mesh, x, ROWS))
     torch.testing.assert_close(out.to_local(), x)
 
 
 @scenario
 def annotation_of_a_partial_value(device_mesh, report):
-    gm = passes.lower_to_dtensor(annotation_program(ROWS), device_mesh)
     x = torch.randn(4, 4)
     # Each rank holds a quarter: the value is their sum (Partial on both axes).
     partial = DTensor.from_local(x / 4, device_mesh, [Partial().to_dtensor()] * 2, run_check=False)
-    with CommDebugMode() as comms:
-        out = gm(partial)
-    report["comms"] = collective_counts(comms)
-    report["placements"] = names(out.placements)
+    out = run_annotation(device_mesh, report, ROWS, partial)
     torch.testing.assert_close(out.full_tensor(), x)
 
 
@@ -302,7 +281,7 @@ def plan_solved_mlp() -> dict:
     def loss(x, w1, w2):
         return (torch.tanh(x @ w1) @ w2).square().mean()
 
-    forward, backward = aot(loss, *args)
+    forward, backward, _ = aot_trace(loss, *(a.clone().requires_grad_() for a in args))
     cost_model = passes.CostModel(peak_flops=1e9, memory_bandwidth=1e12, link_bandwidth=1e12, link_latency=0.0)
     solution = passes.solve_placements((forward, backward), MESH, cost_model=cost_model)
     passes.apply_placements((forward, backward), solution)
