@@ -39,7 +39,8 @@ from torch._C import DispatchKey
 from torch._ops import HigherOrderOperator
 
 from hops import _compat
-from hops._body import distinct_tensors, inspect_body, lift_closure
+from hops._body import BodyInfo, distinct_tensors, inspect_body, lift_closure
+from hops._code_key import CodeKey, code_key
 from hops._joint import is_tracing
 from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for the HOP modules)
     body_name,
@@ -68,6 +69,8 @@ class FlatBody:
         self.__name__ = self.__qualname__ = body_name(body)
         self.hops_known_functional = getattr(body, "hops_known_functional", False)
         self.hops_trace_key = getattr(body, "hops_trace_key", body)
+        self.hops_graph = getattr(body, "hops_graph", None)
+        self.hops_code_key = getattr(body, "hops_code_key", None)
 
     def __call__(self, *inputs: Any) -> tuple:
         leaves, self.treespec = pytree.tree_flatten(self.body(*inputs))
@@ -83,18 +86,43 @@ def flat_body(body: Callable) -> FlatBody:
     return body if isinstance(body, FlatBody) else FlatBody(body)
 
 
-def set_trace_key(body: Callable, *key: Any) -> None:
-    """Say which user function and call structure ``body`` runs: equal keys in one fake-mode
-    trace reuse one inspection and one traced joint (AOTAutograd's two passes, a scan of
-    the same step twice). Nothing is set if the key is not hashable (e.g. a list argument),
-    or under Dynamo (which traces bodies itself)."""
+def set_trace_key(body: Callable, fn: Callable, *structure: Any, across_calls: bool = True) -> None:
+    """Say which user function ``fn`` and call ``structure`` ``body`` runs: equal keys reuse
+    one inspection and one traced joint within a fake-mode trace (AOTAutograd's two passes, a
+    scan of the same step twice). Eagerly on XLA, calls reuse them across calls by the
+    function's ``code_key`` (a new function object with the same code and Python state),
+    computed when needed (``across_calls_key``); not with ``across_calls=False``. Nothing is
+    set if the structure is not hashable (e.g. a list argument), or under Dynamo (which
+    traces bodies itself)."""
     if torch.compiler.is_dynamo_compiling():
         return
+    key = (fn, *structure)
     try:
         hash(key)
     except TypeError:
         return
     body.hops_trace_key = key
+    if across_calls:
+        body.hops_code_key = _Once(lambda: code_key(fn, *structure))
+
+
+class _Once:
+    """A value computed on first use."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make: Callable[[], Any] | None = make
+        self.value: Any = None
+
+    def __call__(self) -> Any:
+        if self.make is not None:
+            self.value, self.make = self.make(), None
+        return self.value
+
+
+def across_calls_key(body: Callable) -> CodeKey | None:
+    """The ``CodeKey`` of ``body``'s user function and call structure, if it has one."""
+    make = getattr(body, "hops_code_key", None)
+    return make() if make is not None else None
 
 
 def known_functional(body: Callable) -> Callable:
@@ -380,9 +408,13 @@ def call_body_hop(
     if traced and info.closed:
         _refuse_untraced_closure(info.closed, operands, what, user_function)
         trace_key = getattr(body, "hops_trace_key", None)
+        code_key_of = getattr(body, "hops_code_key", None)
         body = known_functional(lift_closure(body, len(operands), info.read))
         if trace_key is not None:
             body.hops_trace_key = (trace_key, tuple(id(t) for t in info.read))
+        if code_key_of is not None:
+            read = info.read
+            body.hops_code_key = _Once(lambda: _with_lifted(code_key_of(), read))
         operands, spec = hop.fold_lifted(operands, spec, tuple(info.closed))
     return hop(body, *operands, spec)
 
@@ -442,10 +474,74 @@ class HopFunction(torch.autograd.Function):
 # residuals, and a backward region from (the primals it reads, the residuals, the present
 # cotangents) to the gradients of the operands that need one.
 
+import collections  # noqa: E402
 import weakref  # noqa: E402
 
 # fake mode -> {(kind, body key, operand metadata, spec): inspection or plan}
 _PER_TRACE: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+# Eager XLA calls: (kind, CodeKey, operand metadata, spec) -> inspection or plan, least
+# recently used first.
+_ACROSS_CALLS: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
+ACROSS_CALLS_SIZE = 64
+
+
+def _with_lifted(key: CodeKey | None, read: Sequence[torch.Tensor]) -> CodeKey | None:
+    """The code key of a body whose closure tensors ``read`` became trailing inputs: none
+    unless the key was built from those tensors (else they were reached through something
+    the key does not hold, which may change between calls)."""
+    if key is None or not all(id(t) in key.tensors for t in read):
+        return None
+    lifted = CodeKey((key, tuple(id(t) for t in read)))
+    lifted.tensors = key.tensors
+    return lifted
+
+
+class _CachedInspection:
+    """A complete ``BodyInfo`` kept across calls without keeping the caller's tensors alive.
+    The key holds their ids, so a live tensor found under a key is the one it was built from."""
+
+    def __init__(self, info: BodyInfo) -> None:
+        self.closed = [weakref.ref(t) for t in info.closed]
+        self.read = [weakref.ref(t) for t in info.read]
+
+    def info(self) -> BodyInfo | None:
+        closed, read = [r() for r in self.closed], [r() for r in self.read]
+        if any(t is None for t in (*closed, *read)):
+            return None
+        return BodyInfo(closed, None, True, read)
+
+
+def _across_calls_key(kind: str, body: Callable, operands: Sequence[Any], spec: Any) -> tuple | None:
+    """The key of an eager call on XLA tensors whose body has a ``CodeKey``, else None."""
+    metadata = []
+    for value in operands:
+        if not isinstance(value, torch.Tensor) or value.device.type != "xla":
+            return None
+        metadata.append((tuple(value.shape), value.dtype, value.device, value.requires_grad))
+    trace_key = across_calls_key(body)
+    return None if trace_key is None else (kind, trace_key, tuple(metadata), spec)
+
+
+def _cached_across_calls(kind: str, make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
+    key = _across_calls_key(kind, body, operands, spec)
+    if key is None:
+        return make()
+    entry = _ACROSS_CALLS.get(key)
+    value = entry.info() if isinstance(entry, _CachedInspection) else entry
+    if value is not None:
+        _ACROSS_CALLS.move_to_end(key)
+        return value
+    value = make()
+    if isinstance(value, BodyInfo):
+        if not value.complete or not all(id(t) in key[1].tensors for t in value.read):
+            return value  # reads values or tensors the key does not hold: inspect every call
+        entry = _CachedInspection(value)
+    else:
+        entry = value
+    _ACROSS_CALLS[key] = entry
+    while len(_ACROSS_CALLS) > ACROSS_CALLS_SIZE:
+        _ACROSS_CALLS.popitem(last=False)
+    return value
 
 
 def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
@@ -455,7 +551,9 @@ def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operand
 
     Equal means the same body (or the same ``hops_trace_key``: public functions make a new
     body per call around one user function), operand metadata and requires_grad, and spec.
-    Outside a fake-tensor trace, or with symbolic shapes, nothing is reused."""
+    Eagerly on XLA tensors, a body keyed by ``code_key`` reuses what an equal earlier call
+    made (bounded, least recently used evicted). Elsewhere outside a fake-tensor trace, or
+    with symbolic shapes, nothing is reused."""
     from torch._guards import detect_fake_mode
 
     from hops._body import _unwrap_functional
@@ -470,7 +568,7 @@ def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operand
         metadata.append((tuple(inner.shape), inner.stride(), inner.dtype, inner.device, value.requires_grad))
     mode = detect_fake_mode([_unwrap_functional(v) for v in operands])
     if mode is None:
-        return make()
+        return _cached_across_calls(kind, make, body, operands, spec)
     cache = _PER_TRACE.setdefault(mode, {})
     key = (kind, getattr(body, "hops_trace_key", body), tuple(metadata), spec)
     value = cache.get(key)
@@ -507,17 +605,28 @@ class RegionPlan(AutogradPlan):
         self.split = split_joint(joint, len(examples), len(outputs))
         (forward_output,) = self.split.forward.graph.find_nodes(op="output")
         self.residuals = [v.meta["val"] for v in forward_output.args[0][self.num_outputs :]]
+        self.forward_body: Callable | None = None
+        self.backward_bodies: dict[tuple[int, ...], Callable] = {}
 
     def forward(self, operands: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
         split = self.split
-        forward_body = known_functional(named(self.hop.residuals_out(split.forward, self.num_outputs), self.name))
-        results = self.hop(forward_body, *operands, self.hop.forward_spec(self.spec, self.residuals))
+        if self.forward_body is None:  # made once: a plan reused across calls hands the same body on
+            self.forward_body = known_functional(named(self.hop.residuals_out(split.forward, self.num_outputs), self.name))
+        results = self.hop(self.forward_body, *operands, self.hop.forward_spec(self.spec, self.residuals))
         outputs, residuals = results[: self.num_outputs], results[self.num_outputs :]
         return outputs, [*(operands[i] for i in split.primals_in_backward), *residuals]
 
     def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
-        split = self.split
         present = [i for i in self.differentiable if cotangents[i] is not None]
+        backward_body = self.backward_bodies.get(tuple(present))
+        if backward_body is None:
+            backward_body = self.backward_bodies[tuple(present)] = self._backward_body(present)
+        backward_spec = self.hop.backward_spec(self.spec, self.split, self.residuals, self.needs_grad, present)
+        grads = iter(self.hop(backward_body, *saved, *(cotangents[i] for i in present), backward_spec))
+        return [next(grads) if need else None for need in self.needs_grad]
+
+    def _backward_body(self, present: Sequence[int]) -> Callable:
+        split = self.split
         num_primals = len(split.primals_in_backward)
         residual_inputs = self.hop.residuals_in(self.residuals)
         local_outputs, differentiable = self.local_outputs, self.differentiable
@@ -536,7 +645,4 @@ class RegionPlan(AutogradPlan):
             ]
             return tuple(split.backward(*primals, *residuals, *full))
 
-        backward_body = known_functional(named(backward, f"{self.name}_bwd"))
-        backward_spec = self.hop.backward_spec(self.spec, split, self.residuals, self.needs_grad, present)
-        grads = iter(self.hop(backward_body, *saved, *(cotangents[i] for i in present), backward_spec))
-        return [next(grads) if need else None for need in self.needs_grad]
+        return known_functional(named(backward, f"{self.name}_bwd"))

@@ -38,13 +38,27 @@ def body_name(body: Any) -> str:
 
 
 def named(fn: Callable, name: str) -> Callable:
-    """``fn`` under the name ``name``, so the subgraph traced from it is named after the user function."""
+    """``fn`` under the name ``name``, so the subgraph traced from it is named after the user
+    function. A GraphModule stays reachable as ``hops_graph``: a rule that needs the body's
+    graph (a device rule staging it) can take it instead of tracing it again."""
 
     def call(*args: Any) -> Any:
         return fn(*args)
 
     call.__name__ = call.__qualname__ = name
+    if isinstance(fn, fx.GraphModule):
+        call.hops_graph = fn
     return call
+
+
+def inline_graph(graph: fx.Graph, gm: fx.GraphModule, inputs: Sequence[Any]) -> list[Any]:
+    """Copy ``gm``'s nodes into ``graph`` (whose owning module must hold ``gm``'s attributes)
+    with its placeholders bound to ``inputs``; returns its flat outputs in ``graph``."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(inputs):
+        raise ValueError(f"inline_graph: {len(placeholders)} placeholders, {len(inputs)} inputs")
+    outputs = graph.graph_copy(gm.graph, dict(zip(placeholders, inputs)))
+    return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
 
 def rename_inner_function(factory: Callable, inner: str, name: str) -> Callable:

@@ -29,6 +29,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._C import DispatchKey
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -38,7 +39,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hops import _compat, _dynamo
 from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, flat_body, fresh_outputs, known_functional, set_trace_key
 from hops._joint import body_output_examples, is_differentiable, split_joint, trace_joint
-from hops._subgraph import body_name, named, rename_inner_function
+from hops._subgraph import body_name, inline_graph, named, rename_inner_function
 from hops.specs import _FxLiteral, register_spec_type
 
 __all__ = ["scan", "scan_hop", "ScanSpec"]
@@ -248,8 +249,14 @@ def scan(
 
     torch_xla's ``scan(fn, init, xs, partition_fn, is_fn_pure)`` works too:
     ``functorch.compile.min_cut_rematerialization_partition`` as ``partition_fn`` means
-    ``remat=True``, ``default_partition`` means saving activations; ``is_fn_pure`` is
-    accepted (every call is traced on its own).
+    ``remat=True``, ``default_partition`` means saving activations.
+
+    Called eagerly on XLA tensors, the step is traced, split and lowered once and reused by
+    later calls whose step has the same code and reads the same Python state (closure,
+    defaults, globals: keyed by value, tensors by identity; see ``hops/_code_key.py``), with
+    inputs of the same shapes, dtypes and ``requires_grad``; a step reading state with no key
+    (an object's attributes) is traced on every call, and so is every step with
+    ``is_fn_pure=False``.
 
     Errors name the leaf: a carry changing shape, dtype or structure (``TypeError``, as in
     JAX), xs of different lengths, non-tensor outputs, a step writing into its inputs or a
@@ -259,7 +266,6 @@ def scan(
     if callable(length):
         # torch_xla's positional order: scan(fn, init, xs, partition_fn, is_fn_pure).
         partition_fn, is_fn_pure, length, reverse = length, reverse, None, False
-    del is_fn_pure  # every call is traced on its own: a body reading Python state stays right
     remat = remat or _remat_of(partition_fn, name)
     if not callable(fn):
         raise TypeError(f"scan(fn=...) must be callable, got {type(fn).__name__}")
@@ -293,7 +299,7 @@ def scan(
     # subgraph after the step's closure variable fn instead.
     make_step = _make_step if torch.compiler.is_dynamo_compiling() else _named_step_factories(name)
     step = make_step(fn, carry_treespec, xs_treespec, init_leaves, name)
-    set_trace_key(step, fn, carry_treespec, xs_treespec, len(additional))
+    set_trace_key(step, fn, carry_treespec, xs_treespec, len(additional), across_calls=bool(is_fn_pure))
     leaf_names = [
         *(f"carry leaf {i}" for i in range(len(init_leaves))),
         *(f"xs leaf {i}" for i in range(len(xs_leaves))),
@@ -494,11 +500,46 @@ class _ScanPlan(AutogradPlan):
     def forward(self, inputs: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
         spec = self.spec
         _, xs, additional = _split(inputs, spec)
-        forward_body = known_functional(named(self.split.forward, self.name))
-        results = scan_hop(forward_body, *inputs, spec)
+        results = scan_hop(self.forward_body, *inputs, spec)
         outputs, stacked = results[: self.num_outputs], results[self.num_outputs :]
         self.length = _length(xs, spec)
         return outputs, [*stacked, *(xs[i] for i in self.xs_used), *(additional[i] for i in self.additional_used)]
+
+    # The step bodies are made once per plan: a plan reused across calls (eagerly on XLA)
+    # hands the device rule the same bodies, whose lowered steps it keeps.
+
+    @functools.cached_property
+    def forward_body(self) -> Callable:
+        return known_functional(named(self.split.forward, self.name))
+
+    @functools.cached_property
+    def backward_body(self) -> Callable:
+        """``(*carry grads, *summed additional grads, *residuals, *xs it reads, *y cotangents,
+        *additional inputs it reads) -> (*new carry grads, *summed additional grads, *xs
+        grads)``: the split backward, built as a graph (it is one already, with plumbing)."""
+        split = self.split
+        num_carry_grads = sum(self.carry_grad)
+        num_additional_grads = sum(self.additional_grad)
+        num_xs_grads = sum(self.xs_grad)
+        num_y_cotangents = sum(differentiable for *_, differentiable in self.y_like)
+        counts = (num_carry_grads, num_additional_grads, split.num_residuals, len(self.xs_used), num_y_cotangents)
+        graph = fx.Graph()
+        values = [
+            graph.placeholder(f"{kind}_{i}")
+            for kind, count in zip(
+                ("carry_grad", "additional_grad", "residual", "x", "y_grad", "additional"),
+                (*counts, len(self.additional_used)),
+            )
+            for i in range(count)
+        ]
+        carry_grads, additional_grads, residuals, x_values, y_grads, additional_values = _take(values, *counts)
+        by_position = dict(zip(split.primals_in_backward, [*x_values, *additional_values]))
+        primals = [by_position[p] for p in split.primals_in_backward]
+        grads = inline_graph(graph, split.backward, [*primals, *residuals, *carry_grads, *y_grads])
+        new_carry_grads, x_grads, step_additional_grads = _take(grads, num_carry_grads, num_xs_grads)
+        summed = [graph.call_function(torch.ops.aten.add.Tensor, (a, g)) for a, g in zip(additional_grads, step_additional_grads)]
+        graph.output((*new_carry_grads, *summed, *x_grads))
+        return known_functional(named(fx.GraphModule(split.backward, graph, f"{self.name}_bwd"), f"{self.name}_bwd"))
 
     def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
         spec, split = self.spec, self.split
@@ -518,22 +559,6 @@ class _ScanPlan(AutogradPlan):
             if differentiable
         ]
         num_carry_grads = len(carry_cotangents)
-        num_additional_grads = sum(self.additional_grad)
-        num_xs_grads = sum(self.xs_grad)
-        positions = split.primals_in_backward
-        xs_used_count = len(self.xs_used)
-
-        def backward_step(*values: Any) -> tuple:
-            carry_grads, additional_grads, residuals, x_values, y_grads, additional_values = _take(
-                values, num_carry_grads, num_additional_grads, split.num_residuals, xs_used_count, len(y_cotangents)
-            )
-            by_position = dict(zip(positions, [*x_values, *additional_values]))
-            grads = split.backward(*(by_position[p] for p in positions), *residuals, *carry_grads, *y_grads)
-            new_carry_grads, x_grads, step_additional_grads = _take(grads, num_carry_grads, num_xs_grads)
-            summed = [a + g for a, g in zip(additional_grads, step_additional_grads)]
-            return (*new_carry_grads, *summed, *x_grads)
-
-        backward_body = known_functional(named(backward_step, f"{self.name}_bwd"))
         # The additional inputs' gradients are summed over the steps in the backward's carry.
         zeros = [
             like.new_zeros(shape, dtype=dtype)
@@ -542,7 +567,7 @@ class _ScanPlan(AutogradPlan):
         ]
         backward_xs = [*stacked, *xs_used, *y_cotangents]
         backward_spec = ScanSpec(num_carry_grads + len(zeros), len(backward_xs), spec.length, not spec.reverse, False, spec.unroll)
-        results = scan_hop(backward_body, *carry_cotangents, *zeros, *backward_xs, *additional_used, backward_spec)
+        results = scan_hop(self.backward_body, *carry_cotangents, *zeros, *backward_xs, *additional_used, backward_spec)
         carry_grads, additional_grads, xs_grads = _take(results, num_carry_grads, len(zeros))
         carry_grads, additional_grads, xs_grads = iter(carry_grads), iter(additional_grads), iter(xs_grads)
         return [

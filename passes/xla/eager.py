@@ -14,13 +14,15 @@ without importing ``passes``. Under SPMD they emit what ``lower_to_xla`` emits:
 
 from __future__ import annotations
 
+import collections
+import weakref
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch._C import DispatchKey
 
-from hops._base import flat_body
+from hops._base import across_calls_key, flat_body
 from hops._body import distinct_tensors
 from hops._subgraph import _is_view, body_name, clone_aliased_outputs
 from hops.local_map import local_map_hop
@@ -60,6 +62,41 @@ def annotate_on_xla(x: torch.Tensor, spec: ShardingSpec) -> torch.Tensor:
     return ops.sharding_constraint_on_xla(x, repr(spec))
 
 
+# Lowered step graphs of bodies called eagerly: by body object (a plan's forward and backward
+# bodies, reused by equal calls) or by the body's ``CodeKey`` (a user's body, new per call),
+# then by the examples' metadata and the spec. Bounded; the loops built from a step are kept
+# with it (``xla_while`` caches per step object).
+_STEPS_BY_BODY: "weakref.WeakKeyDictionary[Any, dict[tuple, fx.GraphModule]]" = weakref.WeakKeyDictionary()
+_STEPS_BY_KEY: "collections.OrderedDict[tuple, fx.GraphModule]" = collections.OrderedDict()
+STEPS_BY_KEY_SIZE = 64
+
+
+def lowered_step(body: Callable, examples: list, spec: Any, make: Callable[[], fx.GraphModule]) -> fx.GraphModule:
+    """``make()`` (the body's lowered step graph on ``examples``), or the one an earlier call
+    of the same body, or of a body with the same ``CodeKey``, made on equal examples."""
+    metadata = tuple(
+        (tuple(e.shape), e.dtype, e.device, e.requires_grad) if isinstance(e, torch.Tensor) else ("value", e) for e in examples
+    )
+    code_key = across_calls_key(body)
+    if code_key is not None:
+        key = (code_key, metadata, spec)
+        step = _STEPS_BY_KEY.get(key)
+        if step is None:
+            step = _STEPS_BY_KEY[key] = make()
+            while len(_STEPS_BY_KEY) > STEPS_BY_KEY_SIZE:
+                _STEPS_BY_KEY.popitem(last=False)
+        _STEPS_BY_KEY.move_to_end(key)
+        return step
+    try:
+        steps = _STEPS_BY_BODY.setdefault(getattr(body, "hops_trace_key", body), {})
+    except TypeError:  # not weak-referenceable: made on every call
+        return make()
+    step = steps.get((metadata, spec))
+    if step is None:
+        step = steps[(metadata, spec)] = make()
+    return step
+
+
 def view_free_graph(body: Callable, examples: list) -> fx.GraphModule:
     """``body`` traced on fake ``examples`` into a graph without view ops or aliased outputs.
 
@@ -67,9 +104,17 @@ def view_free_graph(body: Callable, examples: list) -> fx.GraphModule:
     wrongly: each view op becomes its ``*_copy`` op (as ``functionalize(remove=
     "mutations_and_views")`` would; the body is already functionalized). An output that is an
     input (``return c, y``) becomes a copy: a staged step must compute each loop output."""
+    import copy
+
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    graph = clone_aliased_outputs(make_fx(flat_body(body), tracing_mode="fake")(*distinct_tensors(examples)))
+    traced = getattr(body, "hops_graph", None)
+    if isinstance(traced, fx.GraphModule):
+        # A body this package built from a traced graph (a plan's step) is that graph: copied,
+        # not traced again.
+        graph = clone_aliased_outputs(copy.deepcopy(traced))
+    else:
+        graph = clone_aliased_outputs(make_fx(flat_body(body), tracing_mode="fake")(*distinct_tensors(examples)))
     for module in graph_modules(graph):
         changed = False
         for node in module.graph.nodes:
@@ -97,7 +142,7 @@ def run_local_map_on_xla(body: Callable, *tensors_and_spec: Any) -> tuple[torch.
     examples = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in tensors]
     with mode:
         local_examples = local_map_hop.body_inputs(examples, spec)
-    step = _lower(view_free_graph(body, local_examples))
+    step = lowered_step(body, local_examples, spec, lambda: _lower(view_free_graph(body, local_examples)))
     local = [
         value if placements is None else ops.enter_manual(value, repr(ShardingSpec(spec.mesh, placements)))
         for value, placements in zip(tensors, spec.in_placements)
@@ -117,18 +162,24 @@ def run_scan_on_xla(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor
     ``lower_to_xla`` under SPMD, and run by ``xla_while``. Without SPMD there is no sharding
     to lower: the HOPs run their eager rules inside the loop, except a ``local_map`` region,
     whose eager SPMD simulation compares device results by value, which a staged step has
-    not got: it is refused. The body is traced on every call: it may read Python state that
-    changes between calls, and XLA's own cache skips recompiling an unchanged loop.
+    not got: it is refused. The lowered step is kept for later calls of the same body (a
+    plan's step) or of a body with the same ``CodeKey`` (``hops.scan``'s contract); any other
+    body is traced on every call, and XLA's own cache skips recompiling an unchanged loop.
     """
     *inputs, spec = inputs_and_spec
     carry, xs, additional = _split(inputs, spec)
     length = _length(xs, spec)
     if length == 0:  # nothing to loop over: the eager rule makes the empty ys
         return _run_steps(body, inputs, spec)
-    step = view_free_graph(body, [*carry, *_slice_examples(xs), *additional])
-    if _spmd():
-        _lower(step)
-    elif any(node.target is local_map_hop for module in graph_modules(step) for node in module.graph.nodes):
+    examples = [*carry, *_slice_examples(xs), *additional]
+    spmd = _spmd()
+
+    def make() -> fx.GraphModule:
+        step = view_free_graph(body, examples)
+        return _lower(step) if spmd else step
+
+    step = lowered_step(body, examples, (spec, spmd), make)
+    if not spmd and any(node.target is local_map_hop for module in graph_modules(step) for node in module.graph.nodes):
         raise RuntimeError(
             f"scan({body_name(body)}): a local_map region in a scan on XLA tensors runs as a manual-sharding "
             "region, which needs SPMD: call torch_xla.runtime.use_spmd() first"
