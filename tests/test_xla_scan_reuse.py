@@ -236,3 +236,22 @@ def test_every_call_in_a_sequence_matches_the_python_loop(calls):
 
         h, xs, w = inputs(length=length)
         check(on_xla(step, h, xs, w, requires_grad=requires_grad), reference(cpu_step, h, xs, w))
+
+
+def test_a_reused_trace_draws_new_random_numbers_on_each_call():
+    xs = torch.ones(4, 64).to(device())
+    masks = []
+    for _ in range(3):
+
+        def noisy(c, x):
+            y = torch.nn.functional.dropout(x, 0.5, training=True)
+            return c + y.sum(), y
+
+        with counting_runs(noisy.__code__) as count:
+            _, ys = hops.scan(noisy, torch.zeros((), device=device()), xs)
+        masks.append((count[0], ys.cpu()))
+    assert masks[0][0] > 0 and [runs for runs, _ in masks[1:]] == [0, 0]
+    for _, ys in masks:
+        assert set(ys.unique().tolist()) <= {0.0, 2.0}
+    # Equal masks by chance: 2**-256 per pair of calls.
+    assert not torch.equal(masks[0][1], masks[1][1]) and not torch.equal(masks[1][1], masks[2][1])
