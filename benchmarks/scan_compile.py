@@ -41,6 +41,9 @@ its backward runs with ``torch_xla.runtime.is_spmd`` reporting False (no shard_a
 txla/layers do slightly less work than they would with jax.
 
 Usage: python benchmarks/scan_compile.py   (needs torch_xla; exits 0; PASS/FAIL per target)
+       python benchmarks/scan_compile.py --xla-compile   (~1/3 of the time: section 1 for
+       hops_xla and txla only, the two in turn per (variant, N), over twice the batches,
+       and the XLA compile time target)
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ BATCHES = (8, 10, 12, 14)  # one repeat each: a new XLA graph per repeat
 VARIANTS = ("plain", "annotated")
 APPROACHES = ("hops", "hops_xla", "unrolled", "txla", "layers")
 OURS = ("hops", "hops_xla")
+REFERENCE = "unrolled"  # the gradients every approach is checked against
 STEP_N = 32
 STEP_RUNS = 30
 STEP_WARMUP = 3
@@ -314,21 +318,21 @@ def measure(approach, n, batch, variant):
 # --------------------------------------------------------------------------- sections
 
 
-def section_compile():
+def section_compile(approaches=APPROACHES):
     """{variant: {approach: {n: [timings per repeat]}}}, and gradient agreement at N=8."""
-    results = {v: {a: {n: [] for n in NS} for a in APPROACHES} for v in VARIANTS}
+    results = {v: {a: {n: [] for n in NS} for a in approaches} for v in VARIANTS}
     agreement = {}
     for repeat, batch in enumerate(BATCHES):
         for variant in VARIANTS:
             for n in NS:
                 grads = {}
-                for approach in APPROACHES:
+                for approach in approaches:
                     timings, grad = measure(approach, n, batch, variant)
                     results[variant][approach][n].append(timings)
                     if grad is not None and repeat == 0 and n == 8:
                         grads[approach] = grad.detach().cpu()
                 if grads:
-                    ref = grads.get("unrolled")
+                    ref = grads.get(REFERENCE if REFERENCE in approaches else "txla")
                     agreement[variant] = {
                         a: (ref is not None and torch.allclose(g, ref, rtol=1e-4, atol=1e-4)) for a, g in grads.items()
                     }
@@ -357,7 +361,7 @@ def print_compile(results, agreement):
         print(f"\n[1] compile time, forward+backward, ms (median of {len(BATCHES)} batches), variant={variant}")
         header = f"{'approach':<10}{'N':>4}{'total':>9}{'host':>9}{'xla_comp':>9}{'trace':>9}{'lower':>9}"
         print(header)
-        for approach in APPROACHES:
+        for approach in results[variant]:
             for n in NS:
                 runs = results[variant][approach][n]
                 err = error_of(runs)
@@ -369,7 +373,8 @@ def print_compile(results, agreement):
                     + "".join(fmt(median_of(runs, k)) for k in ("total", "host", "xla_compile", "trace", "lower"))
                 )
         row = "  ".join(f"{a}={'ok' if ok else 'DIFFERS'}" for a, ok in agreement.get(variant, {}).items())
-        print(f"gradients of w1 at N=8 vs unrolled: {row}")
+        reference = REFERENCE if REFERENCE in results[variant] else "txla"
+        print(f"gradients of w1 at N=8 vs {reference}: {row}")
 
 
 def total(results, variant, approach, n):
@@ -587,13 +592,26 @@ def compile_targets(results, variant, ours):
           f"{ours}/txla scan compile ({listed}) (target <= 1.0 at every N)")
 
 
+def xla_compile_target(results, variant):
+    """hops_xla/txla XLA compile time (the CompileTime metric) at N = 8, 32, 64, and N = 1."""
+    ratios = {}
+    for n in NS:
+        ours, theirs = (median_of(results[variant][a][n], "xla_compile") for a in ("hops_xla", "txla"))
+        ratios[n] = ours / theirs if ours and theirs else None
+    judged = [ratios[n] for n in NS if n >= 8]
+    ok = None not in judged and max(judged) <= 0.9 and ratios.get(1) is not None and ratios[1] <= 1.0
+    listed = ", ".join(f"N={n}: {r:.3f}" if r is not None else f"N={n}: -" for n, r in ratios.items())
+    print(f"{verdict(ok)} [{variant}] hops_xla/txla XLA compile time (xla_comp) ({listed}) "
+          f"(target <= 0.9 at N = 8, 32, 64; <= 1.0 at N = 1)")
+
+
 def host_ratio(results, variant, n):
     ours, theirs = (median_of(results[variant][a][n], "host") for a in ("hops_xla", "txla"))
     return ours / theirs if ours and theirs else None
 
 
 def main() -> int:
-    global xla, SPEC
+    global xla, SPEC, BATCHES
     if not torch_xla_available():
         print(f"torch {torch.__version__}: skipped: needs torch_xla")
         return 0
@@ -612,13 +630,23 @@ def main() -> int:
     print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, PJRT_DEVICE={os.environ['PJRT_DEVICE']} "
           f"x{os.environ['CPU_NUM_DEVICES']}, SPMD, hidden {HIDDEN}, batches {BATCHES}, python {sys.version.split()[0]}")
 
+    approaches = APPROACHES
+    if "--xla-compile" in sys.argv[1:]:
+        approaches, BATCHES = ("hops_xla", "txla"), tuple(range(8, 24, 2))
     # Warm-up (untimed): an XLA backward first (autograd trap), then every approach once at
     # a size no measurement uses, so one-time imports and initialisation are not timed.
     for variant in VARIANTS:
-        for approach in APPROACHES:
+        for approach in approaches:
             measure(approach, 2, 4, variant)
 
-    results, agreement = section_compile()
+    results, agreement = section_compile(approaches)
+    if approaches != APPROACHES:
+        print_compile(results, agreement)
+        print("\nTargets")
+        for variant in VARIANTS:
+            xla_compile_target(results, variant)
+        print(f"\ntotal benchmark time {time.perf_counter() - start:.0f} s")
+        return 0
     print_compile(results, agreement)
     trace_ratios = section_trace(results)
     steps = section_step()
@@ -628,6 +656,7 @@ def main() -> int:
     for variant in VARIANTS:
         for ours in OURS:
             compile_targets(results, variant, ours)
+        xla_compile_target(results, variant)
         trace = [trace_ratios[(variant, n)] for n in NS]
         worst = max((r for r in trace if r is not None), default=None)
         print(f"{verdict(worst is not None and worst <= 0.5)} [{variant}] hops/txla trace time, worst over N = "

@@ -356,6 +356,50 @@ def test_unroll_runs_several_steps_per_iteration_with_the_same_values(reverse):
         torch.testing.assert_close(ys.cpu(), expected[1], rtol=1e-4, atol=1e-4)
 
 
+def plain_step(h, x, w):
+    h = torch.tanh(h @ w + x)
+    return h, h.sum(-1)
+
+
+def defined_as(computation):
+    """Instruction name -> its defining text, in one computation's HLO."""
+    return dict(re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$", computation, re.M))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_scan_loop_holds_its_values_only_and_slices_at_its_counter(reverse):
+    # What XLA compiles for a scan: the loop state is the counter, the carry, the xs, the
+    # ys buffers and the additional inputs, nothing else; every slice read and written is at
+    # the counter itself (a reverse loop counts down: no ``length - 1 - i`` fused into each
+    # slice, which would make the backward's slices kernels of their own); and on XLA:CPU
+    # the ys buffers are data handed to the loop, not a fill XLA compiles.
+    h, xs, w = torch.randn(4, 8), torch.randn(6, 4, 8), torch.randn(8, 8)
+    expected = hops.scan(plain_step, h, xs, additional_inputs=(w,), reverse=reverse)
+    last, ys = hops.scan(plain_step, h.to(device()), xs.to(device()), additional_inputs=(w.to(device()),), reverse=reverse)
+    hlo = hlo_text(last, ys)
+    comps = computations(hlo)
+    (body,) = re.findall(r" while\(.*body=%([\w.\-]+)", hlo)
+    body_text = comps[body]
+    (state,) = re.findall(r"^%[\w.\-]+ \(\w[\w.\-]*: \((.*?)\)\) ->", body_text, re.M)
+    assert re.sub(r"\{[\d,]*\}|/\*index=\d+\*/", "", state).replace(" ", "").split(",f32") == [
+        "s64[]", "[4,8]", "[6,4,8]", "[6,4]", "[8,8]"
+    ]
+    names = defined_as(body_text)
+    (counter,) = (n for n, text in names.items() if re.match(r"s64\[\] get-tuple-element\(.*\), index=0$", text))
+    slices = [text for text in names.values() if re.match(r"\S+ dynamic-(update-)?slice\(", text)]
+    assert len(slices) == 2  # the x read, the y written
+    for text in slices:
+        first_index = re.search(r"s64\[\] %([\w.\-]+)", text).group(1)
+        assert first_index == counter, text
+    entry = next(text for name, text in comps.items() if text.startswith("ENTRY"))
+    entry_names = defined_as(entry)
+    (call,) = re.findall(r" call\((.*)\), to_apply=", entry)
+    operands = re.findall(r"%([\w.\-]+)", call)
+    assert len(operands) == 4 and all(" parameter(" in entry_names[o] for o in operands), call
+    torch.testing.assert_close(last.cpu(), expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ys.cpu(), expected[1], rtol=1e-5, atol=1e-5)
+
+
 def test_every_length_and_unroll_runs_every_step_once():
     # XLA's loop analyses count trips from the loop's bound and increment; any miscount
     # shows as a step run twice or never. Steps add distinct powers of two: the sum says

@@ -9,10 +9,22 @@ iteration (as JAX's ``scan(unroll=k)``: ``length // unroll`` iterations, then th
 input shapes and dtypes, length, reverse, unroll), so later calls only bind tensors.
 
 The step is staged by ``staging.stage`` (which says how values torch_xla hoists into
-parameters are handled). The loop state is ``(step index, *carry, *xs, *ys, *additional,
+parameters are handled). The loop state is ``(counter, *carry, *xs, *ys, *additional,
 *constants, [seeds])``: small constants are literals of the loop body, larger ones
 loop-invariant operands, and the RNG seed one fresh seed per step, so each step draws
 different numbers.
+
+What XLA compiles is kept to what the loop needs, since on XLA:CPU each kernel is an LLVM
+compile (the bulk of a scan's compile time) and identical fused kernels are compiled once:
+- the counter is the position the iteration reads and writes: 0 up in a forward loop,
+  ``length - 1`` down in a reverse one, starting as a literal. Slices index by the loop
+  value itself in both directions, so a scan's backward (a reverse scan over the forward's
+  inputs) reuses the forward's slice kernels; ``length - 1 - index`` (or a second counter,
+  which XLA folds back into that) fused into every slice makes each a new kernel;
+- on XLA:CPU the ys buffers start as zeros copied from the host (a memcpy) rather than a
+  zero-fill kernel per buffer shape; on other devices a fill is cheap to compile and a
+  host copy is a transfer per call, so they stay fills;
+- the computation returns the carries and ys only.
 """
 
 from __future__ import annotations
@@ -71,19 +83,26 @@ def xla_while(
     given = [*carry, *xs, *additional]
     device = given[0].device if given else torch_xla.device()
     operands = [
-        torch.zeros((), dtype=torch.int64, device=device),  # the step index
         *carry,
         *xs,
-        *(torch.zeros((length, *shape), dtype=dtype, device=device) for shape, dtype in loop.y_metadata),
+        *(_zeros((length, *shape), dtype, device) for shape, dtype in loop.y_metadata),
         *additional,
         *loop.constants,
     ]
     if loop.seeded:
         operands.append(torch.randint(0, 2**62, (length,), dtype=torch.int64, device=device))
     state = torch_xla._XLAC._xla_user_computation("hops_xla::scan", operands, loop.computation)
-    num_carry, num_xs, num_ys = len(carry), len(xs), len(loop.y_metadata)
-    ys_start = 1 + num_carry + num_xs
-    return (*state[1 : 1 + num_carry], *state[ys_start : ys_start + num_ys])
+    num_carry, num_ys = len(carry), len(loop.y_metadata)
+    return (*state[:num_carry], *state[num_carry : num_carry + num_ys])
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An initial ys buffer: on XLA:CPU copied from the host (no fill kernel to compile)."""
+    from torch_xla import runtime
+
+    if runtime.device_type() == "CPU":
+        return torch.zeros(shape, dtype=dtype).to(device)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _build(
@@ -109,8 +128,11 @@ def _build(
     ys = step.outputs[num_carry:]
     constants = step.constants
 
-    # 2. The loop: state (index, *carry, *xs, *ys, *additional, *constants, [seeds]).
-    ys_start = 1 + num_carry + num_xs
+    # 2. The loop: state (counter, *carry, *xs, *ys, *additional, *constants, [seeds]); the
+    #    computation's parameters are the same without the counter.
+    carry_start = 1
+    xs_start = carry_start + num_carry
+    ys_start = xs_start + num_xs
     additional_start = ys_start + len(ys)
     constants_start = additional_start + len(additional)
     seeds_position = constants_start + len(constants)
@@ -118,8 +140,7 @@ def _build(
     def shape(dims: Sequence[int], dtype: torch.dtype) -> Any:
         return xb.mkshape(xb.Op.from_torch_type(dtype), list(dims))
 
-    state_shapes = [
-        shape((), torch.int64),
+    parameter_shapes = [
         *(shape(t.shape, t.dtype) for t in carry),
         *(shape(t.shape, t.dtype) for t in xs),
         *(shape((length, *y_shape), y_dtype) for y_shape, y_dtype in ys),
@@ -127,52 +148,58 @@ def _build(
         *(shape(t.shape, t.dtype) for t in constants),
     ]
     if step.seeded:
-        state_shapes.append(shape((length,), torch.int64))
+        parameter_shapes.append(shape((length,), torch.int64))
     builder = xb.create_builder("scan")
-    state = [xb.mkparam(builder, i, s) for i, s in enumerate(state_shapes)]
 
-    def condition(index: Any, *rest: Any) -> Any:
-        # Another iteration only while all of its ``unroll`` steps are in range. The bound is
-        # a multiple of the increment: XLA's loop simplifier (in torch_xla 2.9) floors
-        # (bound - start) / increment as the trip count and deletes ``i < 1; i += 3``.
-        return index < xb.Op.scalar(index.builder(), length // unroll * unroll, dtype=xb.Type.S64)
+    def s64(value: int, like: Any = None) -> Any:
+        return xb.Op.scalar(like.builder() if like is not None else builder, value, dtype=xb.Type.S64)
+
+    parameters = [xb.mkparam(builder, i, s) for i, s in enumerate(parameter_shapes)]
+    iterations = length // unroll
+    # The counter is the position of the iteration's first step: 0 up, or length - 1 down.
+    state = [s64(length - 1 if reverse else 0), *parameters]
+
+    def condition(counter: Any, *rest: Any) -> Any:
+        # Another iteration only while all of its ``unroll`` steps are in range. Forward, the
+        # bound is a multiple of the increment: XLA's loop simplifier (in torch_xla 2.9)
+        # floors (bound - start) / increment as the trip count and deletes ``i < 1; i += 3``.
+        if reverse:
+            return counter >= s64(length - iterations * unroll + unroll - 1, counter)
+        return counter < s64(iterations * unroll, counter)
 
     def one_step(state: list, offset: int) -> list:
-        """``state`` after the step ``state[0] + offset`` (the index itself is not advanced)."""
-        index = state[0]
+        """``state`` after the iteration's step ``offset`` (the counter is not advanced)."""
+        counter = state[0]
+        position = counter
         if offset:
-            index = index + xb.Op.scalar(index.builder(), offset, dtype=xb.Type.S64)
-        position = xb.Op.scalar(index.builder(), length - 1, dtype=xb.Type.S64) - index if reverse else index
-        slices = [_slice(state[1 + num_carry + i], position) for i in range(num_xs)]
-        step_inputs = [*state[1 : 1 + num_carry], *slices, *state[additional_start:constants_start]]
+            position = counter - s64(offset, counter) if reverse else counter + s64(offset, counter)
+        slices = [_slice(state[xs_start + i], position) for i in range(num_xs)]
+        step_inputs = [*state[carry_start:xs_start], *slices, *state[additional_start:constants_start]]
         seed = _slice(state[seeds_position], position) if step.seeded else None  # this step's seed
-        arguments = step.arguments(step_inputs, state[constants_start:seeds_position], seed, index.builder())
+        arguments = step.arguments(step_inputs, state[constants_start:seeds_position], seed, counter.builder())
         result = xb.Op.call(step.computation, arguments)
         state = list(state)
         for i in range(num_carry):
-            state[1 + i] = result.get_tuple_element(i)
+            state[carry_start + i] = result.get_tuple_element(i)
         for j in range(len(ys)):
             state[ys_start + j] = _update_slice(state[ys_start + j], result.get_tuple_element(num_carry + j), position)
         return state
 
-    def loop_body(index: Any, *rest: Any) -> tuple:
-        state = [index, *rest]
+    def loop_body(counter: Any, *rest: Any) -> tuple:
+        state = [counter, *rest]
         for offset in range(unroll):
             state = one_step(state, offset)
         # One increment by the step count: the induction variable stays ``i += k``, the
         # form XLA's loop analyses recognize (a chain of ``+1``s makes them miscount).
-        state[0] = index + xb.Op.scalar(index.builder(), unroll, dtype=xb.Type.S64)
+        state[0] = counter - s64(unroll, counter) if reverse else counter + s64(unroll, counter)
         return tuple(state)
 
     loop = xb.Op.mkwhile(state, condition, loop_body)
-    remainder = length % unroll
-    if remainder:
-        state = [loop.get_tuple_element(i) for i in range(len(state_shapes))]
-        for offset in range(remainder):
-            state = one_step(state, offset)
-        loop = xb.Op.tuple(state)
-
-    computation = loop.build("scan")
+    state = [loop.get_tuple_element(i) for i in range(len(state))]
+    for offset in range(length % unroll):
+        state = one_step(state, offset)
+    # The carries and ys are the results: the caller reads nothing else.
+    computation = xb.Op.tuple(state[carry_start:xs_start] + state[ys_start:additional_start]).build("scan")
     return _Loop(computation, tuple(ys), tuple(constants), step.seeded)
 
 
