@@ -152,7 +152,9 @@ h, xs = torch.randn(4, 8), torch.randn(3, 4, 8)
 last, ys = hops.scan(annotated, h.to("xla"), xs.to("xla"))
 hlo = torch_xla._XLAC._get_xla_tensors_hlo([last, ys])
 expected_last, expected_ys = hops.scan(annotated, h, xs)
-print(" while(" in hlo, "Sharding" in hlo, torch.allclose(last.cpu(), expected_last), torch.allclose(ys.cpu(), expected_ys))
+# XLA:CPU's tanh and reductions differ from torch's in the last bits (by thread schedule).
+close = dict(rtol=1e-5, atol=1e-5)
+print(" while(" in hlo, "Sharding" in hlo, torch.allclose(last.cpu(), expected_last, **close), torch.allclose(ys.cpu(), expected_ys, **close))
 try:
     hops.scan(with_region, h.to("xla"), xs.to("xla"))
 except RuntimeError as e:
