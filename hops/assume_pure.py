@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from hops import _targets
+from hops import _graph_function, _targets
 
 __all__ = ["assume_pure", "PureFunction", "PureModule", "CacheInfo", "CachedTrace", "ImpureFunctionError"]
 
@@ -114,7 +114,6 @@ class PureFunction:
         self._hits = self._misses = self._traces = 0
 
     def _trace(self, leaves: list, treedef: Any, key: tuple) -> CachedTrace:
-        from functorch.compile import aot_function, make_boxed_func
         from torch.fx.experimental.proxy_tensor import make_fx
 
         positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
@@ -122,6 +121,7 @@ class PureFunction:
         entry = CachedTrace(_signature_text(treedef, leaves), positions=positions)
         fn = self.fn
         captured = _captured_tensors(fn)
+        output_requires_grad: list[bool] = []
 
         def flat_fn(*flat_tensors: torch.Tensor) -> tuple:
             full = list(leaves)
@@ -131,6 +131,7 @@ class PureFunction:
             with _RefuseRealMutation(self._name, captured):
                 result = fn(*args, **kwargs)
             outputs, entry.out_spec = pytree.tree_flatten(result)
+            output_requires_grad[:] = [getattr(value, "requires_grad", False) for value in outputs]
             for path, value in zip(_paths(entry.out_spec), outputs):
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(
@@ -145,6 +146,31 @@ class PureFunction:
         graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
         _check_pure(self._name, graph, tensors, treedef, leaves, positions, captured)
 
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        graphs = _graph_function.split(
+            graph,
+            tensors,
+            needs_grad=needs_grad,
+            output_requires_grad=output_requires_grad,
+            compiler=compiler,
+            on_backward_compiled=functools.partial(setattr, entry, "backward"),
+        )
+        if graphs is not None:
+            entry.forward, entry.run = graphs.forward_graph, graphs
+        else:
+            entry.run = self._aot_runtime(graph, entry, compiler)
+        self._traces += 1
+        self._cache[key] = entry
+        while len(self._cache) > self.max_cache_size:
+            self._cache.popitem(last=False)
+        return entry
+
+    @staticmethod
+    def _aot_runtime(graph: fx.GraphModule, entry: CachedTrace, compiler: Callable | None) -> Callable:
+        """AOTAutograd's own runtime for ``graph``: what ``_graph_function`` does not run
+        (outputs aliasing inputs, which it regenerates as views)."""
+        from functorch.compile import aot_function, make_boxed_func
+
         def keep(name: str) -> Callable:
             def compile_graph(gm: fx.GraphModule, example_inputs: list) -> Callable:
                 setattr(entry, name, gm)
@@ -154,12 +180,7 @@ class PureFunction:
 
             return compile_graph
 
-        entry.run = aot_function(graph, fw_compiler=keep("forward"), bw_compiler=keep("backward"))
-        self._traces += 1
-        self._cache[key] = entry
-        while len(self._cache) > self.max_cache_size:
-            self._cache.popitem(last=False)
-        return entry
+        return aot_function(graph, fw_compiler=keep("forward"), bw_compiler=keep("backward"))
 
     def __repr__(self) -> str:
         return f"assume_pure({self._name}, {self.cache_info()})"
