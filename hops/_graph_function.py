@@ -159,6 +159,7 @@ def split(
     if plan is None:
         return None
     saved_inputs, saved_outputs = plan
+    _stack_residuals(forward, backward, len(outputs))
     return GraphFunction(
         forward,
         backward,
@@ -315,3 +316,86 @@ def _saved_by_base(
         tuple(forward_inputs.index(base) for base in saved_inputs),
         tuple(output_positions[base] for base in saved_outputs),
     )
+
+
+
+def _provenance(forward: fx.GraphModule) -> dict[fx.Node, int]:
+    """An id per forward node, equal for nodes computed by the same ops from values of the
+    same provenance, back to the inputs (by shape and dtype) or to the nearest value whose
+    sharding the program states (a sharding annotation, a ``local_map`` region)."""
+    from hops.specs import LocalMapSpec, ShardingSpec
+
+    ids: dict[Any, int] = {}
+    provenance: dict[fx.Node, int] = {}
+
+    def literal(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            return ("node", provenance[value])
+        if isinstance(value, (list, tuple)):
+            return tuple(literal(v) for v in value)
+        if isinstance(value, dict):
+            return tuple(sorted((k, literal(v)) for k, v in value.items()))
+        try:
+            hash(value)
+        except TypeError:
+            return repr(value)
+        return value
+
+    for node in forward.graph.nodes:
+        value = node.meta.get("val")
+        described = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
+        if node.op == "placeholder":
+            key: Any = ("input", described)
+        elif any(isinstance(arg, (ShardingSpec, LocalMapSpec)) for arg in node.args):
+            # The program fixes this value's layout: what computed it does not matter.
+            key = ("stated", node.target, described, tuple(a for a in node.args if not isinstance(a, fx.Node)))
+        elif node.op in ("call_function", "call_method", "call_module", "get_attr"):
+            key = (node.op, node.target, described, literal(node.args), literal(node.kwargs))
+        else:
+            continue
+        provenance[node] = ids.setdefault(key, len(ids))
+    return provenance
+
+
+def _stack_residuals(forward: fx.GraphModule, backward: fx.GraphModule, num_outputs: int) -> None:
+    """Residuals of one provenance (``_provenance``: the same shape, dtype and computation,
+    hence the same layout, such as the same activation in each repeated layer) returned as
+    one stacked tensor, unstacked by the backward graph. Each residual is a tensor a call
+    binds and the autograd engine saves; a stack of them is one. Residuals of different
+    provenance are never stacked together: under SPMD they may have different shardings,
+    and stacking them would make XLA reshard one."""
+    forward_outputs = list(forward.graph.output_node().args[0])
+    outputs, residuals = forward_outputs[:num_outputs], forward_outputs[num_outputs:]
+    residual_placeholders = list(backward.graph.find_nodes(op="placeholder"))[: len(residuals)]
+    provenance = _provenance(forward)
+    groups: dict[int, list[int]] = {}
+    for position, residual in enumerate(residuals):
+        groups.setdefault(provenance[residual], []).append(position)
+    stacked = [group for group in groups.values() if len(group) > 1]
+    if not stacked:
+        return
+    single = [group[0] for group in groups.values() if len(group) == 1]
+
+    output_node = forward.graph.output_node()
+    with forward.graph.inserting_before(output_node):
+        stacks = [
+            forward.graph.call_function(torch.ops.aten.stack.default, ([residuals[i] for i in group],))
+            for group in stacked
+        ]
+    output_node.args = ((*outputs, *stacks, *(residuals[i] for i in single)),)
+    forward.graph.lint()
+    forward.recompile()
+
+    graph = backward.graph
+    first_computation = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(residual_placeholders[0]):
+        stack_placeholders = [graph.placeholder(f"stacked_{stack.name}") for stack in stacks]
+    for stack, group in zip(stack_placeholders, stacked):
+        with graph.inserting_before(first_computation):
+            parts = graph.call_function(torch.ops.aten.unbind.int, (stack, 0))
+            for slot, position in enumerate(group):
+                part = graph.call_function(operator.getitem, (parts, slot))
+                residual_placeholders[position].replace_all_uses_with(part)
+                graph.erase_node(residual_placeholders[position])
+    graph.lint()
+    backward.recompile()
