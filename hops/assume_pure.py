@@ -201,15 +201,37 @@ class PureModule(torch.nn.Module):
         self.pure = PureFunction(call_module, max_cache_size=max_cache_size)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        state = dict(self.module.named_parameters(remove_duplicate=False))
-        state.update(self.module.named_buffers(remove_duplicate=False))
-        return self.pure(state, args, kwargs)
+        return self.pure(_module_state(self.module), args, kwargs)
 
     def cache_info(self) -> CacheInfo:
         return self.pure.cache_info()
 
     def cached(self) -> list[CachedTrace]:
         return self.pure.cached()
+
+
+def _module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters, then its buffers, by qualified name: what
+    ``named_parameters`` and ``named_buffers`` (``remove_duplicate=False``) give, read from
+    the modules' own tables (their generators cost ~3x more per call)."""
+    modules: list[tuple[str, torch.nn.Module]] = []
+    pending = [("", module)]
+    while pending:  # pre-order, children in registration order
+        prefix, current = pending.pop()
+        modules.append((prefix, current))
+        children = current._modules
+        if children:
+            pending.extend(reversed([(prefix + name + ".", child) for name, child in children.items() if child is not None]))
+    state = {}
+    for prefix, current in modules:
+        for name, tensor in current._parameters.items():
+            if tensor is not None:
+                state[prefix + name] = tensor
+    for prefix, current in modules:
+        for name, tensor in current._buffers.items():
+            if tensor is not None:
+                state[prefix + name] = tensor
+    return state
 
 
 def _leaf_key(leaf: Any) -> Any:
