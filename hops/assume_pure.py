@@ -4,10 +4,12 @@ The first call with a signature (the pytree structure of the arguments; each ten
 shape, dtype, device, layout and ``requires_grad``; each other leaf's value, spec values
 included; and whether grad mode is on) traces ``fn`` into forward and backward graphs with
 AOTAutograd, the HOPs of this package kept as nodes, and caches them. Later calls with that
-signature run the cached graphs: ``fn``'s Python does not run again (as ``jax.jit``). On XLA
-tensors the graphs are lowered by the XLA target and each is staged once into one XLA
+signature run the cached graphs: ``fn``'s Python does not run again (as ``jax.jit``), and
+a call costs one forward graph call and one backward graph call (``_graph_function``). On
+XLA tensors the graphs are lowered by the XLA target and each is staged once into one XLA
 computation that a call binds (one node of the lazy graph per call); on other devices they
 run as traced, each HOP by its eager rule. ``fn`` may call every HOP of this package.
+Outputs are new tensors, except one that is a view of an input (it stays one).
 
 ``fn`` must be pure in its tensors: mutating an input or a tensor it closes over is refused
 when it is traced (a cached graph would not repeat the mutation), and so is a tensor it
