@@ -4,10 +4,12 @@ The first call with a signature (the pytree structure of the arguments; each ten
 shape, dtype, device, layout and ``requires_grad``; each other leaf's value, spec values
 included; and whether grad mode is on) traces ``fn`` into forward and backward graphs with
 AOTAutograd, the HOPs of this package kept as nodes, and caches them. Later calls with that
-signature run the cached graphs: ``fn``'s Python does not run again (as ``jax.jit``). On XLA
-tensors the graphs are lowered by the XLA target and each is staged once into one XLA
+signature run the cached graphs: ``fn``'s Python does not run again (as ``jax.jit``), and
+a call costs one forward graph call and one backward graph call (``_graph_function``). On
+XLA tensors the graphs are lowered by the XLA target and each is staged once into one XLA
 computation that a call binds (one node of the lazy graph per call); on other devices they
 run as traced, each HOP by its eager rule. ``fn`` may call every HOP of this package.
+Outputs are new tensors, except one that is a view of an input (it stays one).
 
 ``fn`` must be pure in its tensors: mutating an input or a tensor it closes over is refused
 when it is traced (a cached graph would not repeat the mutation), and so is a tensor it
@@ -33,7 +35,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from hops import _targets
+from hops import _graph_function, _targets
 
 __all__ = ["assume_pure", "PureFunction", "PureModule", "CacheInfo", "CachedTrace", "ImpureFunctionError"]
 
@@ -114,7 +116,6 @@ class PureFunction:
         self._hits = self._misses = self._traces = 0
 
     def _trace(self, leaves: list, treedef: Any, key: tuple) -> CachedTrace:
-        from functorch.compile import aot_function, make_boxed_func
         from torch.fx.experimental.proxy_tensor import make_fx
 
         positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
@@ -122,6 +123,7 @@ class PureFunction:
         entry = CachedTrace(_signature_text(treedef, leaves), positions=positions)
         fn = self.fn
         captured = _captured_tensors(fn)
+        output_requires_grad: list[bool] = []
 
         def flat_fn(*flat_tensors: torch.Tensor) -> tuple:
             full = list(leaves)
@@ -131,6 +133,7 @@ class PureFunction:
             with _RefuseRealMutation(self._name, captured):
                 result = fn(*args, **kwargs)
             outputs, entry.out_spec = pytree.tree_flatten(result)
+            output_requires_grad[:] = [getattr(value, "requires_grad", False) for value in outputs]
             for path, value in zip(_paths(entry.out_spec), outputs):
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(
@@ -145,6 +148,31 @@ class PureFunction:
         graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
         _check_pure(self._name, graph, tensors, treedef, leaves, positions, captured)
 
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        graphs = _graph_function.split(
+            graph,
+            tensors,
+            needs_grad=needs_grad,
+            output_requires_grad=output_requires_grad,
+            compiler=compiler,
+            on_backward_compiled=functools.partial(setattr, entry, "backward"),
+        )
+        if graphs is not None:
+            entry.forward, entry.run = graphs.forward_graph, graphs
+        else:
+            entry.run = self._aot_runtime(graph, entry, compiler)
+        self._traces += 1
+        self._cache[key] = entry
+        while len(self._cache) > self.max_cache_size:
+            self._cache.popitem(last=False)
+        return entry
+
+    @staticmethod
+    def _aot_runtime(graph: fx.GraphModule, entry: CachedTrace, compiler: Callable | None) -> Callable:
+        """AOTAutograd's own runtime for ``graph``: what ``_graph_function`` does not run
+        (outputs aliasing inputs, which it regenerates as views)."""
+        from functorch.compile import aot_function, make_boxed_func
+
         def keep(name: str) -> Callable:
             def compile_graph(gm: fx.GraphModule, example_inputs: list) -> Callable:
                 setattr(entry, name, gm)
@@ -154,12 +182,7 @@ class PureFunction:
 
             return compile_graph
 
-        entry.run = aot_function(graph, fw_compiler=keep("forward"), bw_compiler=keep("backward"))
-        self._traces += 1
-        self._cache[key] = entry
-        while len(self._cache) > self.max_cache_size:
-            self._cache.popitem(last=False)
-        return entry
+        return aot_function(graph, fw_compiler=keep("forward"), bw_compiler=keep("backward"))
 
     def __repr__(self) -> str:
         return f"assume_pure({self._name}, {self.cache_info()})"
@@ -180,15 +203,37 @@ class PureModule(torch.nn.Module):
         self.pure = PureFunction(call_module, max_cache_size=max_cache_size)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        state = dict(self.module.named_parameters(remove_duplicate=False))
-        state.update(self.module.named_buffers(remove_duplicate=False))
-        return self.pure(state, args, kwargs)
+        return self.pure(_module_state(self.module), args, kwargs)
 
     def cache_info(self) -> CacheInfo:
         return self.pure.cache_info()
 
     def cached(self) -> list[CachedTrace]:
         return self.pure.cached()
+
+
+def _module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters, then its buffers, by qualified name: what
+    ``named_parameters`` and ``named_buffers`` (``remove_duplicate=False``) give, read from
+    the modules' own tables (their generators cost ~3x more per call)."""
+    modules: list[tuple[str, torch.nn.Module]] = []
+    pending = [("", module)]
+    while pending:  # pre-order, children in registration order
+        prefix, current = pending.pop()
+        modules.append((prefix, current))
+        children = current._modules
+        if children:
+            pending.extend(reversed([(prefix + name + ".", child) for name, child in children.items() if child is not None]))
+    state = {}
+    for prefix, current in modules:
+        for name, tensor in current._parameters.items():
+            if tensor is not None:
+                state[prefix + name] = tensor
+    for prefix, current in modules:
+        for name, tensor in current._buffers.items():
+            if tensor is not None:
+                state[prefix + name] = tensor
+    return state
 
 
 def _leaf_key(leaf: Any) -> Any:

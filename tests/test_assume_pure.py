@@ -10,10 +10,12 @@ from snapshot import device
 
 import hops
 from hops import Mesh, Replicate, Shard, ShardingSpec
+from hops._graph_function import GraphFunction
 from hops.assume_pure import ImpureFunctionError
 
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
+COLUMNS = ShardingSpec(MESH, (Replicate(), Shard(1)))
 
 
 def counted(fn):
@@ -187,6 +189,100 @@ def test_bad_arguments_and_outputs_are_named():
         hops.assume_pure(3)
 
 
+def stacked_layers(x, weights, specs):
+    """Layers with reshapes and transposes (views the backward recomputes), each annotated."""
+    for w, spec in zip(weights, specs):
+        h = (x.reshape(-1, x.shape[-1]) @ w.t()).view_as(x)
+        x = hops.annotate_sharding(x + torch.tanh(h) * torch.sigmoid(h), spec)
+    return x
+
+
+def layer_inputs(layers, dtype=torch.float32):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, dtype=dtype, requires_grad=True)
+    weights = [(torch.randn(4, 4, dtype=dtype) / 2).requires_grad_() for _ in range(layers)]
+    return x, weights
+
+
+def test_gradients_match_eager_and_pass_gradcheck():
+    x, weights = layer_inputs(3, torch.float64)
+    specs = (ROWS,) * 3
+    pure = hops.assume_pure(stacked_layers)
+    got, got_grads = forward_backward(lambda x, *w: pure(x, w, specs), [x, *weights])
+    expected, expected_grads = forward_backward(lambda x, *w: stacked_layers(x, w, specs), fresh([x, *weights]))
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got_grads, expected_grads)
+    assert torch.autograd.gradcheck(lambda x, *w: pure(x, w, specs), [x.detach().requires_grad_(), *weights])
+    assert pure.cache_info().traces == 1
+
+
+def test_residuals_of_repeated_layers_are_stacked_into_a_fixed_number_of_tensors():
+    def residuals(layers, specs):
+        pure = hops.assume_pure(stacked_layers)
+        x, weights = layer_inputs(layers)
+        pure(x, weights, specs).sum().backward()
+        [trace] = pure.cached()
+        saved_in_forward = len(trace.forward.graph.output_node().args[0]) - 1
+        return trace.run.num_residuals, saved_in_forward
+
+    # The same activations of each layer are one stacked tensor: more layers, no more tensors.
+    assert residuals(4, (ROWS,) * 4) == residuals(12, (ROWS,) * 12)
+    count, _ = residuals(12, (ROWS,) * 12)
+    assert count <= 6
+    # Layers annotated differently keep their residuals apart (they may be sharded apart).
+    alternating, _ = residuals(12, (ROWS, COLUMNS) * 6)
+    assert alternating > count
+
+
+def test_an_input_modified_in_place_before_the_backward_is_caught_as_in_eager():
+    pure = hops.assume_pure(lambda x, w: torch.tanh(x @ w))
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    out = pure(x, w)
+    with torch.no_grad():
+        w.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_outputs_that_are_views_repeats_and_non_differentiable_values():
+    def views(x, w):
+        y = torch.tanh(x @ w)
+        return {"rows": y.t(), "flat": y.reshape(-1), "again": y.reshape(-1), "count": (y > 0).sum()}
+
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    pure = hops.assume_pure(views)
+    got, expected = pure(x, w), views(x, w)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key])
+    assert not got["count"].requires_grad and got["rows"].requires_grad
+    assert isinstance(pure.cached()[0].run, GraphFunction)  # the cached graphs, not AOTAutograd's runtime
+
+    def loss(outputs):
+        return outputs["rows"].sum() + 2 * outputs["flat"].sum() + 3 * (outputs["again"] ** 2).sum()
+
+    torch.testing.assert_close(torch.autograd.grad(loss(got), [x, w]), torch.autograd.grad(loss(expected), [x, w]))
+
+
+def test_an_output_that_is_a_view_of_an_input_stays_one():
+    pure = hops.assume_pure(lambda x, w: (x.view(-1), torch.tanh(x @ w)))
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    flat, y = pure(x, w)
+    assert flat._base is x
+    (flat.sum() + y.sum()).backward()
+    torch.testing.assert_close(x.grad, torch.ones(3, 4) + (1 - torch.tanh(x @ w) ** 2).detach() @ w.detach().t())
+
+
+def test_without_grad_mode_no_backward_graph_is_made():
+    pure = hops.assume_pure(lambda x, w: torch.tanh(x @ w))
+    x, w = torch.randn(3, 4), torch.randn(4, 4, requires_grad=True)
+    with torch.no_grad():
+        out = pure(x, w)
+    torch.testing.assert_close(out, torch.tanh(x @ w))
+    assert not out.requires_grad
+    [trace] = pure.cached()
+    assert trace.backward is None
+
+
 # --------------------------------------------------------------------------- on XLA
 
 
@@ -255,3 +351,24 @@ def test_on_xla_each_call_draws_fresh_random_numbers():
     first, second = pure(x), pure(x)
     torch_xla.sync()
     assert not torch.equal(first.cpu(), second.cpu())
+
+
+@pytest.mark.xla
+def test_on_xla_forward_and_backward_are_one_lazy_node_each():
+    import torch_xla
+
+    pure = hops.assume_pure(stacked_layers)
+    x, weights = layer_inputs(6)
+    specs = (ROWS,) * 6
+    xla_x = x.detach().to(device()).requires_grad_()
+    xla_weights = [w.detach().to(device()).requires_grad_() for w in weights]
+    for _ in range(2):  # traced, then from the cache
+        out = pure(xla_x, xla_weights, specs)
+        grads = torch.autograd.grad(out.sum(), [xla_x, *xla_weights])
+        ir = torch_xla._XLAC._get_xla_tensors_text(list(grads))
+        # One node for the forward (the gradients read its residuals), one for the backward.
+        assert ir.count("hops_xla::graph") == 2 and "tanh" not in ir and "sigmoid" not in ir
+        torch_xla.sync()
+    expected = torch.autograd.grad(stacked_layers(x, weights, specs).sum(), [x, *weights])
+    torch.testing.assert_close([g.cpu() for g in grads], list(expected), atol=1e-5, rtol=1e-4)
+    assert pure.cache_info().traces == 1

@@ -37,8 +37,9 @@ class StagedGraph:
 
         self.gm = gm
         outputs = gm.graph.output_node().args[0]
-        self.none_outputs = frozenset(i for i, value in enumerate(outputs) if value is None)
+        self.none_outputs = tuple(i for i, value in enumerate(outputs) if value is None)
         self.count = len(outputs)
+        self.metadata = _static_xla_metadata(gm)
 
         def tensor_outputs(*inputs: Any) -> list:
             return [value for i, value in enumerate(gm(*inputs)) if i not in self.none_outputs]
@@ -46,10 +47,29 @@ class StagedGraph:
         self.staged = StagedFunction(tensor_outputs, name="graph")
 
     def __call__(self, *inputs: Any) -> list:
-        if not inputs or not all(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in inputs):
+        if self.metadata is not None:  # the graph's inputs are known: no per-input checks
+            values = self.staged(*inputs, key=self.metadata)
+        elif inputs and all(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in inputs):
+            values = self.staged(*inputs)
+        else:
             return list(self.gm(*inputs))
-        values = iter(self.staged(*inputs))
-        return [None if i in self.none_outputs else next(values) for i in range(self.count)]
+        for i in self.none_outputs:
+            values.insert(i, None)
+        return values
+
+
+def _static_xla_metadata(gm: fx.GraphModule) -> Any:
+    """The shapes and dtypes of ``gm``'s inputs when every one is an XLA tensor of a
+    static shape (as traced: the graph runs on nothing else), else None."""
+    from passes.xla.staging import metadata
+
+    values = [node.meta.get("val") for node in gm.graph.find_nodes(op="placeholder")]
+    if not values or not all(
+        isinstance(v, torch.Tensor) and v.device.type == "xla" and all(isinstance(d, int) for d in v.shape)
+        for v in values
+    ):
+        return None
+    return metadata(values)
 
 
 _QUEUES_READY = False

@@ -163,10 +163,11 @@ class StagedFunction:
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         self.calls: dict[Metadata, _Call] = {}
 
-    def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, *tensors: torch.Tensor, key: Metadata | None = None) -> list[torch.Tensor]:
+        """``key``: ``metadata(tensors)``, when the caller knows it."""
         import torch_xla
 
-        key = metadata(tensors)
+        key = metadata(tensors) if key is None else key
         call = self.calls.get(key)
         if call is None:
             call = self.calls[key] = _caller(stage(self.fn, key, name=self.name))
