@@ -36,9 +36,10 @@ Approaches (4 CPU devices, SPMD):
    object each call (same code and signature): host work before sync; torch_xla's scan the
    same way for reference.
 
-torch_xla's scan backward under SPMD calls ``shard_as``, which needs jax (not installed):
-its backward runs with ``torch_xla.runtime.is_spmd`` reporting False (no shard_as), so
-txla/layers do slightly less work than they would with jax.
+torch_xla's scan backward under SPMD calls ``shard_as``, which goes through JAX (a JAX mesh
+of the same devices): it runs with ``torch_xla.runtime.is_spmd`` reporting False (no
+shard_as), the same with or without JAX installed, so txla/layers do slightly less work
+than they would with it.
 
 Usage: python benchmarks/scan_compile.py   (needs torch_xla; exits 0; PASS/FAIL per target)
        python benchmarks/scan_compile.py --xla-compile   (~1/3 of the time: section 1 for
@@ -94,7 +95,7 @@ def materialize() -> None:
 
 @contextlib.contextmanager
 def no_spmd_check():
-    # See the module docstring: torch_xla's SPMD backward needs jax.
+    # See the module docstring: torch_xla's SPMD backward goes through JAX.
     runtime = xla.torch_xla.runtime
     saved = runtime.is_spmd
     runtime.is_spmd = lambda: False
