@@ -343,9 +343,15 @@ def test_on_xla_a_call_is_one_lazy_node_and_transfers_nothing():
 
 
 @pytest.mark.xla
-def test_on_xla_each_call_draws_fresh_random_numbers():
+@pytest.mark.parametrize("before", ["sync", "a_random_result_read_without_sync"])
+def test_on_xla_each_call_draws_fresh_random_numbers(before):
     import torch_xla
 
+    torch_xla.sync()
+    if before != "sync":
+        # Reading a result with .cpu() runs its graph without a sync: the RNG seed a later
+        # staging reads is then not the device's root seed node.
+        hops.assume_pure(lambda x: torch.nn.functional.dropout(x, 0.5))(torch.ones(32, device=device())).cpu()
     pure = hops.assume_pure(lambda x: torch.nn.functional.dropout(x, 0.5))
     x = torch.ones(64, device=device())
     first, second = pure(x), pure(x)

@@ -238,8 +238,21 @@ def test_every_call_in_a_sequence_matches_the_python_loop(calls):
         check(on_xla(step, h, xs, w, requires_grad=requires_grad), reference(cpu_step, h, xs, w))
 
 
-def test_a_reused_trace_draws_new_random_numbers_on_each_call():
-    xs = torch.ones(4, 64).to(device())
+def dropout_step(c, x):
+    y = torch.nn.functional.dropout(x, 0.5, training=True)
+    return c + y.sum(), y
+
+
+@pytest.mark.parametrize("before", ["sync", "a_random_result_read_without_sync"])
+def test_a_reused_trace_draws_new_random_numbers_on_each_call(before):
+    import torch_xla
+
+    torch_xla.sync()
+    if before != "sync":
+        # Reading a result with .cpu() runs its graph without a sync: the RNG seed a later
+        # staging reads is then not the device's root seed node.
+        hops.scan(dropout_step, torch.zeros((), device=device()), torch.ones(6, 64).to(device()))[1].cpu()
+    xs = torch.ones(4 if before == "sync" else 5, 64).to(device())  # each case traces its own step
     masks = []
     for _ in range(3):
 

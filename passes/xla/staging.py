@@ -82,7 +82,14 @@ def stage(fn: Callable, inputs: Metadata, *, name: str = "staged", what: str | N
     ``name``; ``what`` (default ``name``) names ``fn`` in errors."""
     import torch_xla
     import torch_xla.core.xla_builder as xb
+    import torch_xla.core.xla_model as xm
 
+    # The RNG seed is found below by its node id, which is the device's root seed only while
+    # no random op is pending since the last sync; after one, a random op here reads a seed
+    # composed from it, the root seed would be staged as a constant, and every call would
+    # draw the same numbers. Setting the running seed again (the same stream: later draws
+    # are unchanged) makes the next draw read a fresh root seed.
+    xm.set_rng_state(xm.get_rng_state())
     placeholders = [xb.create_placeholder_tensor(shape, dtype) for shape, dtype in inputs]
     outputs = list(_with_scalars_as_constants(fn, placeholders))
     for position, value in enumerate(outputs):
