@@ -285,7 +285,7 @@ def _saved_by_base(
         with graph.inserting_before(first_computation):
             for link in reversed(chain):
                 if link not in environment:
-                    environment[link] = graph.node_copy(link, lambda n: environment[n])
+                    environment[link] = graph.node_copy(link, environment.__getitem__)
                     recomputed[link] = environment[link]
         placeholder.replace_all_uses_with(environment[value])
         if placeholder not in base_placeholders.values():
