@@ -30,6 +30,7 @@ backward nodes that ``autograd_plan`` builds.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -103,20 +104,7 @@ def set_trace_key(body: Callable, fn: Callable, *structure: Any, across_calls: b
         return
     body.hops_trace_key = key
     if across_calls:
-        body.hops_code_key = _Once(lambda: code_key(fn, *structure))
-
-
-class _Once:
-    """A value computed on first use."""
-
-    def __init__(self, make: Callable[[], Any]) -> None:
-        self.make: Callable[[], Any] | None = make
-        self.value: Any = None
-
-    def __call__(self) -> Any:
-        if self.make is not None:
-            self.value, self.make = self.make(), None
-        return self.value
+        body.hops_code_key = functools.cache(lambda: code_key(fn, *structure))  # computed on first use
 
 
 def across_calls_key(body: Callable) -> CodeKey | None:
@@ -414,7 +402,7 @@ def call_body_hop(
             body.hops_trace_key = (trace_key, tuple(id(t) for t in info.read))
         if code_key_of is not None:
             read = info.read
-            body.hops_code_key = _Once(lambda: _with_lifted(code_key_of(), read))
+            body.hops_code_key = functools.cache(lambda: _with_lifted(code_key_of(), read))
         operands, spec = hop.fold_lifted(operands, spec, tuple(info.closed))
     return hop(body, *operands, spec)
 
