@@ -72,6 +72,7 @@ class FlatBody:
         self.hops_trace_key = getattr(body, "hops_trace_key", body)
         self.hops_graph = getattr(body, "hops_graph", None)
         self.hops_code_key = getattr(body, "hops_code_key", None)
+        self.hops_plan_body = getattr(body, "hops_plan_body", False)
 
     def __call__(self, *inputs: Any) -> tuple:
         leaves, self.treespec = pytree.tree_flatten(self.body(*inputs))
@@ -111,6 +112,13 @@ def across_calls_key(body: Callable) -> CodeKey | None:
     """The ``CodeKey`` of ``body``'s user function and call structure, if it has one."""
     make = getattr(body, "hops_code_key", None)
     return make() if make is not None else None
+
+
+def plan_body(body: Callable) -> Callable:
+    """Mark a body an autograd plan built from traced graphs: it reads no Python state, so a
+    device rule may keep what it made from it for as long as the body lives."""
+    body.hops_plan_body = True
+    return known_functional(body)
 
 
 def known_functional(body: Callable) -> Callable:
@@ -599,7 +607,7 @@ class RegionPlan(AutogradPlan):
     def forward(self, operands: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
         split = self.split
         if self.forward_body is None:  # made once: a plan reused across calls hands the same body on
-            self.forward_body = known_functional(named(self.hop.residuals_out(split.forward, self.num_outputs), self.name))
+            self.forward_body = plan_body(named(self.hop.residuals_out(split.forward, self.num_outputs), self.name))
         results = self.hop(self.forward_body, *operands, self.hop.forward_spec(self.spec, self.residuals))
         outputs, residuals = results[: self.num_outputs], results[self.num_outputs :]
         return outputs, [*(operands[i] for i in split.primals_in_backward), *residuals]
@@ -633,4 +641,4 @@ class RegionPlan(AutogradPlan):
             ]
             return tuple(split.backward(*primals, *residuals, *full))
 
-        return known_functional(named(backward, f"{self.name}_bwd"))
+        return plan_body(named(backward, f"{self.name}_bwd"))

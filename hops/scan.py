@@ -37,7 +37,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo
-from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, flat_body, fresh_outputs, known_functional, set_trace_key
+from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, flat_body, fresh_outputs, plan_body, set_trace_key
 from hops._joint import body_output_examples, is_differentiable, split_joint, trace_joint
 from hops._subgraph import body_name, inline_graph, named, rename_inner_function
 from hops.specs import _FxLiteral, register_spec_type
@@ -510,7 +510,7 @@ class _ScanPlan(AutogradPlan):
 
     @functools.cached_property
     def forward_body(self) -> Callable:
-        return known_functional(named(self.split.forward, self.name))
+        return plan_body(named(self.split.forward, self.name))
 
     @functools.cached_property
     def backward_body(self) -> Callable:
@@ -539,7 +539,7 @@ class _ScanPlan(AutogradPlan):
         new_carry_grads, x_grads, step_additional_grads = _take(grads, num_carry_grads, num_xs_grads)
         summed = [graph.call_function(torch.ops.aten.add.Tensor, (a, g)) for a, g in zip(additional_grads, step_additional_grads)]
         graph.output((*new_carry_grads, *summed, *x_grads))
-        return known_functional(named(fx.GraphModule(split.backward, graph, f"{self.name}_bwd"), f"{self.name}_bwd"))
+        return plan_body(named(fx.GraphModule(split.backward, graph, f"{self.name}_bwd"), f"{self.name}_bwd"))
 
     def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
         spec, split = self.spec, self.split

@@ -62,10 +62,11 @@ def annotate_on_xla(x: torch.Tensor, spec: ShardingSpec) -> torch.Tensor:
     return ops.sharding_constraint_on_xla(x, repr(spec))
 
 
-# Lowered step graphs of bodies called eagerly: by body object (a plan's forward and backward
-# bodies, reused by equal calls) or by the body's ``CodeKey`` (a user's body, new per call),
-# then by the examples' metadata and the spec. Bounded; the loops built from a step are kept
-# with it (``xla_while`` caches per step object).
+# Lowered step graphs of bodies called eagerly: by body object for a plan's forward and
+# backward bodies (``plan_body``: reused by equal calls), or by the body's ``CodeKey`` (a
+# user's body, new per call), then by the examples' metadata and the spec; any other body is
+# traced on every call. Bounded; the loops built from a step are kept with it (``xla_while``
+# caches per step object).
 _STEPS_BY_BODY: "weakref.WeakKeyDictionary[Any, dict[tuple, fx.GraphModule]]" = weakref.WeakKeyDictionary()
 _STEPS_BY_KEY: "collections.OrderedDict[tuple, fx.GraphModule]" = collections.OrderedDict()
 STEPS_BY_KEY_SIZE = 64
@@ -87,10 +88,9 @@ def lowered_step(body: Callable, examples: list, spec: Any, make: Callable[[], f
                 _STEPS_BY_KEY.popitem(last=False)
         _STEPS_BY_KEY.move_to_end(key)
         return step
-    try:
-        steps = _STEPS_BY_BODY.setdefault(getattr(body, "hops_trace_key", body), {})
-    except TypeError:  # not weak-referenceable: made on every call
-        return make()
+    if not getattr(body, "hops_plan_body", False):
+        return make()  # a body that may read Python state, with no key for it: made every call
+    steps = _STEPS_BY_BODY.setdefault(getattr(body, "hops_trace_key", body), {})
     step = steps.get((metadata, spec))
     if step is None:
         step = steps[(metadata, spec)] = make()
