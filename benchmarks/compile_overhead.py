@@ -56,7 +56,6 @@ def decoder(layers: int, layer_type: type) -> torch.nn.Module:
 
 def main() -> None:
     import torch_xla
-    import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
     xr.use_spmd()
@@ -80,14 +79,7 @@ def main() -> None:
     }
 
     def step(model: torch.nn.Module, fn) -> tuple[float, torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        loss = fn(x).square().mean()
-        loss.backward()
-        host = time.perf_counter() - start
-        torch_xla.sync()
-        xm.wait_device_ops()
-        return host, loss
+        return trace_once.timed_step(model, fn, x)
 
     first = {}
     for name, (model, fn) in approaches.items():  # compile, then a second warm call

@@ -99,9 +99,24 @@ class Decoder(torch.nn.Module):
         return x
 
 
-def main() -> None:
+def timed_step(model: torch.nn.Module, fn, x: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Host seconds of one training step of ``fn`` (``model``'s gradients reset first) before
+    sync, and its loss; the step then runs to completion."""
     import torch_xla
     import torch_xla.core.xla_model as xm
+
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    loss = fn(x).square().mean()
+    loss.backward()
+    host = time.perf_counter() - start
+    torch_xla.sync()
+    xm.wait_device_ops()
+    return host, loss
+
+
+def main() -> None:
+    import torch_xla
     import torch_xla.runtime as xr
 
     xr.use_spmd()
@@ -113,16 +128,8 @@ def main() -> None:
     x = torch.randn(BATCH, SEQ, DIM).to(device)
     torch_xla.sync()
 
-    def step(fn) -> float:
-        """Host seconds of one step before sync; the step then runs to completion."""
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        loss = fn(x).square().mean()
-        loss.backward()
-        host = time.perf_counter() - start
-        torch_xla.sync()
-        xm.wait_device_ops()
-        return host, loss
+    def step(fn) -> tuple[float, torch.Tensor]:
+        return timed_step(model, fn, x)
 
     variants = {"lazy": model, "assume_pure": pure}
     theirs = torch_xla_pure_module(model)
