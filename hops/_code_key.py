@@ -126,8 +126,9 @@ class _Walker:
                 except ValueError:  # an empty cell
                     cells.append(("empty",))
             fn_globals = fn.__globals__
+            names = sorted(_names(code))
             read = []
-            for name in sorted(_names(code)):
+            for name in names:
                 if name in fn_globals:
                     value = fn_globals[name]
                     read.append((name, self.value(value, depth + 1)))
@@ -135,7 +136,7 @@ class _Walker:
                         # A user module's attributes the code may read (``config.scale``).
                         read.extend(
                             (f"{name}.{attribute}", self.value(getattr(value, attribute), depth + 1))
-                            for attribute in sorted(_names(code))
+                            for attribute in names
                             if hasattr(value, attribute)
                         )
             return (
