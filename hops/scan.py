@@ -533,9 +533,9 @@ class _ScanPlan(AutogradPlan):
             for i in range(count)
         ]
         carry_grads, additional_grads, residuals, x_values, y_grads, additional_values = _take(values, *counts)
-        by_position = dict(zip(split.primals_in_backward, [*x_values, *additional_values]))
-        primals = [by_position[p] for p in split.primals_in_backward]
-        grads = inline_graph(graph, split.backward, [*primals, *residuals, *carry_grads, *y_grads])
+        # The primals the backward reads are the xs it reads, then the additional inputs (in
+        # ``split.primals_in_backward`` order).
+        grads = inline_graph(graph, split.backward, [*x_values, *additional_values, *residuals, *carry_grads, *y_grads])
         new_carry_grads, x_grads, step_additional_grads = _take(grads, num_carry_grads, num_xs_grads)
         summed = [graph.call_function(torch.ops.aten.add.Tensor, (a, g)) for a, g in zip(additional_grads, step_additional_grads)]
         graph.output((*new_carry_grads, *summed, *x_grads))
