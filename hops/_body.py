@@ -79,8 +79,11 @@ def stand_in(t: torch.Tensor, mode: Any) -> torch.Tensor:
             fresh = torch.empty_strided(inner.size(), inner.stride(), dtype=inner.dtype, device=inner.device)
         if t.requires_grad and (t.is_floating_point() or t.is_complex()):
             # A non-leaf, so that an in-place write is recorded as such instead of autograd's
-            # "leaf variable" error, and the body may still differentiate through it.
-            fresh = fresh.requires_grad_(True).clone()
+            # "leaf variable" error, and the body may still differentiate through it. Made
+            # outside any torch.func transform: a body calling torch.func.grad reads closed-over
+            # tensors inside it, where requires_grad_ is refused.
+            with _compat.outside_functorch():
+                fresh = fresh.requires_grad_(True).clone()
     return fresh
 
 

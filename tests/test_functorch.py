@@ -325,3 +325,42 @@ def test_random_bodies_under_random_transforms(kind, names, transform, seed):
     got = transforms(program, x, t, batch)[transform]()
     expected = transforms(reference, x, t, batch)[transform]()
     torch.testing.assert_close(got, expected)
+
+
+# A body may itself call torch.func, on a function that closes over a tensor requiring grad
+# (a parameter): the HOP reads that tensor while the inner transform is active, and the
+# outer autograd still differentiates through it.
+P = torch.randn(3, dtype=DT, generator=torch.Generator().manual_seed(2)).requires_grad_()
+
+INNER = {  # each row-wise in v, as local_map's per-shard run needs
+    "grad": lambda f, v: grad(lambda v: f(v).sum())(v),
+    "vjp": lambda f, v: vjp(f, v)[1](torch.ones_like(v))[0],
+    "jacrev": lambda f, v: jacrev(lambda v: f(v).sum())(v),
+    "jvp": lambda f, v: jvp(f, (v,), (torch.ones_like(v),))[1],
+    "vmap(grad)": lambda f, v: vmap(grad(lambda v: f(v).sum()))(torch.stack([v, 2 * v])).sum(0),
+}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(["scan", "local_map", "named_scope"]),
+    names=st.lists(st.sampled_from(sorted(UNARY)), min_size=1, max_size=3),
+    inner=st.sampled_from(sorted(INNER)),
+    seed=st.integers(0, 2**16),
+)
+def test_transform_inside_body_reads_closure_requiring_grad(kind, names, inner, seed):
+    body = compose(names)
+
+    def field(v):
+        return torch.tanh(body(v)) * P
+
+    def update(v):
+        return v - 0.1 * INNER[inner](field, v)
+
+    program, reference = wrapped(kind, update)
+    x = inputs(seed)[0]
+    got, expected = program(x), reference(x)
+    torch.testing.assert_close(got, expected)
+    (got_grad,) = torch.autograd.grad(got.sum(), P)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), P)
+    torch.testing.assert_close(got_grad, expected_grad)
