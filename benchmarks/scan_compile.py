@@ -37,9 +37,10 @@ Approaches (4 CPU devices, SPMD):
    same way for reference.
 
 torch_xla's scan backward under SPMD calls ``shard_as``, which goes through JAX (a JAX mesh
-of the same devices): it runs with ``torch_xla.runtime.is_spmd`` reporting False (no
-shard_as), the same with or without JAX installed, so txla/layers do slightly less work
-than they would with it.
+of the same devices). With JAX installed (the ``xla`` extra installs it) txla/layers run
+that path, as their users do; without it they run with ``torch_xla.runtime.is_spmd``
+reporting False (no shard_as), slightly less work than their users' path; the header says
+which.
 
 Usage: python benchmarks/scan_compile.py   (needs torch_xla; exits 0; PASS/FAIL per target)
        python benchmarks/scan_compile.py --xla-compile   (~1/3 of the time: section 1 for
@@ -59,6 +60,7 @@ import time
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "4")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA logs a GSPMD deprecation warning per compile
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # torch_xla's SPMD scan backward uses JAX (shard_as)
 
 import torch  # noqa: E402
 
@@ -93,9 +95,21 @@ def materialize() -> None:
     xla.xm.wait_device_ops()
 
 
+def jax_available() -> bool:
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
-def no_spmd_check():
-    # See the module docstring: torch_xla's SPMD backward goes through JAX.
+def txla_backward_context():
+    # See the module docstring: torch_xla's SPMD backward goes through JAX; without JAX
+    # it runs as if SPMD were off.
+    if jax_available():
+        yield
+        return
     runtime = xla.torch_xla.runtime
     saved = runtime.is_spmd
     runtime.is_spmd = lambda: False
@@ -259,7 +273,7 @@ def prepare_eager_scan(scan, annotate, y, backward_context, n, batch):
 def prepare_txla(n, batch, variant):
     from torch_xla.experimental.scan import scan
 
-    return prepare_eager_scan(scan, xla_annotation(variant), None, no_spmd_check, n, batch)
+    return prepare_eager_scan(scan, xla_annotation(variant), None, txla_backward_context, n, batch)
 
 
 def prepare_hops_xla(n, batch, variant):
@@ -292,7 +306,7 @@ def prepare_layers(n, batch, variant):
     def run():
         t0 = time.perf_counter()
         out = scan_layers(layers, h)
-        with no_spmd_check():
+        with txla_backward_context():
             out.sum().backward()
         t1 = time.perf_counter()
         materialize()
@@ -629,7 +643,8 @@ def main() -> int:
     SPEC = hops.ShardingSpec(hops.Mesh((2, 2), ("data", "model")), (hops.Shard(0), hops.Replicate()))
     start = time.perf_counter()
     print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, PJRT_DEVICE={os.environ['PJRT_DEVICE']} "
-          f"x{os.environ['CPU_NUM_DEVICES']}, SPMD, hidden {HIDDEN}, batches {BATCHES}, python {sys.version.split()[0]}")
+          f"x{os.environ['CPU_NUM_DEVICES']}, SPMD, hidden {HIDDEN}, batches {BATCHES}, python {sys.version.split()[0]}, "
+          f"torch_xla scan backward {'with shard_as (JAX)' if jax_available() else 'without shard_as (no JAX)'}")
 
     approaches = APPROACHES
     if "--xla-compile" in sys.argv[1:]:
