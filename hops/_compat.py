@@ -104,6 +104,24 @@ def dynamo_speculate_subgraph(tx: Any, body: Any, body_inputs: list, hop: Any) -
     return graph, lifted, output_spec.treespec
 
 
+def dynamo_raised_exception(tx: Any) -> tuple[type, tuple] | None:
+    """The class and arguments of the exception the code Dynamo traces just raised (after
+    an ``ObservedException``), or None when the arguments are not constants.
+
+    Private state, the same names from 2.9 to 2.15: the tracer's ``exn_vt_stack`` holds the
+    raised exception's variable, whose ``value_type`` / ``init_args`` are the class and the
+    constructor's arguments."""
+    current = getattr(getattr(tx, "exn_vt_stack", None), "_current_exception", None)
+    exc_type = getattr(current, "value_type", None)
+    init_args = getattr(current, "init_args", None)
+    if not isinstance(exc_type, type) or init_args is None:
+        return None
+    try:
+        return exc_type, tuple(a.as_python_constant() for a in init_args)
+    except NotImplementedError:
+        return None
+
+
 def dynamo_getattr(tx: Any, variable: Any, name: str) -> Any:
     """The VariableTracker of ``variable.name`` inside Dynamo's trace: ``var_getattr`` up to
     2.13; 2.15's frozen-dataclass variables answer ``tp_getattro_impl`` instead."""

@@ -179,7 +179,7 @@ def register_subgraph_hop(hop: Any) -> None:
             _graph_free_tensor_variable(vt.as_proxy().node.name, example)
             for vt, example in zip(tensor_args, example_args)
         ]
-        body_graph, lifted_freevars, treespec = _compat.dynamo_speculate_subgraph(tx, body, body_inputs, hop)
+        body_graph, lifted_freevars, treespec = _speculate(tx, body, body_inputs, hop)
         body_gm = torch.fx.GraphModule(tx.output.nn_modules, body_graph)
         body_name = tx.output.install_subgraph(_subgraph_name(tx, body), body_gm)
         node_args = (
@@ -204,6 +204,22 @@ def register_subgraph_hop(hop: Any) -> None:
         },
     )
     _compat.register_dynamo_hop_variable(hop, variable_cls)
+
+
+def _speculate(tx: Any, body: Any, body_inputs: list, hop: Any) -> tuple:
+    """``_compat.dynamo_speculate_subgraph``, except that one of this package's typed errors
+    raised while tracing the body (a local_map whose body returns more outputs than
+    ``out_placements`` names) is raised as itself, as in eager: traced code's exceptions
+    otherwise reach a ``fullgraph=True`` caller as Dynamo's generic ``Unsupported``."""
+    from torch._dynamo.exc import ObservedException
+
+    try:
+        return _compat.dynamo_speculate_subgraph(tx, body, body_inputs, hop)
+    except ObservedException:
+        raised = _compat.dynamo_raised_exception(tx)
+        if raised is not None and raised[0].__module__.split(".")[0] == "hops":
+            raise raised[0](*raised[1]) from None
+        raise
 
 
 def _body_example_args(tx: Any, hop: Any, tensor_args: list[Any], specs: tuple) -> tuple:

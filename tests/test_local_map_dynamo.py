@@ -5,6 +5,7 @@ from snapshot import TestCase, compile_trace, readable
 
 import hops
 from hops import LocalMapSpec, Mesh, Partial, Replicate, Shard
+from hops.local_map import LocalMapArgumentError
 
 MESH = Mesh((2, 2), ("data", "model"))
 
@@ -129,3 +130,17 @@ class GraphModule(torch.nn.Module):
         specs = [next(n.args[-1] for n in g.graph.nodes if n.target is hops.local_map_hop) for g in graphs]
         self.assertEqual([s.in_placements[0] for s in specs], [(Shard(0), Replicate()), (Replicate(), Shard(0))])
 
+
+    def test_a_body_error_reaches_a_fullgraph_caller_as_itself(self):
+        # As in eager: the typed error (an AssertionError, as torch's local_map raises), not
+        # Dynamo's generic Unsupported for an exception raised in traced code.
+        region = hops.local_map(lambda x: (x + 1, x + 2), mesh=MESH, in_placements=((Shard(0), Replicate()),),
+                                out_placements=((Shard(0), Replicate()),))
+        message = r"returned \('Tensor', 'Tensor'\), which does not match out_placements: 1 placements for 2 outputs"
+        x = torch.randn(8, 4)
+        for run in (region, torch.compile(region, backend="eager", fullgraph=True)):
+            torch._dynamo.reset()
+            with self.assertRaisesRegex(LocalMapArgumentError, message):
+                run(x)
+            with self.assertRaises(AssertionError):
+                run(x)
