@@ -212,6 +212,12 @@ def _check_xs(where: str, xs: Sequence[torch.Tensor]) -> None:
 # --------------------------------------------------------------------------- public API
 
 
+class ScanArgumentError(TypeError, ValueError):
+    """A bad argument to ``hops.scan`` (a step that is not callable, an xs leaf that is not
+    a tensor). Both a ``TypeError``, as torch and JAX raise for these, and a ``ValueError``,
+    as torch_xla's scan raises."""
+
+
 def _as_tensor_leaf(value: Any, what: str, like: torch.Tensor | None = None) -> torch.Tensor:
     """A Python number as a 0-d tensor (``like``'s dtype and device when given, else torch's
     default for it: JAX's weak types become torch's defaults); a tensor as itself."""
@@ -268,7 +274,7 @@ def scan(
         partition_fn, is_fn_pure, length, reverse = length, reverse, None, False
     remat = remat or _remat_of(partition_fn, name)
     if not callable(fn):
-        raise TypeError(f"scan(fn=...) must be callable, got {type(fn).__name__}")
+        raise ScanArgumentError(f"scan(fn=...) must be callable, got {type(fn).__name__}")
     init_leaves, carry_treespec = pytree.tree_flatten(init)
     init_leaves = [_as_tensor_leaf(leaf, f"scan({name}): init leaf {i}") for i, leaf in enumerate(init_leaves)]
     # No xs (``None``, as in jax.lax.scan with ``length``): the body gets ``x=None``.
@@ -277,7 +283,7 @@ def scan(
     for what, leaves in (("xs", xs_leaves), ("additional_inputs", additional)):
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
-                raise TypeError(f"scan({name}): {what} leaf {i} is a {type(leaf).__name__}, not a tensor")
+                raise ScanArgumentError(f"scan({name}): {what} leaf {i} is a {type(leaf).__name__}, not a tensor")
     _check_xs(f"scan({name})", xs_leaves)
     if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
         raise TypeError(f"scan({name}): length must be an int >= 0, got {length!r}")

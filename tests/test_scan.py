@@ -174,6 +174,12 @@ class TestBadCalls(TestCase):
             (lambda: hops.scan(lambda c, x: (c, x), h, xs, length=3), ValueError, "length=3 but xs have length 5"),
             (lambda: hops.scan_hop(lambda c, x: (c, x), h, xs, "spec"), TypeError, "must be a hops.ScanSpec"),
         ]
+        # Raised as JAX and torch (TypeError) and torch_xla (ValueError) raise them.
+        for error in (TypeError, ValueError):
+            cases += [
+                (lambda: hops.scan(1, h, xs), error, r"scan\(fn=...\) must be callable, got int"),
+                (lambda: hops.scan(lambda c, x: (c, x), h, 1), error, "xs leaf 0 is a int, not a tensor"),
+            ]
         for call, error, message in cases:
             with self.subTest(message=message), self.assertRaisesRegex(error, message):
                 call()
