@@ -298,7 +298,8 @@ def local_map(
     - ``out_placements``: for the *flattened* outputs, a tuple with one entry per output
       (placements, or ``None`` for a non-tensor output); a function returning one tensor may
       give its placements alone (``[Shard(0)]`` or ``(Shard(0), Replicate())``). A tree
-      mirroring the output (a dict) works too.
+      mirroring the output (a dict) works too. ``None`` (torch's default) is one output,
+      replicated on every mesh axis.
     - ``in_placements``: one entry per flattened input (``None`` for a non-tensor), or one
       per positional argument applied to every tensor in it; ``None`` (or a ``None`` entry
       for a tensor) means the tensor is whole on every device (``Replicate``).
@@ -419,7 +420,9 @@ class _Placements:
             None if in_grad_placements is None else _normalize(tuple(in_grad_placements), mesh, f"local_map({name}) in_grad_placements")
         )
         if out_placements is None:
-            raise LocalMapArgumentError(f"local_map({name}): out_placements is required (one entry per flattened output)")
+            # torch's local_map: None is one output wrapped with no placements, i.e. replicated
+            # on every mesh axis (checked to agree across devices, as every Replicate output).
+            out_placements = (Replicate(),) * mesh.ndim
         if _is_placements(out_placements):
             # One output's placements given alone: [Shard(0)] or (Shard(0), Replicate()).
             self.out_tree = None

@@ -78,6 +78,16 @@ class TestTorchCallingConventions(TestCase):
         self.assertEqual(out, x @ w)
         self.assertEqual((gx, gw), grads(matmul, x, w)[1])
 
+    def test_out_placements_none_is_one_replicated_output_as_in_torch(self):
+        # torch wraps the output with no placements: replicated on every mesh axis.
+        x, w = torch.randn(4, 3), torch.randn(3, 2)
+        f = hops.local_map(matmul, out_placements=None, in_placements=(None, None), device_mesh=LINE)
+        self.assertEqual(f(x, w), x @ w)
+        # Replicate outputs must agree across devices: per-shard results that differ are refused.
+        g = hops.local_map(matmul, out_placements=None, in_placements=((Shard(0),), None), device_mesh=LINE)
+        with self.assertRaisesRegex(ValueError, "is declared Replicate on mesh axis 'x'"):
+            g(x, w)
+
     def test_keyword_arguments_are_passed_through(self):
         def shifted(x, *, shift, scale=1.0):
             return (x + shift) * scale
