@@ -220,7 +220,7 @@ class ScanArgumentError(TypeError, ValueError):
 
 def _as_tensor_leaf(value: Any, what: str, like: torch.Tensor | None = None) -> torch.Tensor:
     """A Python number as a 0-d tensor (``like``'s dtype and device when given, else torch's
-    default for it: JAX's weak types become torch's defaults); a tensor as itself."""
+    default for it; ``_promote_weak_init`` may then change an init's); a tensor as itself."""
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (bool, int, float, complex)):
@@ -247,8 +247,10 @@ def scan(
 
     Returns ``(final_carry, ys)`` with ys stacked along dim 0 in slice order (also when
     ``reverse``). ``xs=None`` needs ``length`` and gives ``x=None``; ``y=None`` gives no ys.
-    Python numbers in ``init`` or returned as carry or y become 0-d tensors (a carry keeps its
-    init's dtype; a new one otherwise gets torch's default dtype, as JAX's weak types do).
+    Python numbers in ``init`` or returned as carry or y become 0-d tensors. A number in
+    ``init`` takes the dtype one step gives it when the step sees the number itself (as JAX's
+    weak types do: ``scan(f, 0, int8_xs)`` with ``c + x`` carries int8); a number returned as
+    carry keeps its init's dtype, one returned as y gets torch's default dtype.
     ``unroll`` runs that many steps per loop iteration where the scan lowers to a loop
     (``True``: all of them), with the same values. ``remat`` recomputes each step in the
     backward instead of saving its activations.
@@ -275,8 +277,8 @@ def scan(
     remat = remat or _remat_of(partition_fn, name)
     if not callable(fn):
         raise ScanArgumentError(f"scan(fn=...) must be callable, got {type(fn).__name__}")
-    init_leaves, carry_treespec = pytree.tree_flatten(init)
-    init_leaves = [_as_tensor_leaf(leaf, f"scan({name}): init leaf {i}") for i, leaf in enumerate(init_leaves)]
+    raw_init, carry_treespec = pytree.tree_flatten(init)
+    init_leaves = [_as_tensor_leaf(leaf, f"scan({name}): init leaf {i}") for i, leaf in enumerate(raw_init)]
     # No xs (``None``, as in jax.lax.scan with ``length``): the body gets ``x=None``.
     xs_leaves, xs_treespec = ([], None) if xs is None else pytree.tree_flatten(xs)
     additional = list(additional_inputs)
@@ -301,6 +303,9 @@ def scan(
     if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
         raise TypeError(f"scan({name}): unroll must be an int >= 1 or a bool, got {unroll!r}")
     spec = ScanSpec(len(init_leaves), len(xs_leaves), static_length, reverse, remat, unroll)
+    weak = [i for i, leaf in enumerate(raw_init) if not isinstance(leaf, torch.Tensor)]
+    if weak and not torch.compiler.is_dynamo_compiling():
+        init_leaves = _promote_weak_init(fn, raw_init, init_leaves, weak, carry_treespec, xs_treespec, [*xs_leaves, *additional], spec, name)
     # Under Dynamo the code-object rename cannot be traced; hops/_dynamo.py names the
     # subgraph after the step's closure variable fn instead.
     make_step = _make_step if torch.compiler.is_dynamo_compiling() else _named_step_factories(name)
@@ -322,6 +327,54 @@ def scan(
     )
     # The results have the step's structure: (carry, ys), or (carry,) for a step without y.
     return result[0], (result[1] if len(result) == 2 else None)
+
+
+def _promote_weak_init(
+    fn: Callable,
+    raw_init: list[Any],
+    init_leaves: list[torch.Tensor],
+    weak: list[int],
+    carry_treespec: Any,
+    xs_treespec: Any,
+    xs_and_additional: list[torch.Tensor],
+    spec: ScanSpec,
+    name: str,
+) -> list[torch.Tensor]:
+    """JAX's weakly typed init: a Python number in ``init`` takes the dtype one step gives
+    its carry when the step sees the number itself (``0`` plus an int8 x is int8, ``1.0``
+    times a float64 value float64), so a step written for JAX keeps a consistent carry.
+
+    The step runs once on fake inputs for this; if it cannot (it calls a tensor method on
+    the number), the leaves keep torch's default dtypes and the real trace reports any
+    mismatch."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    from hops._body import inspect_body
+
+    num_carry = len(init_leaves)
+    num_xs = 0 if xs_treespec is None else xs_treespec.num_leaves
+
+    def probe(*leaves: Any) -> list[Any]:
+        leaves = [raw_init[i] if i in weak else leaf for i, leaf in enumerate(leaves[:num_carry])] + list(leaves[num_carry:])
+        carry = pytree.tree_unflatten(leaves[:num_carry], carry_treespec)
+        x = None if xs_treespec is None else pytree.tree_unflatten(leaves[num_carry : num_carry + num_xs], xs_treespec)
+        new_carry, _ = fn(carry, x, *leaves[num_carry + num_xs :])
+        return pytree.tree_leaves(new_carry)
+
+    with disable_proxy_modes_tracing():
+        examples = scan_hop.body_inputs([*init_leaves, *xs_and_additional], spec)
+    try:
+        info = inspect_body(probe, examples, what=f"scan({name})", input_names=lambda i: f"input {i}", eager=True)
+    except Exception:  # the step needs tensors where it got numbers: keep the defaults
+        return init_leaves
+    if not info.complete or len(info.outputs) != num_carry:
+        return init_leaves
+    promoted = list(init_leaves)
+    for i in weak:
+        out = info.outputs[i]
+        if isinstance(out, torch.Tensor) and out.dtype != init_leaves[i].dtype:
+            promoted[i] = torch.tensor(raw_init[i], dtype=out.dtype, device=init_leaves[i].device)
+    return promoted
 
 
 def _remat_of(partition_fn: Callable | None, name: str) -> bool:

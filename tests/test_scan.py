@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from snapshot import TestCase, aot_trace, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -368,6 +370,36 @@ class TestScanPasses(TestCase):
         gm = passes.lower_to_xla(make_fx(lambda h, xs, w: hops.scan(annotated_step, h, xs, additional_inputs=(w,)))(h, xs, w))
         self.assertIn("run_scan", gm.code)
         self.assertEqual(gm(h, xs, w), python_loop(rnn_step, h, xs, w))
+
+
+WEAK_STEPS = {
+    "add": lambda c, x: (c + x, x),
+    "scale and add": lambda c, x: (c * 0.5 + x, x - c),
+    "max": lambda c, x: (torch.maximum(c + x, x), x * 2),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    init=st.one_of(st.integers(-3, 3), st.floats(-2, 2, allow_nan=False, width=32)),
+    dtype=st.sampled_from([torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.float32, torch.float64]),
+    step=st.sampled_from(sorted(WEAK_STEPS)),
+)
+def test_a_python_number_init_takes_the_dtype_the_python_loop_gives_it(init, dtype, step):
+    # JAX's weak types: a Python number init behaves as the number itself does in a Python
+    # loop, where the first step's result (number op tensor) decides the carry's dtype.
+    fn = WEAK_STEPS[step]
+    xs = torch.arange(1, 5).to(dtype)
+    c, ys = init, []
+    for x in xs:
+        c, y = fn(c, x)
+        ys.append(y)
+    if not isinstance(c, torch.Tensor) or any(y.dtype != ys[0].dtype for y in ys):
+        return  # the loop's own dtypes drift: no consistent carry to compare with
+    carry, stacked = hops.scan(fn, init, xs)
+    assert carry.dtype == c.dtype, (carry.dtype, c.dtype)
+    torch.testing.assert_close(carry, c)
+    torch.testing.assert_close(stacked, torch.stack(ys))
 
 
 COMPILE_A_SCAN_IN_A_FRESH_PROCESS = """
