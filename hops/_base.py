@@ -270,6 +270,12 @@ class BodyHOP(HigherOrderOperator):
                 "a body must be functional (compute a new tensor and return it instead)"
             )
 
+    def resolve_spec(self, spec: Any, operands: Sequence[Any], body_outputs: Sequence[Any]) -> Any:
+        """The spec the node records, now that the ranks of what the body takes and returns
+        are known (local_map resolves DTensor-style negative ``Shard`` dims); the same
+        meaning. Default: ``spec``."""
+        return spec
+
     def proxy_rule(self, mode: Any, body: Callable, *args: Any) -> Any:
         """Trace the body once on what it sees into a subgraph named after the user function,
         and emit one node ``hop(subgraph, *operands, spec)``."""
@@ -305,6 +311,7 @@ class BodyHOP(HigherOrderOperator):
                 outputs = self.outputs_from_body(step, operands, spec)
             else:  # make_fx in real mode: run it
                 outputs = self(known_functional(graph), *operands, spec)
+        spec = self.resolve_spec(spec, operands, step)
         node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (graph, *operands, spec))
         out_proxy = mode.tracer.create_proxy("call_function", self, node_args, {})
         return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)

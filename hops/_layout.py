@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hops import _compat
-from hops.specs import Mesh, Partial, Placement, Replicate, Shard
+from hops.specs import Mesh, Partial, Placement, Replicate, Shard, resolve_dims
 
 
 def device_coordinates(mesh: Mesh) -> list[tuple[int, ...]]:
@@ -28,6 +28,7 @@ def device_coordinates(mesh: Mesh) -> list[tuple[int, ...]]:
 
 def check_divisible(shape: Sequence[Any], placements: Sequence[Placement], mesh: Mesh, what: str) -> None:
     """``ValueError`` naming ``what`` and the dim if a sharded dim does not split evenly."""
+    placements = resolve_dims(placements, len(shape), what, mesh)
     for dim in range(len(shape)):
         ways = shard_ways(placements, mesh, dim)
         if ways > 1 and shape[dim] % ways != 0:
@@ -39,6 +40,7 @@ def check_divisible(shape: Sequence[Any], placements: Sequence[Placement], mesh:
 
 
 def shard_ways(placements: Sequence[Placement], mesh: Mesh, dim: int) -> int:
+    """How many pieces ``dim`` is split into (``placements`` with dims resolved)."""
     ways = 1
     for size, placement in zip(mesh.shape, placements):
         if isinstance(placement, Shard) and placement.dim == dim:
@@ -47,24 +49,19 @@ def shard_ways(placements: Sequence[Placement], mesh: Mesh, dim: int) -> int:
 
 
 def check_rank(ndim: int, placements: Sequence[Placement], mesh: Mesh, what: str) -> None:
-    for axis, placement in zip(mesh.axis_names, placements):
-        if isinstance(placement, Shard) and placement.dim >= ndim:
-            raise ValueError(
-                f"{what}: placement {placement!r} on mesh axis {axis!r} shards dim {placement.dim}, "
-                f"but the tensor has rank {ndim}"
-            )
+    resolve_dims(placements, ndim, what, mesh)
 
 
 def local_shape(shape: Sequence[Any], placements: Sequence[Placement], mesh: Mesh, what: str) -> list[Any]:
     """The shape each device holds of a global tensor of ``shape``."""
-    check_rank(len(shape), placements, mesh, what)
+    placements = resolve_dims(placements, len(shape), what, mesh)
     check_divisible(shape, placements, mesh, what)
     return [size // shard_ways(placements, mesh, dim) for dim, size in enumerate(shape)]
 
 
 def global_shape(shape: Sequence[Any], placements: Sequence[Placement], mesh: Mesh, what: str) -> list[Any]:
     """The global shape of a tensor whose per-device pieces have ``shape``."""
-    check_rank(len(shape), placements, mesh, what)
+    placements = resolve_dims(placements, len(shape), what, mesh)
     return [size * shard_ways(placements, mesh, dim) for dim, size in enumerate(shape)]
 
 
@@ -77,6 +74,7 @@ def shard_for_device(
     runs below it (``narrow_copy`` there; elsewhere a narrow view copied, which forward-mode
     AD differentiates on every supported torch version, ``narrow_copy`` not on 2.9)."""
     local = tensor
+    placements = resolve_dims(placements, tensor.dim(), "shard_for_device", mesh)
     for size, placement, index in zip(mesh.shape, placements, coordinate):
         if isinstance(placement, Shard):
             length = local.shape[placement.dim] // size
@@ -109,6 +107,7 @@ def assemble(
     axis-0-major order. ``Replicate`` pieces must agree (else ``ValueError`` naming ``what``).
     """
     grid = dict(pieces)
+    placements = resolve_dims(placements, next(iter(grid.values())).dim(), what, mesh)
     for axis in reversed(range(mesh.ndim)):
         placement = placements[axis]
         combined: dict[tuple[int, ...], torch.Tensor] = {}

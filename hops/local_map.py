@@ -79,6 +79,13 @@ class LocalMap(BodyHOP):
     def run(self, body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> tuple:
         return simulate(body, tensors, spec)
 
+    def resolve_spec(self, spec: LocalMapSpec, tensors: Sequence[Any], body_outputs: Sequence[Any]) -> LocalMapSpec:
+        # A local piece has its global tensor's rank.
+        return spec.for_ranks(
+            [t.dim() if isinstance(t, torch.Tensor) else None for t in tensors],
+            [o.dim() for o in body_outputs if isinstance(o, torch.Tensor)],
+        )
+
     def fold_lifted(self, tensors: Sequence[Any], spec: LocalMapSpec, lifted: Sequence[Any]) -> tuple[list, LocalMapSpec]:
         return [*tensors, *lifted], spec.with_lifted(lifted)
 

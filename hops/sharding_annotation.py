@@ -52,7 +52,8 @@ class ShardingAnnotation(HigherOrderOperator):
             raise TypeError(f"annotate_sharding(x=...) must be a Tensor, got {type(x).__name__}")
         _check_spec(spec, ndim=x.dim())
         load_device_rules((x,))
-        return super().__call__(x, spec)
+        # Negative Shard dims (DTensor's Shard(-1)) resolved here: nodes hold dims >= 0.
+        return super().__call__(x, spec.for_rank(x.dim(), "annotate_sharding(spec=...)"))
 
     @staticmethod
     def node_args(x: Any, spec: Any) -> tuple[Any, ...]:

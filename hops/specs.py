@@ -43,10 +43,10 @@ class _FxLiteral:
         return self
 
 
-def _check_int(value: Any, name: str, *, minimum: int) -> int:
+def _check_int(value: Any, name: str, *, minimum: int | None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
+    if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
 
@@ -238,12 +238,16 @@ class Placement(_FxLiteral):
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Shard(Placement):
-    """The tensor's ``dim`` is split evenly (GSPMD pads uneven splits) across the mesh axis."""
+    """The tensor's ``dim`` is split evenly (GSPMD pads uneven splits) across the mesh axis.
+
+    A negative ``dim`` counts from the last dim, as in DTensor; it is resolved against the
+    tensor's rank where the placement meets a tensor (``resolve_dims``), so graph nodes hold
+    dims >= 0."""
 
     dim: int
 
     def __post_init__(self) -> None:
-        _check_int(self.dim, "Shard(dim)", minimum=0)
+        _check_int(self.dim, "Shard(dim)", minimum=None)
 
     def __repr__(self) -> str:
         return f"hops.Shard({self.dim})"
@@ -375,12 +379,16 @@ class ShardingSpec(_FxLiteral):
 
     def check_tensor(self, ndim: int, argument: str) -> None:
         """Raise ``ValueError`` naming ``argument`` if a tensor of rank ``ndim`` cannot take this spec."""
-        for axis, placement in zip(self.mesh.axis_names, self.placements):
-            if isinstance(placement, Shard) and placement.dim >= ndim:
-                raise ValueError(
-                    f"{argument}: placement {placement!r} on mesh axis {axis!r} shards dim "
-                    f"{placement.dim}, but the tensor has rank {ndim}"
-                )
+        resolve_dims(self.placements, ndim, argument, self.mesh)
+
+    def for_rank(self, ndim: int, argument: str) -> ShardingSpec:
+        """This spec for a tensor of rank ``ndim``: negative ``Shard`` dims resolved (the
+        spec itself when it has none); ``ValueError`` naming ``argument`` if out of range."""
+        placements = resolve_dims(self.placements, ndim, argument, self.mesh)
+        grads = None if self.grad_placements is None else resolve_dims(self.grad_placements, ndim, f"{argument} (gradient)", self.mesh)
+        if placements == self.placements and grads == self.grad_placements:
+            return self
+        return ShardingSpec(self.mesh, placements, grads)
 
     def to_partition_spec(self, ndim: int) -> tuple[str | tuple[str, ...] | None, ...]:
         """torch_xla's partition spec: for each tensor dim, the mesh axes that split it
@@ -390,9 +398,9 @@ class ShardingSpec(_FxLiteral):
                 f"{self!r} has a Partial placement, which has no XLA partition spec "
                 "(a partition spec describes how a whole value is split, not pending reductions)"
             )
-        self.check_tensor(ndim, "to_partition_spec")
+        placements = resolve_dims(self.placements, ndim, "to_partition_spec", self.mesh)
         per_dim: list[list[str]] = [[] for _ in range(ndim)]
-        for axis, placement in zip(self.mesh.axis_names, self.placements):
+        for axis, placement in zip(self.mesh.axis_names, placements):
             if isinstance(placement, Shard):
                 per_dim[placement.dim].append(axis)
         return tuple(
@@ -485,7 +493,7 @@ def parse_placements(text: str, where: str) -> tuple[Placement, ...]:
             else:
                 rest = rest[1:]
             if kind == "S":
-                if argument is None or not argument.isdigit():
+                if argument is None or not argument.removeprefix("-").isdigit():
                     raise ValueError(f"{where}: Shard needs a dim, as in 'S(0)', in placements {text!r}")
                 placements.append(Shard(int(argument)))
             else:
@@ -512,6 +520,26 @@ def parse_groups(text: str, where: str) -> tuple[tuple[Placement, ...] | None, .
 # --------------------------------------------------------------------------- local_map spec
 
 Placements = tuple  # one Placement per mesh axis
+
+
+def resolve_dims(placements: Sequence[Placement], ndim: int, where: str, mesh: Mesh | None = None) -> tuple[Placement, ...]:
+    """``placements`` for a tensor of rank ``ndim``: each ``Shard(d)`` with ``d < 0`` made
+    ``Shard(d + ndim)``; ``ValueError`` naming ``where`` (and the mesh axis) for a dim out of
+    range. The tuple itself when nothing changes."""
+    placements = tuple(placements)
+    resolved = []
+    for i, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            if not -ndim <= placement.dim < ndim:
+                axis = f" on mesh axis {mesh.axis_names[i]!r}" if mesh is not None and i < mesh.ndim else ""
+                raise ValueError(
+                    f"{where}: placement {placement!r}{axis} shards dim {placement.dim}, but the tensor has rank {ndim}"
+                )
+            if placement.dim < 0:
+                placement = Shard(placement.dim + ndim)
+        resolved.append(placement)
+    resolved_tuple = tuple(resolved)
+    return placements if resolved_tuple == placements else resolved_tuple
 
 
 def placements_tuple(value: Any, mesh: Mesh, where: str) -> tuple[Placement, ...]:
@@ -676,6 +704,39 @@ class LocalMapSpec(_FxLiteral):
             f"hops.LocalMapSpec({self.mesh!r}, {groups_text(self.in_placements)!r}, "
             f"{groups_text(self.out_placements)!r}{grads}{alternatives})"
         )
+
+    def for_ranks(self, in_ranks: Sequence[int | None], out_ranks: Sequence[int]) -> LocalMapSpec:
+        """This spec for inputs and outputs of these ranks: negative ``Shard`` dims resolved
+        (``resolve_dims``), alternatives included; the spec itself when nothing changes or
+        the ranks do not line up with its entries."""
+        if len(in_ranks) != len(self.in_placements) or len(out_ranks) != len(self.out_placements):
+            return self
+
+        def groups(values: Any, ranks: Sequence[Any], name: str) -> Any:
+            if values is None:
+                return None
+            return tuple(
+                g if g is None or r is None else resolve_dims(g, r, f"local_map {name}[{i}]", self.mesh)
+                for i, (g, r) in enumerate(zip(values, ranks))
+            )
+
+        alternatives = tuple(
+            RegionPlacements(
+                groups(o.in_placements, in_ranks, "in_placements"),
+                groups(o.out_placements, out_ranks, "out_placements"),
+                groups(o.in_grad_placements, in_ranks, "in_grad_placements"),
+                o.cost_hint,
+            )
+            for o in self.alternatives
+        )
+        resolved = LocalMapSpec(
+            self.mesh,
+            groups(self.in_placements, in_ranks, "in_placements"),
+            groups(self.out_placements, out_ranks, "out_placements"),
+            groups(self.in_grad_placements, in_ranks, "in_grad_placements"),
+            alternatives,
+        )
+        return self if resolved == self else resolved
 
     def active_placements(self) -> RegionPlacements:
         """The spec's own placements (what eager, the lowerings and the solver's default use)."""

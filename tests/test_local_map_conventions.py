@@ -127,6 +127,47 @@ class TestTorchCallingConventions(TestCase):
             h(torch.randn(4, 3))
 
 
+NEGATIVE_DIM_CASES = [
+    # (shape, placements with negative dims on MESH); every case has a resolved twin
+    ((4, 6), (Shard(-1), Replicate())),
+    ((4, 6), (Shard(-2), Shard(-1))),
+    ((2, 4, 6), (Shard(-1), Shard(-3))),
+    ((2, 4, 6), (Shard(-2), Shard(-2))),
+]
+
+
+@pytest.mark.parametrize(("shape", "placements"), NEGATIVE_DIM_CASES, ids=str)
+def test_negative_shard_dims_mean_what_dtensor_means(shape, placements):
+    # Shard(-1) (DTensor's, common in tensor-parallel code) counts from the last dim: the
+    # same values and gradients as the resolved dims, and traced nodes hold dims >= 0.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import passes
+
+    resolved = tuple(Shard(p.dim % len(shape)) if isinstance(p, Shard) else p for p in placements)
+
+    def region(dims):
+        return hops.local_map(lambda t: (t.cos() * 2, t.sum(0, keepdim=True)), mesh=MESH, in_placements=(dims,),
+                              out_placements=(dims, tuple(Partial() if isinstance(p, Shard) and p.dim % len(shape) == 0 else p for p in dims)))
+
+    x = torch.randn(*shape, dtype=torch.float64)
+    reference = (x.cos() * 2, x.sum(0, keepdim=True))
+    for dims in (placements, resolved):
+        out, grad = grads(region(dims), x)
+        torch.testing.assert_close(out, reference)
+        torch.testing.assert_close(grad, grads(lambda t: (t.cos() * 2, t.sum(0, keepdim=True)), x)[1])
+    gm = make_fx(region(placements))(x)
+    (node,) = [n for n in gm.graph.nodes if n.target is hops.local_map_hop]
+    assert node.args[-1] == make_fx(region(resolved))(x).graph.find_nodes(op="call_function", target=hops.local_map_hop)[0].args[-1]
+    torch.testing.assert_close(passes.inline_hops(gm)(x), reference)
+
+
+def test_torchs_negative_shard_placement_is_accepted_by_local_map():
+    f = hops.local_map(lambda t: t * 3, out_placements=[TorchShard(-1)], in_placements=([TorchShard(-1)],), device_mesh=LINE)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(f(x), x * 3)
+
+
 # --------------------------------------------------------------------------- against torch's local_map
 
 PROGRAMS = [

@@ -92,6 +92,17 @@ def test_partition_spec_round_trip():
     assert ShardingSpec(MESH, (Replicate(), Replicate())).to_partition_spec(0) == ()
 
 
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_negative_shard_dims_count_from_the_last_dim_as_in_dtensor(rank):
+    for dim in range(-rank, 0):
+        spec = ShardingSpec(MESH, (Shard(dim), Replicate()))
+        resolved = ShardingSpec(MESH, (Shard(dim + rank), Replicate()))
+        assert spec.for_rank(rank, "x") == resolved
+        assert spec.to_partition_spec(rank) == resolved.to_partition_spec(rank)
+        assert eval(repr(spec), {"hops": hops}) == spec  # the text form keeps the sign
+    assert resolved.for_rank(rank, "x") is resolved
+
+
 def test_dtensor_placements_convert_both_ways():
     from torch.distributed.tensor import Partial as DPartial
     from torch.distributed.tensor import Replicate as DReplicate
@@ -101,6 +112,7 @@ def test_dtensor_placements_convert_both_ways():
     assert spec == ShardingSpec(MESH, (Shard(1), Partial("max")))
     assert spec.to_dtensor_placements() == (DShard(1), DPartial("max"))
     assert hops.Placement.from_dtensor(DReplicate()) == Replicate()
+    assert hops.Placement.from_dtensor(DShard(-1)) == Shard(-1)
 
 
 def test_mesh_to_device_mesh_with_fake_process_group():
@@ -154,7 +166,8 @@ BAD_CALLS = [
     ("device ids shape", lambda: Mesh((2, 2), ("a", "b"), device_ids=np.arange(4).reshape(4, 1)), ValueError, r"device_ids=...\) has shape \(4, 1\)"),
     ("duplicate device ids", lambda: Mesh((2,), ("a",), device_ids=(1, 1)), ValueError, "duplicate ids"),
     ("negative device id", lambda: Mesh((2,), ("a",), device_ids=(0, -1)), ValueError, "device_ids"),
-    ("negative shard dim", lambda: Shard(-1), ValueError, r"Shard\(dim\) must be >= 0"),
+    ("shard dim below -rank", lambda: ShardingSpec(MESH, (Shard(-3), Replicate())).for_rank(2, "x"), ValueError, r"x: placement hops.Shard\(-3\) on mesh axis 'data' shards dim -3, but the tensor has rank 2"),
+    ("shard dim at rank", lambda: ShardingSpec(MESH, (Shard(2), Replicate())).to_partition_spec(2), ValueError, "shards dim 2, but the tensor has rank 2"),
     ("shard dim not int", lambda: Shard("0"), TypeError, r"Shard\(dim\) must be an int"),
     ("unknown partial op", lambda: Partial("mean"), ValueError, r"Partial\(reduce_op\)"),
     ("spec mesh not a Mesh", lambda: ShardingSpec(("data",), (Shard(0),)), TypeError, r"ShardingSpec\(mesh=...\)"),

@@ -19,7 +19,7 @@ import torch.fx as fx
 from hops.local_map import local_map_hop
 from hops.named_scope import named_scope_hop
 from hops.scan import scan_hop
-from hops.specs import Mesh, Shard
+from hops.specs import Mesh, Shard, resolve_dims
 from passes._infra import PassError
 
 ValueMeta = dict  # fx.Node -> fake tensor, tuple of them, or a Python value
@@ -35,10 +35,12 @@ def shard_ways(placements: Sequence[Any], mesh: Mesh, dim: int) -> int:
 
 def local_shape(shape: Sequence[int], placements: Sequence[Any], mesh: Mesh) -> tuple[int, ...]:
     """What each device holds of a global tensor of ``shape`` (even splits)."""
+    placements = resolve_dims(placements, len(shape), "local_shape", mesh)
     return tuple(size // shard_ways(placements, mesh, dim) for dim, size in enumerate(shape))
 
 
 def global_shape(shape: Sequence[int], placements: Sequence[Any], mesh: Mesh) -> tuple[int, ...]:
+    placements = resolve_dims(placements, len(shape), "global_shape", mesh)
     return tuple(size * shard_ways(placements, mesh, dim) for dim, size in enumerate(shape))
 
 
