@@ -140,6 +140,9 @@ class BodyHOP(HigherOrderOperator):
     """A HOP ``hop(body, *operands, spec)``; see the module docstring."""
 
     spec_type: type = object
+    # A message (``{what}`` names the call, ``{collective}`` the op) refusing bodies that
+    # call a functional collective, for HOPs whose body runs once per simulated device.
+    collectives_refusal: str | None = None
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -399,8 +402,10 @@ def call_body_hop(
     def inspect() -> Any:
         with disable_proxy_modes_tracing():
             examples = hop.body_inputs(operands, spec)
+        refusal = None if hop.collectives_refusal is None else hop.collectives_refusal.replace("{what}", what)
         return inspect_body(
-            body, examples, what=what, input_names=input_names, user_function=user_function, eager=not traced
+            body, examples, what=what, input_names=input_names, user_function=user_function, eager=not traced,
+            refuse_collectives=refusal,
         )
 
     info = cached_per_trace("inspection", inspect, body, operands, spec) if traced else inspect()

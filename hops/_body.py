@@ -197,9 +197,10 @@ _ACTIVE: list[_ClosureMode] = []
 class _SwapOutsideTensors(_ClosureMode):
     """Swaps tensors a body reads from outside its inputs for fake copies, and records them."""
 
-    def __init__(self, mode: Any, known: Sequence[torch.Tensor]) -> None:
+    def __init__(self, mode: Any, known: Sequence[torch.Tensor], refuse_collectives: str | None = None) -> None:
         super().__init__()
         self.mode = mode
+        self.refuse_collectives = refuse_collectives
         self.alive: list[torch.Tensor] = list(known)  # keeps ids unique while inspecting
         self.known = {id(t) for t in known}
         # id(outside tensor) -> (the tensor as enclosing levels know it, its stand-in, the
@@ -220,6 +221,8 @@ class _SwapOutsideTensors(_ClosureMode):
         return entry[1]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.refuse_collectives is not None:
+            _refuse_collective(func, self.refuse_collectives)
         args, kwargs = pytree.tree_map_only(torch.Tensor, self.map, (args, kwargs or {}))
         result = func(*args, **kwargs)
         for leaf in pytree.tree_leaves(result):
@@ -227,6 +230,18 @@ class _SwapOutsideTensors(_ClosureMode):
                 self.known.add(id(leaf))
                 self.alive.append(leaf)
         return result
+
+
+# The functional collectives' op namespaces (torch.distributed._functional_collectives).
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
+
+
+def _refuse_collective(func: Any, refusal: str) -> None:
+    name = getattr(func, "_qualified_op_name", None)
+    if name is None and isinstance(func, torch._ops.OpOverload):
+        name = func._schema.name
+    if isinstance(name, str) and name.split("::")[0] in _COLLECTIVE_NAMESPACES:
+        raise ValueError(refusal.replace("{collective}", name))
 
 
 def inspect_body(
@@ -237,6 +252,7 @@ def inspect_body(
     input_names: Callable[[int], str],
     user_function: Any = None,
     eager: bool = False,
+    refuse_collectives: str | None = None,
 ) -> BodyInfo:
     """Run ``body(*inputs)`` once on fake stand-ins (see the module docstring).
 
@@ -245,7 +261,9 @@ def inspect_body(
     body writes into. Raises ``BodyMutationError`` naming the tensor the body writes into, and
     ``ValueError`` for Python control flow on a tensor's value while tracing. With ``eager``, a
     body that reads a tensor's value as a Python number cannot be inspected on fakes: the
-    result is then incomplete instead of an error (it runs for real).
+    result is then incomplete instead of an error (it runs for real). ``refuse_collectives``:
+    a message (``{collective}`` names the op) raised as ``ValueError`` if the body calls a
+    functional collective.
     """
     from torch._subclasses.fake_tensor import DataDependentOutputException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -256,7 +274,7 @@ def inspect_body(
         _STAND_INS.update((id(v), v) for v in stand_ins if isinstance(v, torch.Tensor))
         tensors = [(i, v) for i, v in enumerate(stand_ins) if isinstance(v, torch.Tensor)]
         versions = [v._version for _, v in tensors]
-        swap = _SwapOutsideTensors(mode, [v for _, v in tensors])
+        swap = _SwapOutsideTensors(mode, [v for _, v in tensors], refuse_collectives)
         try:
             with mode, swap:
                 outputs = body(*stand_ins)

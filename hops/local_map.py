@@ -56,6 +56,12 @@ class LocalMap(BodyHOP):
     """HOP ``hops_local_map(body, *tensors, spec)``."""
 
     spec_type = LocalMapSpec
+    collectives_refusal = (
+        "{what}: the body calls the collective {collective}; on plain tensors local_map computes every "
+        "device's piece in this process, where a collective does not combine the pieces: return the "
+        "per-device result with a Partial() out placement (the pieces are then summed), or pass DTensors "
+        "to run torch's local_map"
+    )
 
     def __init__(self) -> None:
         super().__init__("hops_local_map")

@@ -168,6 +168,30 @@ def test_torchs_negative_shard_placement_is_accepted_by_local_map():
     torch.testing.assert_close(f(x), x * 3)
 
 
+def test_a_collective_in_the_body_on_plain_tensors_is_refused_by_name():
+    # Each device's piece is computed in this process: an all_reduce would not sum the
+    # simulated devices' pieces (with a real process group it would reach other processes).
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+
+    def mm_allreduce(device_mesh, a, b):
+        return funcol.all_reduce(torch.mm(a, b), "sum", device_mesh).wait()
+
+    f = hops.local_map(mm_allreduce, out_placements=[Replicate()], in_placements=(None, [Shard(1)], [Shard(0)]), device_mesh=mesh)
+    x, w = torch.randn(4, 6), torch.randn(6, 3)
+    message = r"local_map\(mm_allreduce\): the body calls the collective _c10d_functional::all_reduce; .* Partial\(\)"
+    with pytest.raises(ValueError, match=message):
+        f(mesh, x, w)
+    with pytest.raises(ValueError, match=message):
+        make_fx(lambda x, w: f(mesh, x, w))(x, w)
+    # The same program with the sum left to the out placement.
+    g = hops.local_map(lambda m, a, b: torch.mm(a, b), out_placements=[Partial()], in_placements=(None, [Shard(1)], [Shard(0)]), device_mesh=mesh)
+    torch.testing.assert_close(g(mesh, x, w), x @ w)
+
+
 # --------------------------------------------------------------------------- against torch's local_map
 
 PROGRAMS = [
