@@ -66,11 +66,20 @@ def _unwrap_functional(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def version_counter(t: torch.Tensor) -> int | None:
+    """``t._version``, or None for an inference tensor (created under ``torch.inference_mode``),
+    which has no version counter: in-place writes into one go unseen by the checks that
+    compare versions (inspection runs on stand-ins that have one)."""
+    return None if t.is_inference() else t._version
+
+
 def stand_in(t: torch.Tensor, mode: Any) -> torch.Tensor:
     """A fresh fake tensor of ``mode`` with ``t``'s metadata: same sizes (symbolic ones kept),
     strides, dtype, device and ``requires_grad``; writing into it touches nothing of ``t``."""
     inner = _unwrap_functional(t)
-    with mode:
+    # Not an inference tensor even under torch.inference_mode: a stand-in has a version
+    # counter, so writes into it are seen.
+    with torch.inference_mode(False), mode:
         if _compat.is_functorch_wrapped(inner):
             # A torch.func wrapper: its logical shape is what the body sees (a batched
             # tensor's has no batch dim); its strides are not queryable.

@@ -44,6 +44,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 
 from hops import _compat, _dynamo, _inductor
+from hops._body import version_counter
 from hops._joint import is_tracing
 from hops._subgraph import fresh_outputs, refuse_untracked_xla_operands
 from hops._targets import load_device_rules
@@ -412,10 +413,10 @@ def _check_outputs(
 
 def _eager(kernel_hop: Kernel, *tensors_and_params: Any):
     tensors, params = _split(tensors_and_params)
-    versions = [t._version for t in tensors]
+    versions = [version_counter(t) for t in tensors]
     outputs = kernel_hop.implementation(*tensors, **params.as_dict())
     for i, (t, version) in enumerate(zip(tensors, versions)):
-        if t._version != version:
+        if version_counter(t) != version:
             raise ValueError(
                 f"{kernel_hop.describe()} wrote into its input {kernel_hop.input_name(i)} in place; "
                 "a kernel must be functional (return new tensors)"

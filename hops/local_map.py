@@ -36,6 +36,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _layout
 from hops._base import BodyHOP, call_body_hop, set_trace_key
+from hops._body import version_counter
 from hops._subgraph import body_name, named, rename_inner_function
 from hops.specs import (
     LocalMapSpec,
@@ -705,10 +706,10 @@ def simulate(body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> tupl
     for d, coordinate in enumerate(coordinates):
         local = [pieces_of_input[d] for pieces_of_input in per_input]
         local_tensors = [t for t in local if isinstance(t, torch.Tensor)]
-        versions = [t._version for t in local_tensors]
+        versions = [version_counter(t) for t in local_tensors]
         outputs = _check_outputs(name, pytree.tree_leaves(body(*local)), spec)
         for i, (t, version) in enumerate(zip(local_tensors, versions)):
-            if t._version != version:
+            if version_counter(t) != version:
                 raise ValueError(f"{name} writes into its input {i} in place; a region body must be functional")
         for j, output in enumerate(outputs):
             pieces[j][coordinate] = output

@@ -38,6 +38,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo
 from hops._base import BodyHOP, call_body_hop, fresh_outputs, set_trace_key
+from hops._body import version_counter
 from hops._subgraph import body_name, rename_inner_function
 from hops.specs import _FxLiteral, register_spec_type
 
@@ -231,11 +232,11 @@ def _run_region(body: Callable, inputs: Sequence[Any], spec: ScopeSpec) -> tuple
     input or an earlier output is returned as a copy."""
     name = body_name(body)
     tensors = [(i, t) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)]
-    versions = [t._version for _, t in tensors]
+    versions = [version_counter(t) for _, t in tensors]
     outputs = pytree.tree_leaves(run_in_scope(body, inputs, spec))
     _check_outputs(spec, outputs)
     for (i, t), version in zip(tensors, versions):
-        if t._version != version:
+        if version_counter(t) != version:
             raise ValueError(
                 f"{name} writes into its input {i} in place; a named scope's body must be functional"
             )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import pickle
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -165,3 +166,35 @@ def _add_tests() -> None:
 
 
 _add_tests()
+
+
+# --------------------------------------------------------------------------- grad modes
+
+GRAD_MODES = {
+    "inference_mode": torch.inference_mode,
+    "no_grad": torch.no_grad,
+    "enable_grad": torch.enable_grad,
+}
+
+
+@pytest.mark.parametrize("mode", sorted(GRAD_MODES))
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
+def test_every_sample_runs_under_each_grad_mode(sample, mode):
+    # Serving code runs models under torch.inference_mode(), whose tensors have no version
+    # counter; inputs made there are inference tensors too.
+    inputs = detached(sample.inputs(0))
+    with GRAD_MODES[mode]():
+        got = sample.program(*inputs)
+        made_inside = detached(sample.inputs(1))
+        got_inside = sample.program(*made_inside)
+    torch.testing.assert_close(got, sample.reference(*inputs))
+    torch.testing.assert_close(got_inside, sample.reference(*made_inside))
+
+
+def test_a_body_writing_into_its_input_is_refused_under_inference_mode():
+    def step(c, x):
+        c.add_(x)
+        return c, x
+
+    with torch.inference_mode(), pytest.raises(ValueError, match="writes into"):
+        hops.scan(step, torch.zeros(3), torch.ones(4, 3))
