@@ -51,14 +51,27 @@ _PRIMITIVES = (int, float, bool, str, type(None))
 
 def _rebuild_in_trace(tx: Any, arg: Any) -> Any:
     from torch._dynamo.variables.lists import BaseListVariable
+    from torch._dynamo.variables.tensor import SymNodeVariable
 
     if isinstance(arg, BaseListVariable):
         return tuple(_rebuild_in_trace(tx, item) for item in arg.items)
     value_type = arg.python_type()
     if dataclasses.is_dataclass(value_type):
         fields = [f.name for f in dataclasses.fields(value_type) if f.init]
-        return value_type(**{f: _rebuild_in_trace(tx, _compat.dynamo_getattr(tx, arg, f)) for f in fields})
-    return arg.as_python_constant()
+        values = {f: _compat.dynamo_getattr(tx, arg, f) for f in fields}
+        # A field a spec may leave unknown (ScanSpec.length) is None when symbolic.
+        for f in getattr(value_type, "none_when_symbolic", ()):
+            if isinstance(values[f], SymNodeVariable):
+                values[f] = None
+        return value_type(**{f: None if v is None else _rebuild_in_trace(tx, v) for f, v in values.items()})
+    try:
+        return arg.as_python_constant()
+    except NotImplementedError:
+        _compat.dynamo_graph_break(
+            gb_type="hops: a spec field that is not a constant",
+            context=f"{arg}",
+            explanation="a spec value built in compiled code holds only constants (a symbolic size cannot be one)",
+        )
 
 
 def _guard_on_value(source: Any, value: Any) -> None:

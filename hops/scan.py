@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 import torch.fx as fx
@@ -57,6 +57,8 @@ class ScanSpec(_FxLiteral):
     ``unroll`` is how many steps one loop iteration runs where the scan lowers to a loop
     (values do not depend on it, as in ``jax.lax.scan``).
     """
+
+    none_when_symbolic: ClassVar[tuple[str, ...]] = ("length",)  # see hops/_dynamo.py
 
     num_carry: int
     num_xs: int
@@ -291,6 +293,7 @@ def scan(
         raise TypeError(f"scan({name}): length must be an int >= 0, got {length!r}")
     static_length = length
     if xs_leaves and isinstance(xs_leaves[0].shape[0], int):
+        # Under Dynamo a symbolic size passes too; its rule makes ScanSpec.length None then.
         static_length = xs_leaves[0].shape[0]
     if xs_leaves and length is not None and length != xs_leaves[0].shape[0]:
         raise ValueError(f"scan({name}): length={length} but xs have length {xs_leaves[0].shape[0]}")
@@ -552,7 +555,8 @@ class _ScanPlan(AutogradPlan):
         self.num_outputs = len(outputs)
         self.y_like = [(y.shape, y.dtype, y.device, is_differentiable(y)) for y in outputs[nc:]]
         self.carry_like = [(c.shape, c.dtype, c.device) for c in carry]
-        self.additional_like = [(a.shape, a.dtype, a.device) for a in additional]
+        # (An additional input may be a symbolic size Dynamo lifted: it has no gradient.)
+        self.additional_like = [(a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else None for a in additional]
         self.xs_used = [p - nc for p in self.split.primals_in_backward if p in xs_positions]
         self.additional_used = [p - nc - nx for p in self.split.primals_in_backward if p in additional_positions]
 
@@ -619,11 +623,7 @@ class _ScanPlan(AutogradPlan):
         ]
         num_carry_grads = len(carry_cotangents)
         # The additional inputs' gradients are summed over the steps in the backward's carry.
-        zeros = [
-            like.new_zeros(shape, dtype=dtype)
-            for (shape, dtype, _), need in zip(self.additional_like, self.additional_grad)
-            if need
-        ]
+        zeros = [like.new_zeros(a[0], dtype=a[1]) for a, need in zip(self.additional_like, self.additional_grad) if need]
         backward_xs = [*stacked, *xs_used, *y_cotangents]
         backward_spec = ScanSpec(num_carry_grads + len(zeros), len(backward_xs), spec.length, not spec.reverse, False, spec.unroll)
         results = scan_hop(self.backward_body, *carry_cotangents, *zeros, *backward_xs, *additional_used, backward_spec)

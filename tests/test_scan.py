@@ -402,6 +402,41 @@ def test_a_python_number_init_takes_the_dtype_the_python_loop_gives_it(init, dty
     torch.testing.assert_close(stacked, torch.stack(ys))
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("remat", [False, True])
+def test_torch_compile_with_dynamic_shapes_runs_any_length_and_batch(remat, reverse):
+    # dynamic=True makes the scan length symbolic: the spec then holds no length, and one
+    # compiled graph serves every length and batch.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def step(c, x):
+        return torch.tanh(c + x), c.sum(-1)
+
+    def program(x):
+        last, ys = hops.scan(step, torch.zeros(x.shape[1], x.shape[2], dtype=x.dtype), x, remat=remat, reverse=reverse)
+        return last * 2 + ys.sum(0).unsqueeze(-1)
+
+    def reference(x):
+        c, ys = torch.zeros(x.shape[1], x.shape[2], dtype=x.dtype), [None] * x.shape[0]
+        for i in reversed(range(x.shape[0])) if reverse else range(x.shape[0]):
+            c, ys[i] = step(c, x[i])
+        return c * 2 + torch.stack(ys).sum(0).unsqueeze(-1)
+
+    # dynamic=None (torch.compile's default) compiles static shapes first, then recompiles
+    # with symbolic sizes when they change (how often is torch's policy, not checked).
+    for dynamic, frames in ((True, 1), (None, None)):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(program, backend=counter, dynamic=dynamic, fullgraph=True)
+        for shape in ((4, 5, 3), (6, 8, 3), (7, 2, 3)):  # no two sizes equal: Dynamo would duck-size them
+            x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+            out = compiled(x)
+            torch.testing.assert_close(out, reference(x))
+            (grad,) = torch.autograd.grad(out.sum(), x)
+            torch.testing.assert_close(grad, torch.autograd.grad(reference(x).sum(), x)[0])
+        assert frames is None or counter.frame_count == frames
+
+
 COMPILE_A_SCAN_IN_A_FRESH_PROCESS = """
 import torch, hops
 def layer(h, x):
