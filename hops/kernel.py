@@ -384,6 +384,7 @@ def _register_rules(kernel_hop: Kernel) -> None:
     kernel_hop.py_impl(jvp)(functools.partial(_differentiate, kernel_hop))
     kernel_hop.py_impl(vmap)(functools.partial(_vmap, kernel_hop))
     kernel_hop.py_impl(DispatchKey.FuncTorchGradWrapper)(_compat.dead_wrapper_rule(kernel_hop))
+    _compat.redirect_checkpoint_modes(kernel_hop)  # selective checkpointing: one op
     _dynamo.register_plain_hop(kernel_hop)
 
 

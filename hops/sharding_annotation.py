@@ -205,6 +205,8 @@ def _differentiate(interpreter: Any, x: torch.Tensor, spec: ShardingSpec):
 
 
 sharding_annotation_hop.py_impl(DispatchKey.FuncTorchGradWrapper)(_compat.dead_wrapper_rule(sharding_annotation_hop))
+# Selective activation checkpointing saves or recomputes the annotation as one op.
+_compat.redirect_checkpoint_modes(sharding_annotation_hop)
 
 
 @sharding_annotation_hop.py_impl(_VMAP)
