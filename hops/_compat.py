@@ -272,6 +272,13 @@ def peel_functorch(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def is_legacy_batched(t: Any) -> bool:
+    """Whether ``t`` is batched by torch's legacy vmap (``torch._vmap_internals``, what
+    ``torch.autograd.functional.jacobian(vectorize=True)`` uses): its dispatch key has no
+    Python name, so a HOP cannot register a rule for it. Private, the same in 2.9 to 2.15."""
+    return isinstance(t, torch.Tensor) and bool(torch._C._functorch.is_legacy_batchedtensor(t))
+
+
 def is_functorch_wrapped(t: torch.Tensor) -> bool:
     from torch._C._functorch import is_functorch_wrapped_tensor
 

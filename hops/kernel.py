@@ -175,7 +175,11 @@ class Kernel(HigherOrderOperator):
             # torch.fx symbolic tracing (also how torch 2.9 rebuilds a pickled GraphModule).
             return proxy.tracer.create_proxy("call_function", self, self.node_args(*args, **kwargs), {})
         load_device_rules(args)
-        return super().__call__(*self.node_args(*args, **kwargs))
+        node_args = self.node_args(*args, **kwargs)
+        if any(_compat.is_legacy_batched(a) for a in node_args):
+            # No rule can be registered for torch's legacy vmap: the eager rule, op by op.
+            return _eager(self, *node_args)
+        return super().__call__(*node_args)
 
     def node_args(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """The canonical node args ``(*tensors, KernelParams)``, from a user call

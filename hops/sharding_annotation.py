@@ -51,6 +51,9 @@ class ShardingAnnotation(HigherOrderOperator):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"annotate_sharding(x=...) must be a Tensor, got {type(x).__name__}")
         _check_spec(spec, ndim=x.dim())
+        if _compat.is_legacy_batched(x):
+            # No rule can be registered for torch's legacy vmap: the eager value, the identity.
+            return x.clone()
         load_device_rules((x,))
         # Negative Shard dims (DTensor's Shard(-1)) resolved here: nodes hold dims >= 0.
         return super().__call__(x, spec.for_rank(x.dim(), "annotate_sharding(spec=...)"))

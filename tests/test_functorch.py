@@ -364,3 +364,13 @@ def test_transform_inside_body_reads_closure_requiring_grad(kind, names, inner, 
     (got_grad,) = torch.autograd.grad(got.sum(), P)
     (expected_grad,) = torch.autograd.grad(expected.sum(), P)
     torch.testing.assert_close(got_grad, expected_grad)
+
+
+@pytest.mark.parametrize("program", ["annotate_sharding", "kernel", "scan", "local_map", "named_scope"])
+def test_autograd_functional_jacobian_vectorized(program):
+    # vectorize=True batches the backward with torch's legacy vmap, which a HOP cannot
+    # register a rule for: annotations and kernels run their eager rule there.
+    f, reference = PROGRAMS[program]
+    x = inputs()[0]
+    got = torch.autograd.functional.jacobian(f, x, vectorize=True)
+    torch.testing.assert_close(got, torch.autograd.functional.jacobian(reference, x))
