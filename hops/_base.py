@@ -596,7 +596,7 @@ class RegionPlan(AutogradPlan):
     def __init__(self, hop: "BodyHOP", body: Callable, operands: Sequence[Any], spec: Any) -> None:
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-        from hops._joint import body_output_examples, is_differentiable, split_joint, trace_joint
+        from hops._joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
 
         self.hop, self.spec, self.name = hop, spec, body_name(body)
         self.needs_grad = [is_differentiable(o) and o.requires_grad for o in operands]
@@ -609,7 +609,7 @@ class RegionPlan(AutogradPlan):
         self.differentiable = [i for i, o in enumerate(outputs) if is_differentiable(o)]
         # Shape, dtype and device of each output the body computes (for zero cotangents).
         self.local_outputs = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outputs]
-        joint = trace_joint(flat, examples, outputs, self.needs_grad)
+        joint, self.needs_grad = trace_connected_joint(flat, examples, outputs, self.needs_grad)
         self.split = split_joint(joint, len(examples), len(outputs))
         (forward_output,) = self.split.forward.graph.find_nodes(op="output")
         self.residuals = [v.meta["val"] for v in forward_output.args[0][self.num_outputs :]]
@@ -625,6 +625,8 @@ class RegionPlan(AutogradPlan):
         return outputs, [*(operands[i] for i in split.primals_in_backward), *residuals]
 
     def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
+        if not any(self.needs_grad):  # no output depends on an input that requires grad
+            return [None] * len(self.needs_grad)
         present = [i for i in self.differentiable if cotangents[i] is not None]
         backward_body = self.backward_bodies.get(tuple(present))
         if backward_body is None:

@@ -76,9 +76,10 @@ def is_differentiable(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
-def joint_function(body: Callable, needs_grad: Sequence[bool]) -> Callable:
+def joint_function(body: Callable, needs_grad: Sequence[bool], unconnected: list | None = None) -> Callable:
     """``joint(*primals, *cotangents) -> (*outputs, *grads)``: ``body``'s flat outputs, then
-    one gradient per primal with ``needs_grad`` (zeros where no output depends on it).
+    one gradient per primal with ``needs_grad`` (zeros where no output depends on it; a run
+    fills ``unconnected`` with whether that is so, per primal with ``needs_grad``).
     There is one cotangent per differentiable (floating or complex) output, in order.
 
     The vjp is taken with ``create_graph=True``: run on tensors that require grad, the
@@ -103,6 +104,8 @@ def joint_function(body: Callable, needs_grad: Sequence[bool]) -> Callable:
             if pairs and wanted
             else [None] * len(wanted)
         )
+        if unconnected is not None:
+            unconnected[:] = [g is None for g in grads]
         return (
             *(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs),
             *(torch.zeros_like(p) if g is None else g for g, p in zip(grads, wanted)),
@@ -124,9 +127,12 @@ def trace_graph(fn: Callable, examples: Sequence[Any], *, enable_grad: bool = Fa
         return strip_detach(materialize_as_graph(fn, tuple(examples), force_enable_grad=enable_grad))
 
 
-def trace_joint(body: Callable, primals: Sequence[Any], outputs: Sequence[Any], needs_grad: Sequence[bool]) -> fx.GraphModule:
+def trace_joint(
+    body: Callable, primals: Sequence[Any], outputs: Sequence[Any], needs_grad: Sequence[bool], unconnected: list | None = None
+) -> fx.GraphModule:
     """``body``'s joint traced on fake copies of ``primals``, with a cotangent like each
-    differentiable one of ``outputs`` (fake example outputs of ``body``)."""
+    differentiable one of ``outputs`` (fake example outputs of ``body``); ``unconnected``
+    as ``joint_function`` fills it."""
     from hops._body import fake_run_context, inspection_mode, stand_in
 
     mode = inspection_mode(primals)
@@ -135,7 +141,24 @@ def trace_joint(body: Callable, primals: Sequence[Any], outputs: Sequence[Any], 
         cotangents = [stand_in(o, mode) for o in outputs if is_differentiable(o)]
         examples = [p.detach() if isinstance(p, torch.Tensor) else p for p in examples]
     with mode:
-        return trace_graph(joint_function(body, needs_grad), [*examples, *cotangents], enable_grad=True)
+        return trace_graph(joint_function(body, needs_grad, unconnected), [*examples, *cotangents], enable_grad=True)
+
+
+def trace_connected_joint(
+    body: Callable, primals: Sequence[Any], outputs: Sequence[Any], needs_grad: Sequence[bool], keep: Sequence[int] = ()
+) -> tuple[fx.GraphModule, list[bool]]:
+    """``trace_joint`` for the primals with ``needs_grad`` that some output depends on (and
+    those at positions ``keep``), and that narrowed ``needs_grad``: a primal no output
+    depends on gets no gradient (None), as in the body's Python, not zeros. An optimizer
+    steps a parameter with a zero gradient (momentum, weight decay) but skips one with none."""
+    unconnected: list[bool] = []
+    joint = trace_joint(body, primals, outputs, needs_grad, unconnected)
+    wanted = [i for i, need in enumerate(needs_grad) if need]
+    dropped = {i for i, absent in zip(wanted, unconnected) if absent and i not in keep}
+    if not dropped:
+        return joint, list(needs_grad)
+    narrowed = [need and i not in dropped for i, need in enumerate(needs_grad)]
+    return trace_joint(body, primals, outputs, narrowed), narrowed
 
 
 def body_output_examples(body: Callable, inputs: Sequence[Any]) -> list[Any]:

@@ -38,7 +38,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo
 from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, flat_body, fresh_outputs, plan_body, set_trace_key
-from hops._joint import body_output_examples, is_differentiable, split_joint, trace_joint
+from hops._joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
 from hops._subgraph import body_name, inline_graph, named, rename_inner_function
 from hops.specs import _FxLiteral, register_spec_type
 
@@ -540,8 +540,11 @@ class _ScanPlan(AutogradPlan):
         self.carry_grad = [is_differentiable(c) for c in carry]
         self.xs_grad = [is_differentiable(x) and x.requires_grad for x in xs]
         self.additional_grad = [is_differentiable(a) and a.requires_grad for a in additional]
-        needs_grad = [*self.carry_grad, *self.xs_grad, *self.additional_grad]
-        joint = trace_joint(flat, examples, outputs, needs_grad)
+        # (A carry's gradient crosses steps: every float carry keeps one.)
+        joint, needs_grad = trace_connected_joint(
+            flat, examples, outputs, [*self.carry_grad, *self.xs_grad, *self.additional_grad], keep=range(nc)
+        )
+        self.xs_grad, self.additional_grad = needs_grad[nc : nc + nx], needs_grad[nc + nx :]
         xs_positions = range(nc, nc + nx)
         additional_positions = range(nc + nx, len(examples))
         self.split = split_joint(

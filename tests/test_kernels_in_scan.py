@@ -139,25 +139,22 @@ class GraphModule(torch.nn.Module):
         unsqueeze: "f32[1, 2, 4]" = torch.ops.aten.unsqueeze.default(tangents_1, 0)
         expand: "f32[3, 2, 4]" = torch.ops.aten.expand.default(unsqueeze, [3, 2, 4])
         new_zeros: "f32[4, 4]" = torch.ops.aten.new_zeros.default(tangents_1, [4, 4], dtype = torch.float32, pin_memory = False)
-        new_zeros_1: "f32[4, 4]" = torch.ops.aten.new_zeros.default(tangents_1, [4, 4], dtype = torch.float32, pin_memory = False)
         lambda_bwd_body_0 = self.lambda_bwd_body_0
-        hops_scan_1 = torch.ops.higher_order.hops_scan(lambda_bwd_body_0, tangents_1, new_zeros, new_zeros_1, getitem_2, getitem_3, expand, primals_3, primals_3, hops.ScanSpec(3, 3, length=3, reverse=True))
+        hops_scan_1 = torch.ops.higher_order.hops_scan(lambda_bwd_body_0, tangents_1, new_zeros, getitem_2, getitem_3, expand, primals_3, hops.ScanSpec(2, 3, length=3, reverse=True))
         getitem_4: "f32[2, 4]" = hops_scan_1[0]
-        getitem_6: "f32[4, 4]" = hops_scan_1[2]
-        getitem_7: "f32[3, 2, 4]" = hops_scan_1[3]
-        return (getitem_4, getitem_7, getitem_6)
+        getitem_5: "f32[4, 4]" = hops_scan_1[1]
+        getitem_6: "f32[3, 2, 4]" = hops_scan_1[2]
+        return (getitem_4, getitem_6, getitem_5)
     class lambda_bwd_body_0(torch.nn.Module):
-        def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[4, 4]", arg2_1: "f32[4, 4]", arg3_1: "f32[2, 4]", arg4_1: "f32[2, 4]", arg5_1: "f32[2, 4]", arg6_1: "f32[4, 4]", arg7_1: "f32[4, 4]"):
-            add: "f32[2, 4]" = torch.ops.aten.add.Tensor(arg0_1, arg5_1)
+        def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[4, 4]", arg2_1: "f32[2, 4]", arg3_1: "f32[2, 4]", arg4_1: "f32[2, 4]", arg5_1: "f32[4, 4]"):
+            add: "f32[2, 4]" = torch.ops.aten.add.Tensor(arg0_1, arg4_1)
             cell_bwd_body_0 = self.cell_bwd_body_0
-            hops_named_scope = torch.ops.higher_order.hops_named_scope(cell_bwd_body_0, arg3_1, arg7_1, arg4_1, add, hops.ScopeSpec('cell/bwd'))
+            hops_named_scope = torch.ops.higher_order.hops_named_scope(cell_bwd_body_0, arg2_1, arg5_1, arg3_1, add, hops.ScopeSpec('cell/bwd'))
             getitem: "f32[2, 4]" = hops_named_scope[0]
             getitem_1: "f32[2, 4]" = hops_named_scope[1]
             getitem_2: "f32[4, 4]" = hops_named_scope[2]
-            zeros_like: "f32[4, 4]" = torch.ops.aten.zeros_like.default(arg6_1, pin_memory = False)
-            add_1: "f32[4, 4]" = torch.ops.aten.add.Tensor(arg1_1, zeros_like)
-            add_2: "f32[4, 4]" = torch.ops.aten.add.Tensor(arg2_1, getitem_2)
-            return (getitem, add_1, add_2, getitem_1)
+            add_1: "f32[4, 4]" = torch.ops.aten.add.Tensor(arg1_1, getitem_2)
+            return (getitem, add_1, getitem_1)
         class cell_bwd_body_0(torch.nn.Module):
             def forward(self, arg0_1: "f32[2, 4]", arg1_1: "f32[4, 4]", arg2_1: "f32[2, 4]", arg3_1: "f32[2, 4]"):
                 mul: "f32[2, 4]" = torch.ops.aten.mul.Tensor(arg3_1, 0.5)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from snapshot import aot_trace, compile_trace
 
@@ -246,3 +246,58 @@ def test_one_tensor_in_several_roles_is_several_inputs_on_every_frontend(chain, 
             torch.testing.assert_close(outputs, expected, msg=f"{frontend} {what}")
             grads = tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in (traced_x, traced_w))
             torch.testing.assert_close(grads, expected_grads, msg=f"{frontend} gradients {what}")
+
+
+# --------------------------------------------------------------------------- unused inputs
+
+
+def _unused_programs(used):
+    """A body reading the inputs ``used`` (a tuple of bools, one per input) in each HOP, and
+    its Python; every input requires grad."""
+
+    def body(*ts):
+        picked = [t for t, u in zip(ts, used) if u]
+        return sum((t.sin() for t in picked), torch.zeros_like(ts[0]))
+
+    region = hops.local_map(body, mesh=LINE, in_placements=tuple((Shard(0),) for _ in used), out_placements=((Shard(0),),))
+    scope = hops.named_scope("unused")(body)
+
+    def scanned(*ts):
+        c, ys = hops.scan(lambda c, xs: (c + body(*xs), body(*xs).sum()), torch.zeros_like(ts[0][0]), ts)
+        return c.sum() + ys.sum()
+
+    def scanned_reference(*ts):
+        c, total = torch.zeros_like(ts[0][0]), 0
+        for i in range(ts[0].shape[0]):
+            step = body(*(t[i] for t in ts))
+            c, total = c + step, total + step.sum()
+        return c.sum() + total
+
+    return {"local_map": (region, body), "named_scope": (scope, body), "scan": (scanned, scanned_reference)}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(
+    used=st.lists(st.booleans(), min_size=1, max_size=4),
+    hop=st.sampled_from(["local_map", "named_scope", "scan"]),
+    compiled=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_an_input_no_output_depends_on_gets_no_gradient_as_in_python(used, hop, compiled, seed):
+    # None, not zeros, eager and through AOTAutograd: an optimizer steps a parameter with a
+    # zero gradient (momentum, weight decay) and skips one without.
+    assume(any(used))  # (with none, the output is a constant: nothing to differentiate)
+    program, reference = _unused_programs(tuple(used))[hop]
+    if compiled:
+        torch._dynamo.reset()
+        program = torch.compile(program, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(seed)
+    values = [torch.randn(4, WIDTH, generator=g, dtype=torch.float64) for _ in used]
+    got_inputs = [v.clone().requires_grad_() for v in values]
+    expected_inputs = [v.clone().requires_grad_() for v in values]
+    program(*got_inputs).sum().backward()
+    reference(*expected_inputs).sum().backward()
+    for got, expected in zip(got_inputs, expected_inputs):
+        assert (got.grad is None) == (expected.grad is None)
+        if expected.grad is not None:
+            torch.testing.assert_close(got.grad, expected.grad)
