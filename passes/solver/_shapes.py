@@ -16,32 +16,13 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from hops import _layout
 from hops.local_map import local_map_hop
 from hops.named_scope import named_scope_hop
 from hops.scan import scan_hop
-from hops.specs import Mesh, Shard, resolve_dims
 from passes._infra import PassError
 
 ValueMeta = dict  # fx.Node -> fake tensor, tuple of them, or a Python value
-
-
-def shard_ways(placements: Sequence[Any], mesh: Mesh, dim: int) -> int:
-    ways = 1
-    for size, placement in zip(mesh.shape, placements):
-        if isinstance(placement, Shard) and placement.dim == dim:
-            ways *= size
-    return ways
-
-
-def local_shape(shape: Sequence[int], placements: Sequence[Any], mesh: Mesh) -> tuple[int, ...]:
-    """What each device holds of a global tensor of ``shape`` (even splits)."""
-    placements = resolve_dims(placements, len(shape), "local_shape", mesh)
-    return tuple(size // shard_ways(placements, mesh, dim) for dim, size in enumerate(shape))
-
-
-def global_shape(shape: Sequence[int], placements: Sequence[Any], mesh: Mesh) -> tuple[int, ...]:
-    placements = resolve_dims(placements, len(shape), "global_shape", mesh)
-    return tuple(size * shard_ways(placements, mesh, dim) for dim, size in enumerate(shape))
 
 
 def _needs_value(node: fx.Node) -> bool:
@@ -105,13 +86,13 @@ class _FakeRun(fx.Interpreter):
     def _local_map(self, args: Sequence[Any]) -> tuple:
         body, *inputs, spec = args
         local = [
-            value if placements is None else value.new_empty(local_shape(value.shape, placements, spec.mesh))
-            for value, placements in zip(inputs, spec.in_placements)
+            value if placements is None else value.new_empty(_layout.local_shape(value.shape, placements, spec.mesh, f"local_map input {i}"))
+            for i, (value, placements) in enumerate(zip(inputs, spec.in_placements))
         ]
         outputs = _run(body, local, self.values)
         return tuple(
-            out.new_empty(global_shape(out.shape, placements, spec.mesh))
-            for out, placements in zip(outputs, spec.out_placements)
+            out.new_empty(_layout.global_shape(out.shape, placements, spec.mesh, f"local_map output {j}"))
+            for j, (out, placements) in enumerate(zip(outputs, spec.out_placements))
         )
 
 
