@@ -354,15 +354,11 @@ def _promote_weak_init(
 
     from hops._body import inspect_body
 
-    num_carry = len(init_leaves)
-    num_xs = 0 if xs_treespec is None else xs_treespec.num_leaves
+    step = _make_step(fn, carry_treespec, xs_treespec, init_leaves, name)
 
     def probe(*leaves: Any) -> list[Any]:
-        leaves = [raw_init[i] if i in weak else leaf for i, leaf in enumerate(leaves[:num_carry])] + list(leaves[num_carry:])
-        carry = pytree.tree_unflatten(leaves[:num_carry], carry_treespec)
-        x = None if xs_treespec is None else pytree.tree_unflatten(leaves[num_carry : num_carry + num_xs], xs_treespec)
-        new_carry, _ = fn(carry, x, *leaves[num_carry + num_xs :])
-        return pytree.tree_leaves(new_carry)
+        # The step on the numbers themselves where init has them.
+        return pytree.tree_leaves(step(*(raw_init[i] if i in weak else leaf for i, leaf in enumerate(leaves)))[0])
 
     with disable_proxy_modes_tracing():
         examples = scan_hop.body_inputs([*init_leaves, *xs_and_additional], spec)
@@ -370,7 +366,7 @@ def _promote_weak_init(
         info = inspect_body(probe, examples, what=f"scan({name})", input_names=lambda i: f"input {i}", eager=True)
     except Exception:  # the step needs tensors where it got numbers: keep the defaults
         return init_leaves
-    if not info.complete or len(info.outputs) != num_carry:
+    if not info.complete or len(info.outputs) != len(init_leaves):
         return init_leaves
     promoted = list(init_leaves)
     for i in weak:
