@@ -141,7 +141,24 @@ def trace_joint(
         cotangents = [stand_in(o, mode) for o in outputs if is_differentiable(o)]
         examples = [p.detach() if isinstance(p, torch.Tensor) else p for p in examples]
     with mode:
-        return trace_graph(joint_function(body, needs_grad, unconnected), [*examples, *cotangents], enable_grad=True)
+        joint = trace_graph(joint_function(body, needs_grad, unconnected), [*examples, *cotangents], enable_grad=True)
+        return functional_graph(joint, [*examples, *cotangents])
+
+
+def _writes(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and schema.is_mutable
+
+
+def functional_graph(gm: fx.GraphModule, examples: Sequence[Any]) -> fx.GraphModule:
+    """``gm`` with no in-place op: a body may write into tensors it made (``h = h.clone();
+    h[0] = x``), which a graph records as ``copy_`` into a view. Whoever reads a graph as a
+    data flow (``split_joint`` keeps the nodes an output depends on) would drop such a
+    write, so the graph is traced again through functionalization, which turns each write
+    into a new value (``select_scatter``). A graph without in-place ops is returned as is."""
+    if not any(_writes(node) for node in gm.graph.nodes):
+        return gm
+    return trace_graph(torch.func.functionalize(gm, remove="mutations"), examples)
 
 
 def trace_connected_joint(

@@ -34,6 +34,53 @@ OPS = {
     "square": lambda t, w: t * t,
 }
 
+# Views, slices and in-place writes into tensors the body made itself (legal in a body):
+# a traced body records them as views and ``copy_``/``index_put_`` into them, which every
+# consumer of the traced graph must keep (row-local too).
+
+
+def _write_into_clone(t, w):
+    u = t.clone()
+    u[..., 0] = t[..., -1] * 2
+    return u
+
+
+def _slice_assign_from_closure(t, w):
+    u = t.clone()
+    u[..., 1:3] = torch.tanh(t[..., :2] @ w[:2, :2])
+    return u
+
+
+def _in_place_on_intermediate(t, w):
+    u = t * 1.0
+    u.add_(w[0])
+    return u.mul_(0.5)
+
+
+def _index_put(t, w):
+    u = t.clone()
+    u[..., torch.tensor([0, 2])] = u[..., torch.tensor([1, 3])] * w[1, 0]
+    return u
+
+
+def _write_through_view(t, w):
+    u = t.clone()
+    u.view(*u.shape[:-1], 2, 2).select(-1, 0).mul_(3)
+    return u
+
+
+VIEW_AND_WRITE_OPS = {
+    "write_into_clone": _write_into_clone,
+    "slice_assign_from_closure": _slice_assign_from_closure,
+    "in_place_on_intermediate": _in_place_on_intermediate,
+    "index_put": _index_put,
+    "write_through_view": _write_through_view,
+    "view_roundtrip": lambda t, w: t.view(*t.shape[:-1], 2, 2).flip(-1).reshape(t.shape),
+    "rotate_slices": lambda t, w: torch.cat([t[..., 2:], t[..., :2]], -1),
+    "transpose_matmul": lambda t, w: t @ w.t(),
+}
+OPS.update(VIEW_AND_WRITE_OPS)
+
 chains = st.lists(st.sampled_from(sorted(OPS)), min_size=1, max_size=4)
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -54,12 +101,13 @@ def inputs(seed):
     return x, w
 
 
-def gradients(fn, x, w):
-    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+def gradients(fn, x, w, w_requires_grad=True):
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_(w_requires_grad)
     out = fn(x, w)
     leaves = torch.utils._pytree.tree_leaves(out)
-    grads = torch.autograd.grad(sum(o.sum() for o in leaves), (x, w), allow_unused=True)
-    return out, tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (x, w)))
+    wanted = (x, w) if w_requires_grad else (x,)
+    grads = torch.autograd.grad(sum(o.sum() for o in leaves), wanted, allow_unused=True)
+    return out, tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, wanted))
 
 
 def programs(chain):
@@ -102,6 +150,33 @@ def test_random_bodies_match_their_reference_eager_and_traced(chain, seed):
         torch.testing.assert_close(traced, expected, msg=f"{name} traced {chain}")
         traced_grads = tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in (traced_x, traced_w))
         torch.testing.assert_close(traced_grads, expected_grads, msg=f"{name} traced gradients {chain}")
+
+
+def _with_a_write_or_view(chain):
+    return chain if any(name in VIEW_AND_WRITE_OPS for name in chain) else [*chain, "write_into_clone"]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    chain=chains.map(_with_a_write_or_view),
+    seed=st.integers(0, 2**16),
+    w_requires_grad=st.booleans(),
+    backend=st.sampled_from(["aot_eager", "inductor"]),
+)
+def test_bodies_with_writes_and_views_compile_to_the_python_loop(chain, seed, w_requires_grad, backend):
+    # A body writing into a tensor it made (``h = h.clone(); h[:, 0] = new``) while a closure
+    # needs grad once compiled to wrong values: the traced joint dropped the write. Every body
+    # HOP, under torch.compile's AOTAutograd backends, against the plain-torch loop, values and
+    # gradients, with the closed-over weight requiring grad or not.
+    x, w = inputs(seed)
+    for name, program, reference in programs(chain):
+        what = f"{name} {backend} w_requires_grad={w_requires_grad} {chain}"
+        expected, expected_grads = gradients(reference, x, w, w_requires_grad)
+        torch._dynamo.reset()
+        compiled = torch.compile(program, backend=backend, fullgraph=True)
+        got, got_grads = gradients(compiled, x, w, w_requires_grad)
+        torch.testing.assert_close(got, expected, msg=f"values {what}")
+        torch.testing.assert_close(got_grads, expected_grads, msg=f"gradients {what}")
 
 
 @SETTINGS
