@@ -33,8 +33,8 @@ from hops.named_scope import ScopeSpec, named_scope, named_scope_hop  # noqa: E4
 from hops.scan import ScanSpec, scan, scan_hop  # noqa: E402
 from hops.sharding_annotation import annotate_sharding, sharding_annotation_hop  # noqa: E402
 
-for _hop in (sharding_annotation_hop, named_scope_hop, local_map_hop, scan_hop):
-    _inductor.install(_hop)  # kernels are installed as they are defined
+# Inductor (the default torch.compile backend) lowers the HOP nodes it receives itself.
+_compat.install_inductor_pass(_inductor.LowerHops)
 
 # torch.export.save / load write each spec argument as its text and read it back typed.
 _compat.register_export_spec_serialization(

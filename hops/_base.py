@@ -145,7 +145,7 @@ class BodyHOP(HigherOrderOperator):
     collectives_refusal: str | None = None
 
     def __init__(self, name: str) -> None:
-        super().__init__(name)
+        super().__init__(name, cacheable=True)
         # Selective activation checkpointing caches or replays the whole HOP as one op.
         _compat.redirect_checkpoint_modes(self)
         for transform in _compat.transform_types():
@@ -286,10 +286,6 @@ class BodyHOP(HigherOrderOperator):
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
-        decomposition = _compat.proxy_decomposition(mode, self)
-        if decomposition is not None:  # inductor's trace: see hops/_inductor.py
-            with mode:
-                return decomposition(body, *args)
         operands, spec = self.split_args(args)
         name = body_name(body)
         refuse_untracked_xla_operands(mode, operands, f"{self.__name__} {name}")

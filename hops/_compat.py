@@ -329,28 +329,82 @@ def dead_wrapper_rule(hop: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- inductor
+#
+# Inductor lowers ATen ops and torch's own HOPs. Its extension point used here is the
+# post-grad custom pass (``torch._inductor.config.post_grad_custom_pre_pass``, public config
+# with the same meaning in 2.9 .. 2.15): inductor runs it on each forward and backward graph
+# after AOTAutograd and before lowering, and includes its ``uuid()`` in its FX graph cache
+# key (a ``CustomGraphPass``). The alternative, entries in inductor's decomposition table,
+# is read by every tracer that borrows the table (autoparallel, ``aot_export_joint_with_
+# descriptors(decompositions=select_decomp_table())``), which would then lose the HOPs.
+# Lowering registrations (``torch._inductor.lowering.register_lowering``) cannot do it
+# either: a scan must become a ``while_loop`` node, whose lowering reads its FX node.
 
 
-def proxy_decomposition(mode: Any, op: Any) -> Any:
-    """The decomposition the make_fx trace of ``mode`` holds for ``op``, or None. A tracer's
-    table may hold a HOP like any op (inductor's does, see ``hops/_inductor.py``). Private: a
-    global of ``proxy_tensor`` in 2.9, an attribute of the mode from 2.13 on."""
-    table = getattr(mode, "decomposition_table", None)
-    if table is None:
-        from torch.fx.experimental import proxy_tensor
+def inductor_decompositions() -> dict:
+    """Inductor's decomposition table (``select_decomp_table``, private, the same in 2.9 ..
+    2.15): what a HOP's replacement is traced with, so inductor gets the ops it expects."""
+    from torch._inductor.decomposition import select_decomp_table
 
-        table = getattr(proxy_tensor, "CURRENT_DECOMPOSITION_TABLE", None)
-    return None if not table else table.get(op)
+    return select_decomp_table()
 
 
-def register_inductor_decomposition(op: Any, decomposition: Any) -> None:
-    """Put ``op`` into inductor's decomposition table (``torch._inductor.decomposition
-    .decompositions``, private, the same dict in 2.9 .. 2.15). ``fast_random_decomps`` caches
-    a merged copy of it at inductor's first compile: cleared."""
-    from torch._inductor import decomposition as inductor_decomposition
+@contextlib.contextmanager
+def inductor_tracing(fake_mode: Any) -> Iterator[None]:
+    """Trace a replacement into a post-grad graph: in the graph's fake mode, with the Python
+    dispatcher (symbolic sizes) and node metadata carried over, as inductor's own
+    replacements are traced (``pattern_matcher.fwd_only``)."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx.traceback import preserve_node_meta
 
-    inductor_decomposition.decompositions[op] = decomposition
-    inductor_decomposition.fast_random_decomps.cache_clear()
+    with contextlib.ExitStack() as stack:
+        if fake_mode is not None:
+            stack.enter_context(fake_mode)
+        stack.enter_context(enable_python_dispatcher())
+        stack.enter_context(preserve_node_meta())
+        yield
+
+
+def inductor_graph_pass(function: Any) -> type:
+    """A ``CustomGraphPass`` class running ``function(graph)`` and then the pass it was
+    installed over (a user's), with a ``uuid`` from this package's sources and that pass's
+    (so inductor's FX graph cache misses when either changes)."""
+    import pathlib
+
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    sources = tuple(sorted(str(p) for p in pathlib.Path(__file__).parent.glob("*.py")))
+
+    class GraphPass(CustomGraphPass):
+        def __init__(self, then: Any = None) -> None:
+            self.then = then
+
+        def __call__(self, graph: Any) -> None:
+            function(graph)
+            if self.then is not None:
+                self.then(graph)
+
+        def uuid(self) -> Any:
+            then = None
+            if self.then is not None:
+                then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
+                if then is None:  # a plain callable: inductor cannot key its cache on it
+                    return None
+            return (get_hash_for_files(sources), then)
+
+    GraphPass.__name__ = GraphPass.__qualname__ = function.__name__
+    return GraphPass
+
+
+def install_inductor_pass(pass_type: type) -> None:
+    """Make inductor run ``pass_type()`` on every graph it compiles, before whatever
+    post-grad custom pass was set (kept and run after it)."""
+    from torch._inductor import config
+
+    current = config.post_grad_custom_pre_pass
+    if isinstance(current, pass_type):
+        return
+    config.post_grad_custom_pre_pass = pass_type(current)
 
 
 # --------------------------------------------------------------------------- torch.export

@@ -145,7 +145,7 @@ class Kernel(HigherOrderOperator):
         xla: Callable | None,
         jvp: Callable | None = None,
     ) -> None:
-        super().__init__(f"hops_kernel_{name}")
+        super().__init__(f"hops_kernel_{name}", cacheable=True)
         self.kernel_name = name
         self.implementation = implementation
         self.abstract_rule = abstract
@@ -367,8 +367,8 @@ def kernel(
             )
         defined = Kernel(fn, name=kernel_name, abstract=abstract, backward=backward, xla=xla, jvp=jvp)
         _register_rules(defined)
-        _inductor.install(defined)
         _KERNELS[kernel_name] = defined
+        _kernel_op(defined)  # its torch.library op exists from now on (see Kernel.op)
         return defined
 
     return define if implementation is None else define(implementation)
@@ -390,6 +390,7 @@ def _register_rules(kernel_hop: Kernel) -> None:
     kernel_hop.py_impl(DispatchKey.FuncTorchGradWrapper)(_compat.dead_wrapper_rule(kernel_hop))
     _compat.redirect_checkpoint_modes(kernel_hop)  # selective checkpointing: one op
     _dynamo.register_plain_hop(kernel_hop)
+    _inductor.register_inductor_rule(kernel_hop)(functools.partial(_inductor_rule, kernel_hop))
 
 
 def _split(tensors_and_params: Sequence[Any]) -> tuple[tuple[torch.Tensor, ...], KernelParams]:
@@ -505,10 +506,6 @@ def _functionalize(kernel_hop: Kernel, ctx: Any, *tensors_and_params: Any):
 
 
 def _proxy(kernel_hop: Kernel, mode: ProxyTorchDispatchMode, *tensors_and_params: Any):
-    decomposition = _compat.proxy_decomposition(mode, kernel_hop)
-    if decomposition is not None:  # inductor's trace: see hops/_inductor.py
-        with mode:
-            return decomposition(*tensors_and_params)
     refuse_untracked_xla_operands(mode, tensors_and_params[:-1], kernel_hop.describe())
     with disable_proxy_modes_tracing():
         outputs = kernel_hop(*tensors_and_params)
@@ -641,6 +638,9 @@ def _params_of(text: str) -> KernelParams:
 
 
 def _kernel_op(kernel_hop: Kernel) -> torch._ops.OpOverload:
+    """Define ``hops_kernels::<name>`` once per kernel name (when the kernel is defined, so a
+    compiled program loaded from a cache finds its op). Its implementations look the kernel
+    up by name when called: redefining the same function (a module reload) updates them."""
     name = kernel_hop.kernel_name
     known = _OP_OF.get(name)
     if known is not None:
@@ -648,17 +648,23 @@ def _kernel_op(kernel_hop: Kernel) -> torch._ops.OpOverload:
             raise ValueError(f"{kernel_hop.describe()}: an op hops_kernels::{name} is already defined by {known[0]}")
         return known[1]
 
-    def call(inputs: list[torch.Tensor], params: str) -> list[torch.Tensor]:
-        outputs = _eager(kernel_hop, *inputs, _params_of(params))
+    def current() -> Kernel:
+        return _KERNELS[name]
+
+    def as_list(outputs: Any) -> list[torch.Tensor]:
         return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+
+    def call(inputs: list[torch.Tensor], params: str) -> list[torch.Tensor]:
+        return as_list(_eager(current(), *inputs, _params_of(params)))
 
     def call_on_xla(inputs: list[torch.Tensor], params: str) -> list[torch.Tensor]:
-        outputs = _xla(kernel_hop, *inputs, _params_of(params))
-        return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        kernel_now = current()
+        run = _eager if kernel_now.xla_implementation is None else _xla
+        return as_list(run(kernel_now, *inputs, _params_of(params)))
 
     def fake(inputs: list[torch.Tensor], params: str) -> list[torch.Tensor]:
-        outputs = _check_outputs(kernel_hop, kernel_hop.abstract_rule(*inputs, **_params_of(params).as_dict()), "abstract", inputs)
-        return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        kernel_now = current()
+        return as_list(_check_outputs(kernel_now, kernel_now.abstract_rule(*inputs, **_params_of(params).as_dict()), "abstract", inputs))
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         tensors, params = inputs
@@ -670,16 +676,35 @@ def _kernel_op(kernel_hop: Kernel) -> torch._ops.OpOverload:
         inputs, outputs = saved[: ctx.num_inputs], saved[ctx.num_inputs :]
         grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
         needs = [True] * ctx.num_inputs
-        result = kernel_hop.run_backward(inputs, outputs, grads, ctx.params, needs)
+        result = current().run_backward(inputs, outputs, grads, ctx.params, needs)
         return [torch.zeros_like(t) if g is None else g for g, t in zip(result, inputs)], None
 
     _OPS.define(f"{name}(Tensor[] inputs, str params) -> Tensor[]")
     _OPS.impl(name, call, "CompositeExplicitAutograd")
-    if kernel_hop.xla_implementation is not None:
-        _OPS.impl(name, call_on_xla, "XLA")
+    # Every kernel gets the XLA implementation: without ``xla=`` it is the kernel's own on
+    # XLA tensors (what the eager rule does), and a reload may add one.
+    _OPS.impl(name, call_on_xla, "XLA")
     torch.library.register_fake(f"hops_kernels::{name}", fake, lib=_OPS)
-    if kernel_hop.backward_rule is not None:
-        torch.library.register_autograd(f"hops_kernels::{name}", backward, setup_context=setup_context, lib=_OPS)
+    # A kernel without ``backward=`` refuses a gradient by name (``run_backward``).
+    torch.library.register_autograd(f"hops_kernels::{name}", backward, setup_context=setup_context, lib=_OPS)
     op = getattr(torch.ops.hops_kernels, name).default
     _OP_OF[name] = (kernel_hop.origin, op)
     return op
+
+
+# --------------------------------------------------------------------------- inductor
+
+
+def _inductor_rule(kernel_hop: Kernel, *tensors_and_params: Any) -> Any:
+    """Inductor calls the kernel's ``torch.library`` op, an opaque fallback; a kernel made of
+    torch ops inductor optimizes (``hops_transparent``: einsum) is those ops."""
+    tensors, params = _split(tensors_and_params)
+    if getattr(kernel_hop, "hops_transparent", False):
+        return kernel_hop.implementation(*tensors, **params.as_dict())
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing():
+        single = isinstance(kernel_hop.abstract_rule(*tensors, **params.as_dict()), torch.Tensor)
+    result = kernel_hop.op(list(tensors), repr(params))
+    return result[0] if single else tuple(result)
+

@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hops import _compat, _dynamo, _layout
+from hops import _compat, _dynamo, _inductor, _layout
 from hops._base import BodyHOP, call_body_hop, set_trace_key
 from hops._body import version_counter
 from hops._subgraph import body_name, named, rename_inner_function
@@ -818,3 +818,14 @@ def _autograd(body: Callable, *tensors_and_spec: Any):
 # --------------------------------------------------------------------------- dynamo
 
 _dynamo.register_subgraph_hop(local_map_hop)
+
+
+# --------------------------------------------------------------------------- inductor
+
+
+@_inductor.register_inductor_rule(local_map_hop)
+def _inductor_rule(body: Callable, *operands_and_spec: Any) -> tuple:
+    """The per-device program on one device: each device's shards sliced out, the body once
+    per device, the outputs reassembled (the eager semantics, traced)."""
+    operands, spec = local_map_hop.split_args(operands_and_spec)
+    return local_map_hop.run(_inductor.inlined(body), operands, spec)

@@ -36,7 +36,7 @@ from torch._C import DispatchKey
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hops import _compat, _dynamo
+from hops import _compat, _dynamo, _inductor
 from hops._base import BodyHOP, call_body_hop, fresh_outputs, set_trace_key
 from hops._body import version_counter
 from hops._subgraph import body_name, rename_inner_function
@@ -289,3 +289,14 @@ def _autograd(body: Callable, *inputs_and_spec: Any):
 # --------------------------------------------------------------------------- dynamo
 
 _dynamo.register_subgraph_hop(named_scope_hop)
+
+
+# --------------------------------------------------------------------------- inductor
+
+
+@_inductor.register_inductor_rule(named_scope_hop)
+def _inductor_rule(body: Callable, *inputs_and_spec: Any) -> tuple:
+    """The body inlined, its nodes named after the scope (see ``_inductor.nodes_named``)."""
+    inputs, spec = named_scope_hop.split_args(inputs_and_spec)
+    with _inductor.nodes_named(spec.name):
+        return named_scope_hop.run(_inductor.inlined(body), inputs, spec)

@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
-from hops import _compat, _dynamo
+from hops import _compat, _dynamo, _inductor
 from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, flat_body, fresh_outputs, plan_body, set_trace_key
 from hops._joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
 from hops._subgraph import body_name, inline_graph, named, rename_inner_function
@@ -643,3 +643,61 @@ def _autograd(body: Callable, *inputs_and_spec: Any):
 # --------------------------------------------------------------------------- dynamo
 
 _dynamo.register_subgraph_hop(scan_hop)
+
+
+# --------------------------------------------------------------------------- inductor
+#
+# One ``while_loop`` (torch's HOP, which inductor compiles as a loop around one compiled
+# body): the loop state is a step counter, the carries and the ys buffers; the xs and the
+# additional inputs are read, not carried. Each iteration runs ``unroll`` steps; a static
+# length that ``unroll`` does not divide runs the remaining steps after the loop. The
+# counter indexes the xs and the ys buffers as a tensor (``index_select`` / ``index_copy_``),
+# so no step reads a number out of a tensor.
+
+
+@_inductor.register_inductor_rule(scan_hop)
+def _inductor_rule(body: Callable, *inputs_and_spec: Any) -> tuple:
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    inputs, spec = scan_hop.split_args(inputs_and_spec)
+    carry, xs, additional = _split(inputs, spec)
+    nc, nx = spec.num_carry, spec.num_xs
+    length = _length(xs, spec)
+    step = _inductor.inlined(body)
+    with disable_proxy_modes_tracing():
+        ys_like = step(*scan_hop.body_inputs(inputs, spec))[nc:]
+    device = next(t.device for t in (*carry, *xs, *ys_like, *additional) if isinstance(t, torch.Tensor))
+    ys = [torch.empty((length, *y.shape), dtype=y.dtype, device=device) for y in ys_like]
+    per_iteration = spec.unroll if isinstance(length, int) and spec.unroll <= max(length, 1) else 1
+    iterations = length // per_iteration
+
+    def run_step(position: Any, carry: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], ys: Sequence[Any], in_place: bool) -> tuple:
+        """One step at ``position``: the new carries, and ``ys`` with the step's outputs
+        written at its index (into the buffers inside the loop, into copies after it)."""
+        index = (length - 1 - position) if spec.reverse else position
+        index = index.reshape(1)
+        outputs = step(*carry, *(x.index_select(0, index).squeeze(0) for x in xs), *additional)
+        write = torch.Tensor.index_copy_ if in_place else torch.Tensor.index_copy
+        ys = [write(buffer, 0, index, y.unsqueeze(0)) for buffer, y in zip(ys, outputs[nc:])]
+        return list(outputs[:nc]), ys
+
+    def cond_fn(counter: torch.Tensor, *state: Any) -> torch.Tensor:
+        return counter < iterations
+
+    def body_fn(counter: torch.Tensor, *state: Any) -> tuple:
+        # The loop's body reads what it is given (a traced subgraph closes over nothing).
+        ny = len(ys_like)
+        carry, ys, xs, additional = state[:nc], state[nc : nc + ny], state[nc + ny : nc + ny + nx], state[nc + ny + nx :]
+        for k in range(per_iteration):
+            carry, ys = run_step(counter * per_iteration + k, carry, xs, additional, ys, in_place=True)
+        return (counter + 1, *carry, *ys)
+
+    if not (isinstance(iterations, int) and iterations == 0):  # a static zero-length loop is no loop
+        counter = torch.zeros((), dtype=torch.int64, device=device)
+        _, *state = torch.ops.higher_order.while_loop(cond_fn, body_fn, (counter, *carry, *ys), (*xs, *additional))
+        carry, ys = state[:nc], state[nc:]
+    if isinstance(length, int):
+        for k in range(iterations * per_iteration, length):  # what the loop's iterations leave
+            position = torch.full((), k, dtype=torch.int64, device=device)
+            carry, ys = run_step(position, carry, xs, additional, ys, in_place=False)
+    return (*carry, *ys)

@@ -25,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import (
     track_tensor_tree,
 )
 
-from hops import _compat, _dynamo
+from hops import _compat, _dynamo, _inductor
 from hops._subgraph import refuse_untracked_xla_operands
 from hops._targets import load_device_rules
 from hops.specs import Shard, ShardingSpec
@@ -41,7 +41,7 @@ class ShardingAnnotation(HigherOrderOperator):
     def __init__(self) -> None:
         # The package prefix keeps this name from overwriting another HOP's in torch's
         # single global HOP registry.
-        super().__init__("hops_sharding_annotation")
+        super().__init__("hops_sharding_annotation", cacheable=True)
 
     def __call__(self, x: torch.Tensor, spec: ShardingSpec):
         if isinstance(x, torch.fx.Proxy):
@@ -140,10 +140,6 @@ def _functionalize(ctx: Any, x: torch.Tensor, spec: ShardingSpec):
 
 @sharding_annotation_hop.py_impl(ProxyTorchDispatchMode)
 def _proxy(mode: ProxyTorchDispatchMode, x: torch.Tensor, spec: ShardingSpec):
-    decomposition = _compat.proxy_decomposition(mode, sharding_annotation_hop)
-    if decomposition is not None:  # inductor's trace: see hops/_inductor.py
-        with mode:
-            return decomposition(x, spec)
     refuse_untracked_xla_operands(mode, (x,), "annotate_sharding")
     with disable_proxy_modes_tracing():
         out = sharding_annotation_hop(x, spec)
@@ -237,6 +233,15 @@ def _past_batch(placement: Any) -> Any:
     if isinstance(placement, Shard) and placement.dim >= 0:
         return Shard(placement.dim + 1)
     return placement
+
+
+# --------------------------------------------------------------------------- inductor
+
+
+@_inductor.register_inductor_rule(sharding_annotation_hop)
+def _inductor_rule(x: torch.Tensor, spec: ShardingSpec) -> torch.Tensor:
+    # The value (a new tensor, as the HOP's result is; inductor drops the copy where it can).
+    return x.clone()
 
 
 # --------------------------------------------------------------------------- dynamo

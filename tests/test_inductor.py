@@ -1,9 +1,19 @@
-"""The default ``torch.compile`` backend (inductor) on every HOP sample: forward and
-backward equal the eager program and the plain-torch reference, and inductor receives only
-what it lowers (no HOP node; a kernel as its opaque ``hops_kernels`` op). See
-``hops/_inductor.py``."""
+"""Every tracer keeps the HOPs; inductor receives them and lowers them itself.
+
+- Tracers that borrow inductor's decomposition table (autoparallel's joint tracer,
+  ``make_fx``/AOTAutograd/``torch.export`` given ``select_decomp_table()``) record the same
+  HOP nodes as with no table.
+- The default ``torch.compile`` backend receives the HOP nodes in its forward and backward
+  graphs, and the package's post-grad pass (``hops/_inductor.py``) replaces each by what it
+  computes: forward and backward equal the eager program and the plain-torch reference, and
+  the graphs inductor lowers hold no HOP (a kernel as its opaque ``hops_kernels`` op, a scan
+  as one ``while_loop`` whose size does not grow with the length).
+"""
 
 from __future__ import annotations
+
+import contextlib
+import copy
 
 import pytest
 import torch
@@ -13,25 +23,72 @@ import hops
 from hops import Mesh, Replicate, Shard
 
 
-def inductor_graphs():
-    """A backend that is inductor, keeping the graphs inductor compiles (after AOTAutograd
-    and the decompositions)."""
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    graphs = []
-
-    def inner(gm, example_inputs, **kwargs):
-        graphs.append(gm)
-        return compile_fx_inner(gm, example_inputs, **kwargs)
-
-    def backend(gm, example_inputs):
-        return compile_fx(gm, example_inputs, inner_compile=inner)
-
-    return backend, graphs
+def hop_targets(graphs):
+    """The package HOPs called in ``graphs`` and in every subgraph they hold, with counts."""
+    counts = {}
+    for gm in graphs:
+        for module in gm.modules():
+            if isinstance(module, torch.fx.GraphModule):
+                for node in module.graph.nodes:
+                    target = node.target
+                    if isinstance(target, torch._ops.HigherOrderOperator) and target.__name__.startswith("hops_"):
+                        counts[target.__name__] = counts.get(target.__name__, 0) + 1
+    return counts
 
 
 def targets(graphs):
-    return {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    return {
+        str(node.target)
+        for gm in graphs
+        for module in gm.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.op == "call_function"
+    }
+
+
+def inductor_table():
+    """A copy of inductor's decomposition table, as autoparallel's tracer builds it."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return dict(select_decomp_table())
+
+
+@contextlib.contextmanager
+def inductor_graphs():
+    """Compile with inductor and caches off; yields (received, lowered): the graphs inductor
+    receives (after AOTAutograd) and the graphs it lowers (after its post-grad passes)."""
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    received, lowered, compiled = [], [], []
+
+    class Keep(CustomGraphPass):
+        def __call__(self, graph):
+            # Inductor also runs its post-grad passes on each subgraph: keep the graphs it
+            # was given.
+            if any(graph.owning_module is gm for gm in compiled):
+                lowered.append(copy.deepcopy(graph.owning_module))
+
+        def uuid(self):
+            return None
+
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(gm, example_inputs, **kwargs):
+        received.append(copy.deepcopy(gm))
+        compiled.append(gm)
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    with config.patch(post_grad_custom_post_pass=Keep(), force_disable_caches=True):
+
+        def backend(gm, example_inputs):
+            return compile_fx(gm, example_inputs, inner_compile=inner)
+
+        yield backend, received, lowered
+
+
+# --------------------------------------------------------------------------- inductor
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
@@ -49,36 +106,204 @@ def test_default_backend_matches_eager_forward_and_backward(sample):
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
-def test_inductor_receives_no_hop(sample):
+def test_inductor_receives_the_hops_and_lowers_them_itself(sample):
     torch._dynamo.reset()
-    backend, graphs = inductor_graphs()
-    compiled = torch.compile(sample.program, backend=backend, fullgraph=True)
-    forward_backward(compiled, fresh(sample.inputs()))
-    assert len(graphs) == 2  # forward and backward
-    received = targets(graphs)
-    assert not [t for t in received if "hops_" in t and "hops_kernels" not in t], received
+    with inductor_graphs() as (backend, received, lowered):
+        compiled = torch.compile(sample.program, backend=backend, fullgraph=True)
+        forward_backward(compiled, fresh(sample.inputs()))
+    assert len(received) == len(lowered) == 2  # forward and backward
+    assert hop_targets(received), targets(received)  # the nodes reach inductor
+    assert not hop_targets(lowered), targets(lowered)  # and none reaches its lowering
+    after = targets(lowered)
     if sample.hop is hops.einsum or getattr(sample.hop, "kernel_name", "").startswith("einsum"):
-        assert not [t for t in received if "hops_kernels" in t], received  # einsum is plain torch
+        assert not [t for t in after if "hops_kernels" in t], after  # einsum is plain torch
     elif isinstance(sample.hop, hops.Kernel):
-        assert f"hops_kernels.{sample.hop.kernel_name}.default" in received, received
+        assert f"hops_kernels.{sample.hop.kernel_name}.default" in after, after
+    if sample.hop is hops.scan_hop:
+        assert "while_loop" in after, after
 
 
-def test_other_backends_keep_the_nodes():
-    # The decompositions are inductor's alone: aot_eager records the HOP.
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
+def scan_program(length, unroll=1):
+    def layer(h, w):
+        return h + torch.tanh(h @ w), h.sum(-1)
 
-    graphs = []
+    def program(h, ws):
+        return hops.scan(layer, h, ws, unroll=unroll)
 
-    def keep(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm)
+    h = torch.randn(3, 4, requires_grad=True)
+    ws = (torch.randn(length, 4, 4) / 2).requires_grad_()
+    return program, (h, ws)
+
+
+def lowered_size(length, unroll=1):
+    program, inputs = scan_program(length, unroll)
+    torch._dynamo.reset()
+    with inductor_graphs() as (backend, received, lowered):
+        compiled = torch.compile(program, backend=backend, fullgraph=True)
+        got, got_grads = forward_backward(compiled, fresh(inputs))
+    expected, expected_grads = forward_backward(program, fresh(inputs))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4)
+    return [sum(len(m.graph.nodes) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)) for gm in lowered]
+
+
+def test_a_scan_is_one_loop_whatever_its_length():
+    # The forward and backward graphs inductor lowers have the same size for 2 and 9 steps:
+    # the step is in the loop's body once.
+    assert lowered_size(2) == lowered_size(9)
+
+
+@pytest.mark.parametrize("length,unroll", [(7, 3), (6, 2), (1, 4), (0, 2)])
+def test_an_unrolled_scan_runs_its_remainder_after_the_loop(length, unroll):
+    lowered_size(length, unroll)
+
+
+def test_one_compile_serves_every_length_with_dynamic_shapes():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def step(h, x, w):
+        h = torch.tanh(h @ w + x)
+        return h, h.sum(-1)
+
+    def program(h, xs, w):
+        return hops.scan(step, h, xs, additional_inputs=(w,))
 
     torch._dynamo.reset()
-    sample = next(s for s in SAMPLES if s.hop is hops.scan_hop)
-    compiled = torch.compile(sample.program, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
-    forward_backward(compiled, fresh(sample.inputs()))
-    assert "hops_scan" in targets(graphs)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(program, backend=counter, dynamic=True, fullgraph=True)
+    for length, batch in [(4, 2), (6, 3)]:
+        inputs = [torch.randn(batch, 3, requires_grad=True), torch.randn(length, batch, 3, requires_grad=True), torch.randn(3, 3, requires_grad=True)]
+        got, got_grads = forward_backward(compiled, fresh(inputs))
+        expected, expected_grads = forward_backward(program, fresh(inputs))
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(got_grads, expected_grads)
+    assert counter.frame_count == 1
+
+
+def test_compiled_reverse_scan_with_several_carries_and_xs():
+    def step(carry, x):
+        a, b = carry
+        u, v = x
+        a = torch.tanh(a * u + b)
+        b = b + v.sum()
+        return (a, b), {"a": a * 2, "v": v}
+
+    def program(a, b, us, vs):
+        return hops.scan(step, (a, b), (us, vs), reverse=True)
+
+    inputs = [torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True), torch.randn(5, 3, requires_grad=True), torch.randn(5, 2, requires_grad=True)]
+    torch._dynamo.reset()
+    got, got_grads = forward_backward(torch.compile(program, fullgraph=True), fresh(inputs))
+    expected, expected_grads = forward_backward(program, fresh(inputs))
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got_grads, expected_grads)
+
+
+def test_a_named_scope_names_the_nodes_inductor_lowers():
+    @hops.named_scope("attention")
+    def scores(q, k):
+        return torch.softmax(q @ k.t(), -1)
+
+    torch._dynamo.reset()
+    with inductor_graphs() as (backend, received, lowered):
+        compiled = torch.compile(scores, backend=backend, fullgraph=True)
+        forward_backward(compiled, [torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)])
+    names = [node.name for gm in lowered for node in gm.graph.nodes if node.op == "call_function"]
+    assert names and all(name.startswith("attention") for name in names), names
+
+
+def test_a_pass_set_before_import_still_runs():
+    # The package's pass runs before the post-grad pass a user had set (kept, run after it).
+    from torch._inductor import config
+
+    assert type(config.post_grad_custom_pre_pass).__name__ == "lower_hops"
+
+
+# --------------------------------------------------------------------------- other tracers
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
+def test_make_fx_with_inductor_decompositions_keeps_every_hop(sample):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = sample.inputs()
+    plain = make_fx(sample.program, tracing_mode="fake")(*fresh(inputs))
+    decomposed = make_fx(sample.program, inductor_table(), tracing_mode="fake")(*fresh(inputs))
+    assert hop_targets([plain])
+    assert hop_targets([decomposed]) == hop_targets([plain])
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
+def test_aot_autograd_with_inductor_decompositions_keeps_every_hop(sample):
+    from functorch.compile import aot_function, make_boxed_func
+
+    def traced(decompositions):
+        graphs = []
+
+        def keep(gm, example_inputs):
+            graphs.append(gm)
+            return make_boxed_func(gm)
+
+        fn = aot_function(sample.program, fw_compiler=keep, bw_compiler=keep, decompositions=decompositions)
+        forward_backward(fn, fresh(sample.inputs()))
+        assert len(graphs) == 2
+        return [hop_targets([g]) for g in graphs]
+
+    plain = traced(None)
+    assert plain[0], plain  # the forward holds the HOP (a backward may be plain ops: a kernel's)
+    assert traced(inductor_table()) == plain
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
+def test_export_with_inductor_decompositions_keeps_every_hop(sample):
+    from hop_db import Module
+
+    exported = torch.export.export(Module(sample.program), tuple(t.detach() for t in sample.inputs()))
+    plain = hop_targets([exported.graph_module])
+    decomposed = hop_targets([exported.run_decompositions(inductor_table()).graph_module])
+    assert plain and decomposed == plain
+
+
+class Annotated(torch.nn.Module):
+    """Two annotations around a scan of annotated steps: what autoparallel traces."""
+
+    def __init__(self):
+        super().__init__()
+        self.mesh = Mesh((2, 2), ("data", "model"))
+        self.w = torch.nn.Parameter(torch.randn(4, 4) / 2)
+        self.rows = hops.ShardingSpec(self.mesh, (Shard(0), Replicate()))
+
+    def step(self, h, x):
+        h = hops.annotate_sharding(torch.tanh(h @ self.w + x), self.rows)
+        return h, None
+
+    def forward(self, h, xs):
+        h = hops.annotate_sharding(h, self.rows)
+        h, _ = hops.scan(self.step, h, xs)
+        return hops.annotate_sharding(h * 2, self.rows).sum()
+
+
+def joint_hops(decompositions):
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    model = Annotated()
+    args = (torch.randn(4, 4), torch.randn(2, 4, 4))
+    exported = torch.export.export(model, args, strict=True)
+    with contextlib.ExitStack() as stack:
+        joint = aot_export_joint_with_descriptors(stack, exported.module(), args, decompositions=decompositions)
+        return hop_targets([joint.graph_module])
+
+
+def test_autoparallels_recipe_keeps_every_hop():
+    # autoparallel: torch.export (strict), then aot_export_joint_with_descriptors with a
+    # copy of inductor's table: the joint graph holds the annotations and the scans
+    # (forward and backward) as with no table.
+    plain = joint_hops(None)
+    assert plain.get("hops_scan") == 2 and plain.get("hops_sharding_annotation", 0) >= 4, plain
+    assert joint_hops(inductor_table()) == plain
+
+
+# --------------------------------------------------------------------------- models
 
 
 class Block(torch.nn.Module):
@@ -138,3 +363,87 @@ def test_compiled_step_inside_eager_scan():
     (got_grad,) = torch.autograd.grad(got_ys.sum(), xs)
     (expected_grad,) = torch.autograd.grad(expected_ys.sum(), xs)
     torch.testing.assert_close(got_grad, expected_grad)
+
+
+# --------------------------------------------------------------------------- caches
+
+
+def compile_counting(program, inputs):
+    """Compile ``program`` (default backend) in a fresh Dynamo state, run forward and
+    backward; AOTAutograd's and inductor's cache counters of that compile, and the results."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    results = forward_backward(torch.compile(program, fullgraph=True), fresh(inputs))
+    aot, inductor = dict(counters["aot_autograd"]), dict(counters["inductor"])
+    return (
+        {
+            "aot": "hit" if aot.get("autograd_cache_hit") else "bypass" if aot.get("autograd_cache_bypass") else "miss",
+            "fx": "hit" if inductor.get("fxgraph_cache_hit") else "bypass" if inductor.get("fxgraph_cache_bypass") else "miss",
+        },
+        results,
+    )
+
+
+@pytest.fixture
+def fresh_caches():
+    from torch._inductor import config
+    from torch._inductor.utils import fresh_cache
+
+    with fresh_cache(), config.patch(force_disable_caches=False, fx_graph_cache=True):
+        with torch._functorch.config.patch(enable_autograd_cache=True):
+            yield
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
+def test_a_second_identical_compile_hits_both_caches(sample, fresh_caches):
+    inputs = sample.inputs()
+    first, _ = compile_counting(sample.program, inputs)
+    second, (got, got_grads) = compile_counting(sample.program, inputs)
+    assert first == {"aot": "miss", "fx": "miss"}, first
+    assert second == {"aot": "hit", "fx": "hit"}, second
+    expected, expected_grads = forward_backward(sample.program, fresh(inputs))  # what the cached code computes
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4)
+
+
+MESH = Mesh((2, 2), ("data", "model"))
+
+
+ROWS = (Shard(0), Replicate())
+
+
+def annotated_scan(dim=0, reverse=False, unroll=1, activation=torch.tanh, region=ROWS):
+    spec = hops.ShardingSpec(MESH, (Shard(dim), Replicate()))
+    norm = hops.local_map(lambda h: h * 2, mesh=MESH, in_placements=(region,), out_placements=(region,))
+
+    def step(h, x):
+        h = hops.annotate_sharding(activation(norm(h) + x), spec)
+        return h, h.sum()
+
+    def program(h, xs):
+        return hops.scan(step, h, xs, reverse=reverse, unroll=unroll)
+
+    return program
+
+
+CHANGES = {
+    "spec": {"dim": 1},  # one annotation: S(0) -> S(1)
+    "placement": {"region": (Shard(0), Shard(1))},  # one placement of a region
+    "reverse": {"reverse": True},  # one scan option
+    "unroll": {"unroll": 2},
+    "body": {"activation": torch.sin},  # the body's code
+}
+
+
+def test_a_program_differing_in_one_spec_or_body_misses(fresh_caches):
+    inputs = (torch.randn(4, 4, requires_grad=True), torch.randn(3, 4, 4, requires_grad=True))
+    compile_counting(annotated_scan(), inputs)
+    assert compile_counting(annotated_scan(), inputs)[0] == {"aot": "hit", "fx": "hit"}
+    for what, change in CHANGES.items():
+        changed, (got, got_grads) = compile_counting(annotated_scan(**change), inputs)
+        assert changed["aot"] == "miss", (what, changed)
+        expected, expected_grads = forward_backward(annotated_scan(**change), fresh(inputs))
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=what)
+        torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4, msg=what)

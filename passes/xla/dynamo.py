@@ -12,7 +12,7 @@ here: a plain two-layer model trained with ``backend="openxla"`` under SPMD depa
 eager at the third SGD step; without SPMD it does not). A staged computation is specific to
 shapes and dtypes only; shardings stay with the tensors bound to it.
 
-``hops_inductor``: every HOP inlined, then inductor (the default backend). Both backends are
+``hops_inductor``: inductor (the default backend), which lowers every HOP itself. Both backends are
 found by name through the ``torch_dynamo_backends`` entry point group: ``import passes`` is
 not needed to use them.
 """
@@ -110,9 +110,9 @@ def hops_xla(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
 
 
 def hops_inductor(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-    """The Dynamo backend ``"hops_inductor"``: inductor, whose own trace receives each HOP as
-    what it computes (``hops/_inductor.py``); the same as the default backend, under a name
-    that says the HOPs are inlined for a single device."""
+    """The Dynamo backend ``"hops_inductor"``: inductor, which receives the HOP nodes and
+    lowers each itself (``hops/_inductor.py``: a scan is one loop); the same as the default
+    backend, under a name that says the program runs on a single device."""
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs)
