@@ -212,6 +212,16 @@ def test_a_named_scope_names_the_nodes_inductor_lowers():
     assert names and all(name.startswith("attention") for name in names), names
 
 
+def test_every_hop_of_the_package_has_an_inductor_rule():
+    # Iterates torch's HOP registry (every kernel defined so far included), not a list.
+    from hops import _inductor
+
+    package_hops = [hop for name, hop in torch._ops._higher_order_ops.items() if name.startswith("hops_")]
+    assert len(package_hops) >= 6
+    assert [hop.__name__ for hop in package_hops if _inductor.inductor_rule(hop) is None] == []
+    assert all(hop.cacheable() for hop in package_hops)
+
+
 def test_a_pass_set_before_import_still_runs():
     # The package's pass runs before the post-grad pass a user had set (kept, run after it).
     from torch._inductor import config
