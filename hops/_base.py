@@ -233,6 +233,10 @@ class BodyHOP(HigherOrderOperator):
     def active_option(self, spec: Any) -> int:
         return 0
 
+    def option_failure(self, name: str, spec: Any, index: int, error: Exception) -> Exception:
+        """The error for a body that fails under option ``index`` (it runs under the active one)."""
+        return ValueError(f"{self.__name__} {name}: option {index}: the body fails on it: {type(error).__name__}: {error}")
+
     def check_options(self, name: str, steps: Sequence[Sequence[Any]], operands: Sequence[Any], spec: Any) -> None:
         """Refuse options whose bodies' (fake) outputs ``steps`` give the HOP other results
         than the active option's: the program around the node is the same for all."""
@@ -379,8 +383,13 @@ class BodyHOP(HigherOrderOperator):
             option = option_body(body, index)
             with disable_proxy_modes_tracing():
                 examples = distinct_tensors(self.body_inputs(operands, self.option_spec(spec, index)))
-            with _compat.eager_stance():
-                graph = reenter_make_fx(option)(*examples)
+            try:
+                with _compat.eager_stance():
+                    graph = reenter_make_fx(option)(*examples)
+            except Exception as error:
+                if index == active:
+                    raise
+                raise self.option_failure(name, spec, index, error) from error
             if not getattr(body, "hops_known_functional", False):
                 self.refuse_mutation(graph, option)
             clone_aliased_outputs(graph)

@@ -118,6 +118,9 @@ class LocalMap(BodyHOP):
     def active_option(self, spec: LocalMapSpec) -> int:
         return spec.active or 0
 
+    def option_failure(self, name: str, spec: LocalMapSpec, index: int, error: Exception) -> Exception:
+        return _alternative_failure(name, spec, index, error)
+
     def check_options(self, name: str, steps: Sequence[Sequence[Any]], tensors: Sequence[Any], spec: LocalMapSpec) -> None:
         _check_option_outputs(name, steps, spec)
 
@@ -367,7 +370,11 @@ def _check_alternatives_eagerly(name: str, body: Callable, tensors: Sequence[Any
             option = spec.choose(k)
             examples = [
                 t if p is None or not isinstance(t, torch.Tensor)
-                else torch.empty(_layout.local_shape(t.shape, p, spec.mesh, f"input {i}"), dtype=t.dtype, device=t.device)
+                else torch.empty(
+                    _layout.local_shape(t.shape, p, spec.mesh, f"local_map {name}: input {i} (alternative {k})"),
+                    dtype=t.dtype,
+                    device=t.device,
+                )
                 for i, (t, p) in enumerate(zip(tensors, option.in_placements))
             ]
             try:
@@ -375,11 +382,15 @@ def _check_alternatives_eagerly(name: str, body: Callable, tensors: Sequence[Any
             except Exception as error:
                 if k == active:
                     return
-                raise ValueError(
-                    f"local_map {name}: alternative {k} ({spec.alternatives[k]!r}): the body fails on that "
-                    f"alternative's local shapes: {type(error).__name__}: {error}"
-                ) from error
+                raise _alternative_failure(name, spec, k, error) from error
     _check_option_outputs(name, steps, spec)
+
+
+def _alternative_failure(name: str, spec: LocalMapSpec, index: int, error: Exception) -> ValueError:
+    return ValueError(
+        f"local_map {name}: alternative {index} ({spec.alternatives[index]!r}): the body fails on that "
+        f"alternative's local shapes: {type(error).__name__}: {error}"
+    )
 
 
 # --------------------------------------------------------------------------- public API
