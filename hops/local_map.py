@@ -386,6 +386,22 @@ def _check_alternatives_eagerly(name: str, body: Callable, tensors: Sequence[Any
     _check_option_outputs(name, steps, spec)
 
 
+def _refuse_other_local_shapes_under_dynamo(name: str, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
+    """Dynamo traces a region's body once, on the active alternative's local shapes (its
+    shapes, and values derived from them, become constants of that graph): an alternative
+    with other local shapes would run that graph on shapes it was not traced for."""
+    for k, option in enumerate(spec.alternatives):
+        for i, (t, mine, active) in enumerate(zip(tensors, option.in_placements, spec.in_placements)):
+            if mine is None or not isinstance(t, torch.Tensor):
+                continue
+            if _layout.local_shape(t.shape, mine, spec.mesh, f"input {i}") != _layout.local_shape(t.shape, active, spec.mesh, f"input {i}"):
+                raise NotImplementedError(
+                    f"local_map({name}): under torch.compile, alternative {k} gives the body other local shapes "
+                    f"than the active placements (input {i}); Dynamo traces the body once, so such alternatives "
+                    "are traced with make_fx / torch.export / AOTAutograd (one body per alternative), or run eagerly"
+                )
+
+
 def _alternative_failure(name: str, spec: LocalMapSpec, index: int, error: Exception) -> ValueError:
     return ValueError(
         f"local_map {name}: alternative {index} ({spec.alternatives[index]!r}): the body fails on that "
@@ -616,7 +632,9 @@ def local_map(
         body = make_body(func, leaves, tensor_positions, args_treespec, plan, structured)
         set_trace_key(body, func, args_treespec, plan, [leaf for p, leaf in enumerate(leaves) if p not in tensor_positions])
         tensors = [leaves[p] for p in tensor_positions]
-        if not structured:
+        if structured:
+            _refuse_other_local_shapes_under_dynamo(name, tensors, spec)
+        else:
             _check_alternatives_eagerly(name, body, tensors, spec)
         outputs = call_body_hop(
             local_map_hop,

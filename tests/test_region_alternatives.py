@@ -165,6 +165,21 @@ class project(torch.nn.Module):
             passes.inline_hops(gm)
 
 
+class TestDynamo(TestCase):
+    def test_other_local_shapes_under_torch_compile_break_the_graph_and_run_eagerly(self):
+        # Dynamo traces a body once: its shapes (here the row count added) would be constants
+        # of the graph, wrong for an alternative with other local shapes.
+        def offset(x, w):
+            return x @ w + x.shape[0]
+
+        region = projection(offset)
+        x, w = torch.randn(8, 6), torch.randn(6, 12)
+        torch._dynamo.reset()
+        self.assertEqual(torch.compile(lambda x, w: region(x, w), backend="aot_eager")(x, w), x @ w + 2)
+        with self.assertRaisesRegex(Exception, r"under torch.compile, alternative 1 gives the body other local shapes"):
+            torch.compile(lambda x, w: region(x, w), backend="aot_eager", fullgraph=True)(x, w)
+
+
 class TestAutograd(TestCase):
     def test_forward_and_backward_regions_carry_the_same_alternatives_and_agree_on_the_choice(self):
         def tanh_project(x, w):
