@@ -14,6 +14,8 @@ import pickle
 import pytest
 import torch
 import torch.fx as fx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from snapshot import TestCase, aot_trace, hlo_text, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -36,11 +38,10 @@ def project(x, w):
     return x @ w
 
 
-def projection(body=project, **kwargs):
-    """``body`` as a region: row-parallel (its main placements) or column-parallel."""
-    return hops.local_map(
-        body, mesh=LINE, in_placements=((S0,), (R,)), out_placements=((S0,),), alternatives=[COLUMN_PARALLEL], **kwargs
-    )
+def projection(body=project, alternatives=(COLUMN_PARALLEL,)):
+    """``body`` as a region: row-parallel (its main placements) or column-parallel (or the
+    ``alternatives`` given)."""
+    return hops.local_map(body, mesh=LINE, in_placements=((S0,), (R,)), out_placements=((S0,),), alternatives=list(alternatives))
 
 
 def region_nodes(gm):
@@ -272,6 +273,74 @@ class TestSolver(TestCase):
         expected = torch.autograd.grad(tanh_project(x, w).sum(), (x, w))
         out = forward(x.detach(), w.detach())
         self.assertEqual(tuple(backward(*out[1:], torch.ones(8, 1024))), expected)
+
+
+    def test_a_partial_alternative_pays_for_its_reduction(self):
+        # Splitting the contraction dim moves the least, but leaves a pending sum that is
+        # all-reduced before the result leaves the program: worth it on a fast link only.
+        x, w = torch.randn(8, 4096), torch.randn(4096, 8)
+        contraction = RegionPlacements("S(1), S(0)", "P")
+        for link_bandwidth, chosen in ((1e8, 2), (1e3, 0)):
+            with self.subTest(link_bandwidth=link_bandwidth):
+                model = CostModel(peak_flops=1e18, memory_bandwidth=1e9, link_bandwidth=link_bandwidth, link_latency=1e-6)
+                gm = make_fx(projection(alternatives=[COLUMN_PARALLEL, contraction]))(x, w)
+                solution = passes.solve_placements(gm, LINE, cost_model=model)
+                reduction = model.redistribute_seconds((8, 8), 4, (hops.Partial(),), (R,), LINE)
+                costs = [
+                    mm_seconds(model, (2, 4096), (4096, 8)),
+                    mm_seconds(model, (8, 4096), (4096, 2)),
+                    mm_seconds(model, (8, 1024), (1024, 8)) + reduction,
+                ]
+                self.assertEqual(solution.region_choice("hops_local_map"), chosen)
+                self.assertEqual(min(range(3), key=costs.__getitem__), chosen)
+                self.assertAlmostEqual(solution.cost, costs[chosen], delta=1e-12)
+                self.assertEqual(solution.collectives(), {"all_reduce": 1} if chosen == 2 else {})
+                passes.apply_placements(gm, solution)
+                torch.testing.assert_close(passes.inline_hops(gm)(x, w), x @ w, atol=1e-3, rtol=1e-4)
+
+
+MATMUL_LAYOUTS = {
+    "rows": ("S(0), R", "S(0)"),
+    "columns": ("R, S(1)", "S(1)"),
+    "contraction": ("S(1), S(0)", "P"),  # a pending sum: only for a body linear in the product
+    "replicated": ("R, R", "R"),
+}
+
+
+class TestProperties(TestCase):
+    @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        devices=st.sampled_from([2, 4]),
+        options=st.lists(st.sampled_from(sorted(MATMUL_LAYOUTS)), min_size=2, max_size=3, unique=True),
+        sizes=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
+        seed=st.integers(0, 2**16),
+    )
+    def test_every_alternative_computes_the_product_and_its_gradients_forward_and_backward(self, devices, options, sizes, seed):
+        linear = "contraction" in options
+        body = (lambda x, w: (x @ w) * 3) if linear else (lambda x, w: torch.tanh(x @ w))
+        main, *others = [MATMUL_LAYOUTS[o] for o in options]
+        mesh = Mesh.of(model=devices)
+        in_placements = tuple(hops.specs.parse_groups(main[0], "in"))
+        region = hops.local_map(
+            body, mesh=mesh, in_placements=in_placements, out_placements=hops.specs.parse_groups(main[1], "out"),
+            alternatives=[RegionPlacements(*o) for o in others],
+        )
+        generator = torch.Generator().manual_seed(seed)
+        m, k, n = (size * devices for size in sizes)
+        x = torch.randn(m, k, generator=generator, dtype=torch.double, requires_grad=True)
+        w = torch.randn(k, n, generator=generator, dtype=torch.double, requires_grad=True)
+        cotangent = torch.randn(m, n, generator=generator, dtype=torch.double)
+        expected = body(x, w)
+        expected_grads = torch.autograd.grad(expected, (x, w), cotangent)
+        self.assertEqual(region(x, w), expected)
+        forward, backward, _ = aot_trace(region, x, w)
+        self.assertEqual([len(n.args[0]) for g in (forward, backward) for n in region_nodes(g)], [len(options)] * 2)
+        for index in range(len(options)):
+            choose(forward, index)
+            choose(backward, index)
+            out, *saved = forward(x.detach(), w.detach())
+            self.assertEqual(out, expected.detach())
+            self.assertEqual(tuple(backward(*saved, cotangent)), expected_grads)
 
 
 # --------------------------------------------------------------------------- XLA
