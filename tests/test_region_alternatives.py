@@ -365,3 +365,43 @@ def test_the_chosen_plan_runs_as_a_manual_region_on_four_xla_devices(x_shape, w_
     # The manual region computes the chosen body's product on each device's local shapes.
     assert f"{local_product}{{1,0}} dot(" in hlo, hlo
     torch.testing.assert_close(out.cpu(), x @ w)
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("index", [0, 1], ids=["row-parallel", "column-parallel"])
+def test_forward_and_backward_of_the_chosen_alternative_lower_to_xla(index):
+    import torch_xla
+
+    def tanh_project(x, w):
+        return torch.tanh(x @ w)
+
+    x, w = torch.randn(8, 6), torch.randn(6, 12)
+    forward, backward, _ = aot_trace(projection(tanh_project), x.clone().requires_grad_(), w.clone().requires_grad_())
+    for gm in (forward, backward):
+        choose(gm, index)
+        passes.lower_to_xla(gm)
+    device = torch_xla.device()
+    out, *saved = forward(x.to(device), w.to(device))
+    grads = backward(*saved, torch.ones(8, 12, device=device))
+    leaves = (x.clone().requires_grad_(), w.clone().requires_grad_())
+    expected = tanh_project(*leaves)
+    torch.testing.assert_close(out.cpu(), expected.detach())
+    torch.testing.assert_close([g.cpu() for g in grads], list(torch.autograd.grad(expected.sum(), leaves)))
+
+
+@pytest.mark.xla
+def test_eager_on_xla_devices_runs_the_active_alternative_with_its_gradients():
+    import torch_xla
+
+    def tanh_project(x, w):
+        return torch.tanh(x @ w)
+
+    device = torch_xla.device()
+    x, w = torch.randn(8, 6), torch.randn(6, 12)
+    on_xla = (x.to(device).requires_grad_(), w.to(device).requires_grad_())
+    out = projection(tanh_project)(*on_xla)
+    out.sum().backward()
+    leaves = (x.clone().requires_grad_(), w.clone().requires_grad_())
+    expected = tanh_project(*leaves)
+    torch.testing.assert_close(out.cpu(), expected.detach())
+    torch.testing.assert_close([t.grad.cpu() for t in on_xla], list(torch.autograd.grad(expected.sum(), leaves)))
