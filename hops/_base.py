@@ -403,10 +403,11 @@ class BodyHOP(HigherOrderOperator):
             steps.append([value.meta.get("val") for value in pytree.tree_leaves(output_node.args[0])])
         step = steps[active]
         with disable_proxy_modes_tracing():
+            if count > 1 and all(isinstance(v, torch.Tensor) for values in steps for v in values):
+                self.check_options(name, steps, operands, spec)
             if all(isinstance(v, FakeTensor) for v in step) and all(
                 not isinstance(o, torch.Tensor) or isinstance(o, FakeTensor) for o in operands
             ):
-                self.check_options(name, steps, operands, spec)
                 outputs = self.outputs_from_body(step, operands, spec)
             else:  # make_fx in real mode: run it
                 outputs = self(known_functional(graphs[0] if count == 1 else OptionBodies(graphs, active)), *operands, spec)

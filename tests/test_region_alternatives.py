@@ -150,7 +150,7 @@ class project(torch.nn.Module):
         for alternative, error, message in cases:
             error = ValueError if error is LocalMapSpec else error  # torch's class: AssertionError and ValueError
             inputs = (torch.randn(8, 8), torch.randn(8, 12)) if "body fails" in message else (x, w)
-            for run in (lambda f, *a: f(*a), lambda f, *a: make_fx(f, tracing_mode="fake")(*a)):
+            for run in (lambda f, *a: f(*a), lambda f, *a: make_fx(f)(*a), lambda f, *a: make_fx(f, tracing_mode="fake")(*a)):
                 with self.subTest(alternative=alternative), self.assertRaisesRegex(error, message):
                     region = hops.local_map(
                         project, mesh=LINE, in_placements=((S0,), (R,)), out_placements=((S0,),), alternatives=[alternative]
