@@ -195,6 +195,10 @@ class TestAutograd(TestCase):
         self.assertEqual((forward_spec.active, backward_spec.active), (0, 0))
         # The residual tanh(x @ w) is (2, 12) row-parallel, (8, 3) column-parallel: packed.
         self.assertEqual(forward_spec.residuals, 1)
+        self.assertEqual(hops.spec_from_text(repr(forward_spec)), forward_spec)
+        self.assertEqual(forward_spec.choose(1).residuals, 1)
+        with self.assertRaisesRegex(ValueError, r"residuals=.*marks the residuals of a region with alternatives"):
+            LocalMapSpec(LINE, "S(0)", "S(0), S(0)", residuals=1)
         self.assertExpectedInline(repr(backward_spec), """\
 hops.LocalMapSpec(hops.Mesh.of(model=4), 'S(0), R, S(0), S(0)', 'S(0), P', alternatives=(hops.RegionPlacements('S(0), R, S(0), S(0)', 'S(0), P'), hops.RegionPlacements('R, S(1), S(0), S(1)', 'P, S(1)')))""")
         for index in (0, 1):
