@@ -54,7 +54,10 @@ from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for th
 )
 from hops._targets import load_device_rules
 
-__all__ = ["BodyHOP", "FlatBody", "HopFunction", "call_body_hop", "flat_body", "needs_traced_autograd"]
+__all__ = [
+    "BodyHOP", "FlatBody", "HopFunction", "OptionBodies", "call_body_hop", "flat_body", "map_options", "needs_traced_autograd",
+    "option_body",
+]
 
 
 class FlatBody:
@@ -85,7 +88,55 @@ class FlatBody:
 
 
 def flat_body(body: Callable) -> FlatBody:
-    return body if isinstance(body, FlatBody) else FlatBody(body)
+    return body if isinstance(body, (FlatBody, OptionBodies)) else FlatBody(body)
+
+
+class OptionBodies:
+    """One body per option of a HOP whose spec offers options (``local_map``'s
+    alternatives, each with its own local shapes): the node's first argument is then the
+    tuple of their subgraphs. Calling it runs the active option's body, as eager and every
+    lowering do until a solver chooses another (``BodyHOP.active_option``).
+
+    Its bodies return flat tuples (``FlatBody``); rules pick one with ``option_body``."""
+
+    def __init__(self, bodies: Sequence[Callable], active: int) -> None:
+        if not bodies or not all(callable(b) for b in bodies):
+            raise TypeError(f"a HOP's bodies must be a non-empty tuple of callables, got {bodies!r}")
+        if not 0 <= active < len(bodies):
+            raise ValueError(f"the active option {active} is not one of the {len(bodies)} bodies")
+        self.bodies = tuple(flat_body(b) for b in bodies)
+        self.active = active
+        self.__name__ = self.__qualname__ = body_name(self.bodies[active])
+        self.hops_known_functional = all(getattr(b, "hops_known_functional", False) for b in self.bodies)
+        self.hops_plan_body = all(getattr(b, "hops_plan_body", False) for b in self.bodies)
+        self.hops_graph = getattr(self.bodies[active], "hops_graph", None)
+        self.hops_code_key = None  # no reuse across eager calls: each option is its own trace
+        # Equal tuples of bodies share one inspection and plan within a trace; a plan's
+        # bodies (made once, reused) are their own key, which device rules keep weakly.
+        self.hops_trace_key = self if self.hops_plan_body else tuple(getattr(b, "hops_trace_key", b) for b in self.bodies)
+
+    def __call__(self, *inputs: Any) -> tuple:
+        return self.bodies[self.active](*inputs)
+
+    @property
+    def treespec(self) -> Any:
+        return self.bodies[self.active].treespec
+
+    def unflatten(self, flat: Sequence[Any]) -> Any:
+        return self.bodies[self.active].unflatten(flat)
+
+
+def option_body(body: Callable, index: int) -> Callable:
+    """The body of option ``index``: its own for ``OptionBodies``; one Python body (which
+    runs on any local shapes) serves every option."""
+    return body.bodies[index] if isinstance(body, OptionBodies) else body
+
+
+def map_options(body: Callable, transform: Callable[[Callable], Callable]) -> Callable:
+    """``transform`` applied to each option's body (or to the one body)."""
+    if isinstance(body, OptionBodies):
+        return OptionBodies([transform(b) for b in body.bodies], body.active)
+    return transform(body)
 
 
 def set_trace_key(body: Callable, fn: Callable, *structure: Any, across_calls: bool = True) -> None:
@@ -169,6 +220,27 @@ class BodyHOP(HigherOrderOperator):
     def fold_lifted(self, operands: Sequence[Any], spec: Any, lifted: Sequence[Any]) -> tuple[list, Any]:
         raise NotImplementedError
 
+    # A HOP whose spec offers options (local_map's alternatives) traces one body per option
+    # (each on what it sees under that option) and runs the active one.
+
+    def num_options(self, spec: Any) -> int:
+        return 1
+
+    def option_spec(self, spec: Any, index: int) -> Any:
+        """``spec`` with option ``index`` active."""
+        return spec
+
+    def active_option(self, spec: Any) -> int:
+        return 0
+
+    def option_failure(self, name: str, spec: Any, index: int, error: Exception) -> Exception:
+        """The error for a body that fails under option ``index`` (it runs under the active one)."""
+        return ValueError(f"{self.__name__} {name}: option {index}: the body fails on it: {type(error).__name__}: {error}")
+
+    def check_options(self, name: str, steps: Sequence[Sequence[Any]], operands: Sequence[Any], spec: Any) -> None:
+        """Refuse options whose bodies' (fake) outputs ``steps`` give the HOP other results
+        than the active option's: the program around the node is the same for all."""
+
     def autograd_plan(self, body: Callable, operands: Sequence[Any], spec: Any) -> "AutogradPlan":
         """How a traced call differentiates; region HOPs (the body runs once on the operands
         or their shards) share ``RegionPlan`` and say only how residuals cross the boundary."""
@@ -210,10 +282,17 @@ class BodyHOP(HigherOrderOperator):
             # Dynamo's node form: what the body closed over comes as one trailing tuple.
             *operands, lifted = operands
             operands, spec = self.fold_lifted(operands, spec, lifted)
+        if isinstance(body, (tuple, list)):  # a node's bodies, one per option
+            if len(body) != self.num_options(spec):
+                raise ValueError(
+                    f"{self.__name__}: {len(body)} bodies for a spec with {self.num_options(spec)} options; "
+                    "give one body per option"
+                )
+            body = OptionBodies(body, self.active_option(spec))
         if not callable(body):
             raise TypeError(f"{self.__name__}: body must be callable, got {type(body).__name__}")
         self.check(body, operands, spec)
-        if isinstance(body, FlatBody):
+        if isinstance(body, (FlatBody, OptionBodies)):
             # A rule calling the HOP again (or torch-function handling re-entering it): rules
             # speak in flat results.
             return super().__call__(body, *operands, spec)
@@ -246,13 +325,17 @@ class BodyHOP(HigherOrderOperator):
 
             from hops._joint import trace_graph
 
-            with disable_proxy_modes_tracing():
-                examples = self.body_inputs(unwrapped, spec)
-            graph = trace_graph(body, examples)
-            self.refuse_mutation(graph, body)
+            options = range(self.num_options(spec)) if isinstance(body, OptionBodies) else [self.active_option(spec)]
+            for index in options:
+                with disable_proxy_modes_tracing():
+                    examples = self.body_inputs(unwrapped, self.option_spec(spec, index))
+                option = option_body(body, index)
+                self.refuse_mutation(trace_graph(option, examples), option)
         with ctx.redispatch_to_next():
             if is_tracing(operands):
-                functional = FlatBody(named(ctx.functionalize(_maybe_run_with_interpreter(body)), body_name(body)))
+                functional = map_options(
+                    body, lambda b: FlatBody(named(ctx.functionalize(_maybe_run_with_interpreter(b)), body_name(b)))
+                )
                 outputs = self(known_functional(functional), *unwrapped, spec)
             else:
                 # A device rule (XLA) traces the body itself, on fakes: it gets the body as is.
@@ -289,29 +372,44 @@ class BodyHOP(HigherOrderOperator):
         operands, spec = self.split_args(args)
         name = body_name(body)
         refuse_untracked_xla_operands(mode, operands, f"{self.__name__} {name}")
+        count, active = self.num_options(spec), self.active_option(spec)
+        graphs, steps = [], []
+        for index in range(count):
+            # One subgraph per option, traced on what the body sees under it.
+            option = option_body(body, index)
+            with disable_proxy_modes_tracing():
+                examples = distinct_tensors(self.body_inputs(operands, self.option_spec(spec, index)))
+            try:
+                with _compat.eager_stance():
+                    graph = reenter_make_fx(option)(*examples)
+            except Exception as error:
+                if index == active:
+                    raise
+                raise self.option_failure(name, spec, index, error) from error
+            if not getattr(body, "hops_known_functional", False):
+                self.refuse_mutation(graph, option)
+            clone_aliased_outputs(graph)
+            # make_fx names the class after the function it traced: re-tracing this graph, and
+            # errors raised from it, then name the user function.
+            type(graph).__name__ = name
+            prefix = f"{name}_body_" if count == 1 else f"{name}_alternative{index}_body_"
+            mode.tracer.root.register_module(mode.tracer.get_fresh_qualname(prefix), graph)
+            (output_node,) = graph.graph.find_nodes(op="output")
+            graphs.append(graph)
+            steps.append([value.meta.get("val") for value in pytree.tree_leaves(output_node.args[0])])
+        step = steps[active]
         with disable_proxy_modes_tracing():
-            examples = distinct_tensors(self.body_inputs(operands, spec))
-        with _compat.eager_stance():
-            graph = reenter_make_fx(body)(*examples)
-        if not getattr(body, "hops_known_functional", False):
-            self.refuse_mutation(graph, body)
-        clone_aliased_outputs(graph)
-        # make_fx names the class after the function it traced: re-tracing this graph, and
-        # errors raised from it, then name the user function.
-        type(graph).__name__ = name
-        qualname = mode.tracer.get_fresh_qualname(f"{name}_body_")
-        mode.tracer.root.register_module(qualname, graph)
-        (output_node,) = graph.graph.find_nodes(op="output")
-        step = [value.meta.get("val") for value in pytree.tree_leaves(output_node.args[0])]
-        with disable_proxy_modes_tracing():
+            if count > 1 and all(isinstance(v, torch.Tensor) for values in steps for v in values):
+                self.check_options(name, steps, operands, spec)
             if all(isinstance(v, FakeTensor) for v in step) and all(
                 not isinstance(o, torch.Tensor) or isinstance(o, FakeTensor) for o in operands
             ):
                 outputs = self.outputs_from_body(step, operands, spec)
             else:  # make_fx in real mode: run it
-                outputs = self(known_functional(graph), *operands, spec)
+                outputs = self(known_functional(graphs[0] if count == 1 else OptionBodies(graphs, active)), *operands, spec)
         spec = self.resolve_spec(spec, operands, step)
-        node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (graph, *operands, spec))
+        body_arg = graphs[0] if count == 1 else tuple(graphs)
+        node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (body_arg, *operands, spec))
         out_proxy = mode.tracer.create_proxy("call_function", self, node_args, {})
         return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
 
@@ -631,10 +729,14 @@ class RegionPlan(AutogradPlan):
         grads = iter(self.hop(backward_body, *saved, *(cotangents[i] for i in present), backward_spec))
         return [next(grads) if need else None for need in self.needs_grad]
 
-    def _backward_body(self, present: Sequence[int]) -> Callable:
+    def _backward_body(self, present: Sequence[int], residual_inputs: Sequence[Callable] | None = None) -> Callable:
+        """The backward region's body: ``(primals it reads, residuals, present cotangents) ->
+        gradients``; each residual enters through ``residual_inputs`` (default: as the HOP's
+        ``residuals_in`` says)."""
         split = self.split
         num_primals = len(split.primals_in_backward)
-        residual_inputs = self.hop.residuals_in(self.residuals)
+        if residual_inputs is None:
+            residual_inputs = self.hop.residuals_in(self.residuals)
         local_outputs, differentiable = self.local_outputs, self.differentiable
 
         def backward(*values: Any) -> tuple:

@@ -441,6 +441,50 @@ def register_export_spec_serialization(is_spec: Any, to_text: Any, from_text: An
     serialize_input.hops_specs = True  # type: ignore[attr-defined]
     serializer.serialize_input = serialize_input
     deserializer.deserialize_input = deserialize_input
+    _register_export_body_tuples(serialize, serializer, deserializer)
+
+
+_BODIES_TAG = "hops.bodies:"
+
+
+def _register_export_body_tuples(serialize: Any, serializer: Any, deserializer: Any) -> None:
+    """A HOP node whose first argument is a tuple of subgraphs (a ``local_map`` with
+    alternatives: one body per alternative) has no form in torch's schema (a list argument
+    holds tensors, not graphs): such a tuple is written as a tagged count followed by each
+    subgraph as its own argument, and read back as the tuple. ``serialize_hoo_inputs`` /
+    ``deserialize_hoo_inputs`` (private, the same in 2.9 .. 2.15) are wrapped, once."""
+    write, read = serializer.serialize_hoo_inputs, deserializer.deserialize_hoo_inputs
+
+    def is_bodies(value: Any) -> bool:
+        import torch.fx as fx
+
+        return isinstance(value, (tuple, list)) and len(value) > 0 and all(
+            isinstance(v, fx.Node) and v.op == "get_attr" for v in value
+        )
+
+    def serialize_hoo_inputs(self: Any, args: Any, kwargs: Any) -> Any:
+        if not any(is_bodies(a) for a in args):
+            return write(self, args, kwargs)
+        flat: list[Any] = []
+        for arg in args:
+            flat.extend([f"{_BODIES_TAG}{len(arg)}", *arg] if is_bodies(arg) else [arg])
+        return write(self, flat, kwargs)
+
+    def deserialize_hoo_inputs(self: Any, inputs: Any) -> Any:
+        args, kwargs = read(self, inputs)
+        if not any(isinstance(a, str) and a.startswith(_BODIES_TAG) for a in args):
+            return args, kwargs
+        grouped: list[Any] = []
+        values = iter(args)
+        for value in values:
+            if isinstance(value, str) and value.startswith(_BODIES_TAG):
+                grouped.append(tuple(next(values) for _ in range(int(value[len(_BODIES_TAG) :]))))
+            else:
+                grouped.append(value)
+        return tuple(grouped), kwargs
+
+    serializer.serialize_hoo_inputs = serialize_hoo_inputs
+    deserializer.deserialize_hoo_inputs = deserialize_hoo_inputs
 
 
 # DTensor before torch 2.13 (checked: 2.9 differs, 2.13 and 2.15 do not):

@@ -25,6 +25,7 @@ Rules:
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -35,7 +36,17 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor, _layout
-from hops._base import BodyHOP, call_body_hop, set_trace_key
+from hops._base import (
+    AutogradPlan,
+    BodyHOP,
+    OptionBodies,
+    RegionPlan,
+    cached_plan,
+    call_body_hop,
+    option_body,
+    plan_body,
+    set_trace_key,
+)
 from hops._body import version_counter
 from hops._subgraph import body_name, named, rename_inner_function
 from hops.specs import (
@@ -96,6 +107,28 @@ class LocalMap(BodyHOP):
     def fold_lifted(self, tensors: Sequence[Any], spec: LocalMapSpec, lifted: Sequence[Any]) -> tuple[list, LocalMapSpec]:
         return [*tensors, *lifted], spec.with_lifted(lifted)
 
+    # Alternatives: one body per option, each traced on its own local shapes.
+
+    def num_options(self, spec: LocalMapSpec) -> int:
+        return len(spec.alternatives) or 1
+
+    def option_spec(self, spec: LocalMapSpec, index: int) -> LocalMapSpec:
+        return spec.choose(index) if spec.alternatives else spec
+
+    def active_option(self, spec: LocalMapSpec) -> int:
+        return spec.active or 0
+
+    def option_failure(self, name: str, spec: LocalMapSpec, index: int, error: Exception) -> Exception:
+        return _alternative_failure(name, spec, index, error)
+
+    def check_options(self, name: str, steps: Sequence[Sequence[Any]], tensors: Sequence[Any], spec: LocalMapSpec) -> None:
+        _check_option_outputs(name, steps, spec)
+
+    def autograd_plan(self, body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> AutogradPlan:
+        if not spec.alternatives:
+            return super().autograd_plan(body, tensors, spec)
+        return cached_plan(lambda: _AlternativesPlan(self, body, tensors, spec), body, tensors, spec)
+
     # Traced autograd: residuals leave the forward region laid out per device.
 
     # Each placement option of a region (``alternatives``) gets its own forward and backward
@@ -107,7 +140,8 @@ class LocalMap(BodyHOP):
             LocalMapSpec(o.mesh, o.in_placements, o.out_placements + tuple(per_device for _ in residuals), o.in_grad_placements)
             for o in spec.options()
         ]
-        return LocalMapSpec.with_options(options, spec.active or 0, _hints(spec))
+        # The residuals are marked: only the alternative that made them can read them.
+        return LocalMapSpec.with_options(options, spec.active or 0, _hints(spec), len(residuals))
 
     def backward_spec(self, spec, split, residuals, needs_grad, present) -> LocalMapSpec:
         per_device = _per_device(spec.mesh)
@@ -140,6 +174,122 @@ class LocalMap(BodyHOP):
 local_map_hop = LocalMap()
 
 
+class _AlternativesPlan(AutogradPlan):
+    """The traced autograd of a region with alternatives: each option's body is split on its
+    own local shapes (one ``RegionPlan`` per option); the forward region carries every
+    option's forward body, the backward region every option's backward body, with the same
+    options in the same order and the same one active, so a choice holds for both.
+
+    What crosses from forward to backward must look the same whichever option ran: the
+    primals any option's backward reads, and the residuals. Where the options' residuals
+    differ in shape, each option packs its residuals into one flat buffer per dtype (padded
+    to the largest option's), and its backward body unpacks them."""
+
+    def __init__(self, hop: LocalMap, body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
+        self.hop, self.spec = hop, spec
+        self.active = spec.active or 0
+        self.plans = [RegionPlan(hop, option_body(body, k), tensors, spec.choose(k)) for k in range(len(spec.alternatives))]
+        first = self.plans[self.active]
+        self.name, self.treespec, self.num_outputs = first.name, first.treespec, first.num_outputs
+        for k, plan in enumerate(self.plans):
+            if (plan.needs_grad, plan.differentiable) != (first.needs_grad, first.differentiable):
+                raise ValueError(
+                    f"local_map {self.name}: alternative {k}'s body connects other inputs to its differentiable outputs "
+                    f"than alternative {self.active}'s; every alternative must compute the same function"
+                )
+        self.needs_grad = first.needs_grad
+        self.primals = sorted(set().union(*(plan.split.primals_in_backward for plan in self.plans)))
+        signatures = [[(tuple(r.shape), r.dtype) for r in plan.residuals] for plan in self.plans]
+        self.packed = any(signature != signatures[0] for signature in signatures)
+        if self.packed:
+            if not all(isinstance(size, int) for signature in signatures for shape, _ in signature for size in shape):
+                raise NotImplementedError(
+                    f"local_map {self.name}: alternatives whose residuals differ in shape need static shapes to be "
+                    "differentiated while traced (their residuals are packed into buffers of the largest size)"
+                )
+            self.dtypes = list(dict.fromkeys(dtype for signature in signatures for _, dtype in signature))
+            self.lengths = [
+                max(sum(math.prod(shape) for shape, d in signature if d == dtype) for signature in signatures)
+                for dtype in self.dtypes
+            ]
+            self.residuals = [torch.empty((length,), dtype=dtype, device="meta") for dtype, length in zip(self.dtypes, self.lengths)]
+        else:
+            self.residuals = first.residuals
+        self.forward_body: OptionBodies | None = None
+        self.backward_bodies: dict[tuple[int, ...], OptionBodies] = {}
+
+    def forward(self, tensors: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
+        if self.forward_body is None:  # made once: a plan reused across calls hands the same bodies on
+            self.forward_body = OptionBodies([self._forward_body(plan) for plan in self.plans], self.active)
+        results = self.hop(self.forward_body, *tensors, self.hop.forward_spec(self.spec, self.residuals))
+        outputs, residuals = results[: self.num_outputs], results[self.num_outputs :]
+        return outputs, [*(tensors[i] for i in self.primals), *residuals]
+
+    def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
+        if not any(self.needs_grad):
+            return [None] * len(self.needs_grad)
+        present = [i for i in self.plans[self.active].differentiable if cotangents[i] is not None]
+        body = self.backward_bodies.get(tuple(present))
+        if body is None:
+            bodies = [self._backward_body(plan, present) for plan in self.plans]
+            body = self.backward_bodies[tuple(present)] = OptionBodies(bodies, self.active)
+        reads = _PrimalsRead(tuple(self.primals))
+        spec = self.hop.backward_spec(self.spec, reads, self.residuals, self.needs_grad, present)
+        grads = iter(self.hop(body, *saved, *(cotangents[i] for i in present), spec))
+        return [next(grads) if need else None for need in self.needs_grad]
+
+    def _forward_body(self, plan: RegionPlan) -> Callable:
+        num_outputs, forward = self.num_outputs, plan.split.forward
+        if not self.packed:
+            return plan_body(named(self.hop.residuals_out(forward, num_outputs), self.name))
+        dtypes, lengths = self.dtypes, self.lengths
+
+        def forward_with_packed_residuals(*tensors: Any) -> tuple:
+            results = forward(*tensors)
+            outputs, residuals = results[:num_outputs], results[num_outputs:]
+            like = outputs[0]
+            buffers = []
+            for dtype, length in zip(dtypes, lengths):
+                pieces = [r.reshape(-1) for r in residuals if r.dtype == dtype]
+                used = sum(p.numel() for p in pieces)
+                if length > used:
+                    pieces.append(like.new_zeros((length - used,), dtype=dtype))
+                buffers.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+            return (*outputs, *buffers)
+
+        return plan_body(named(forward_with_packed_residuals, self.name))
+
+    def _backward_body(self, plan: RegionPlan, present: Sequence[int]) -> Callable:
+        position = {i: p for p, i in enumerate(self.primals)}
+        reads = [position[i] for i in plan.split.primals_in_backward]
+        num_primals, num_residuals = len(self.primals), len(self.residuals)
+        layout = [(tuple(r.shape), r.dtype) for r in plan.residuals]
+        inner = plan._backward_body(present, [lambda value: value for _ in plan.residuals] if self.packed else None)
+        dtypes = self.dtypes if self.packed else []
+
+        def backward(*values: Any) -> tuple:
+            primals = values[:num_primals]
+            residuals = list(values[num_primals : num_primals + num_residuals])
+            cotangents = values[num_primals + num_residuals :]
+            if dtypes:  # unpack this option's residuals from the buffers
+                buffers, offsets, unpacked = dict(zip(dtypes, residuals)), dict.fromkeys(dtypes, 0), []
+                for shape, dtype in layout:
+                    size = math.prod(shape)
+                    unpacked.append(buffers[dtype][offsets[dtype] : offsets[dtype] + size].reshape(shape))
+                    offsets[dtype] += size
+                residuals = unpacked
+            return inner(*(primals[p] for p in reads), *residuals, *cotangents)
+
+        return plan_body(named(backward, f"{self.name}_bwd"))
+
+
+class _PrimalsRead:
+    """What ``backward_spec`` reads of a split: the primals the backward region takes."""
+
+    def __init__(self, primals_in_backward: tuple[int, ...]) -> None:
+        self.primals_in_backward = primals_in_backward
+
+
 def _hints(spec: LocalMapSpec) -> list | None:
     return [o.cost_hint for o in spec.alternatives] or None
 
@@ -166,16 +316,97 @@ def _check_call(body: Any, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
             continue
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what} must be a Tensor, got {type(tensor).__name__}")
-        local = _layout.local_shape(tensor.shape, placements, spec.mesh, what)
-        # The body is traced once, on the active option's local shapes: every option must
-        # give the body the same shapes.
+        _layout.local_shape(tensor.shape, placements, spec.mesh, what)
+        # Each alternative gets its own body, traced on its own local shapes: they may differ,
+        # but must exist (an even split where the layout needs one).
         for k, option in enumerate(spec.alternatives):
-            other = _layout.local_shape(tensor.shape, option.in_placements[i], spec.mesh, f"{what} (alternative {k})")
-            if list(other) != list(local):
+            _layout.local_shape(tensor.shape, option.in_placements[i], spec.mesh, f"{what} (alternative {k})")
+
+
+def _check_option_outputs(name: str, steps: Sequence[Sequence[Any]], spec: LocalMapSpec) -> None:
+    """Every alternative's body (its outputs ``steps[k]`` on its local shapes) must give the
+    region the same global outputs: the program around the region is the same whichever a
+    solver chooses."""
+    if not spec.alternatives:
+        return
+    active = spec.active or 0
+
+    def described(k: int) -> list[tuple]:
+        option = spec.alternatives[k]
+        if len(steps[k]) != len(option.out_placements):
+            raise ValueError(
+                f"local_map {name}: alternative {k}'s body returns {len(steps[k])} tensors for "
+                f"{len(option.out_placements)} out_placements"
+            )
+        return [
+            (tuple(_layout.global_shape(o.shape, p, spec.mesh, f"local_map {name}: output {j} (alternative {k})")), o.dtype)
+            for j, (o, p) in enumerate(zip(steps[k], option.out_placements))
+        ]
+
+    expected = described(active)
+    for k in range(len(spec.alternatives)):
+        got = described(k)
+        for j, (mine, theirs) in enumerate(zip(got, expected)):
+            if mine != theirs:
                 raise ValueError(
-                    f"{what}: alternative {k} ({option!r}) gives the body local shape {tuple(other)}, the active "
-                    f"placements {tuple(local)}; every alternative must give the body the same local shapes"
+                    f"local_map {name}: output {j}: alternative {k} ({spec.alternatives[k]!r}) makes it of global "
+                    f"shape {mine[0]} and dtype {mine[1]}, the active alternative {active} {theirs[0]} and {theirs[1]}; "
+                    "every alternative must give the same global shapes"
                 )
+
+
+def _check_alternatives_eagerly(name: str, body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
+    """Run every alternative's body on fake local tensors (a tracer traces each anyway) and
+    refuse one that fails on its local shapes or gives other global outputs. A body that
+    cannot run on fake tensors (it reads tensor values in Python) is checked when traced."""
+    from hops._joint import is_tracing
+
+    if not spec.alternatives or is_tracing(tensors):
+        return
+    active = spec.active or 0
+    steps: list[Any] = [None] * len(spec.alternatives)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for k in [active, *(k for k in range(len(spec.alternatives)) if k != active)]:
+            option = spec.choose(k)
+            examples = [
+                t if p is None or not isinstance(t, torch.Tensor)
+                else torch.empty(
+                    _layout.local_shape(t.shape, p, spec.mesh, f"local_map {name}: input {i} (alternative {k})"),
+                    dtype=t.dtype,
+                    device=t.device,
+                )
+                for i, (t, p) in enumerate(zip(tensors, option.in_placements))
+            ]
+            try:
+                steps[k] = [o for o in pytree.tree_leaves(body(*examples)) if isinstance(o, torch.Tensor)]
+            except Exception as error:
+                if k == active:
+                    return
+                raise _alternative_failure(name, spec, k, error) from error
+    _check_option_outputs(name, steps, spec)
+
+
+def _refuse_other_local_shapes_under_dynamo(name: str, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
+    """Dynamo traces a region's body once, on the active alternative's local shapes (its
+    shapes, and values derived from them, become constants of that graph): an alternative
+    with other local shapes would run that graph on shapes it was not traced for."""
+    for k, option in enumerate(spec.alternatives):
+        for i, (t, mine, active) in enumerate(zip(tensors, option.in_placements, spec.in_placements)):
+            if mine is None or not isinstance(t, torch.Tensor):
+                continue
+            if _layout.local_shape(t.shape, mine, spec.mesh, f"input {i}") != _layout.local_shape(t.shape, active, spec.mesh, f"input {i}"):
+                raise NotImplementedError(
+                    f"local_map({name}): under torch.compile, alternative {k} gives the body other local shapes "
+                    f"than the active placements (input {i}); Dynamo traces the body once, so such alternatives "
+                    "are traced with make_fx / torch.export / AOTAutograd (one body per alternative), or run eagerly"
+                )
+
+
+def _alternative_failure(name: str, spec: LocalMapSpec, index: int, error: Exception) -> ValueError:
+    return ValueError(
+        f"local_map {name}: alternative {index} ({spec.alternatives[index]!r}): the body fails on that "
+        f"alternative's local shapes: {type(error).__name__}: {error}"
+    )
 
 
 # --------------------------------------------------------------------------- public API
@@ -327,8 +558,10 @@ def local_map(
       choose from (``passes.solve_placements``): each a ``hops.RegionPlacements`` or a dict
       with its fields (``in_placements``, ``out_placements``, ``in_grad_placements``,
       ``cost_hint``), given in the forms above. The main placements are option 0, what
-      eager and the lowerings run until one is chosen (``LocalMapSpec.choose``); every
-      option must give the body the same local shapes.
+      eager and the lowerings run until one is chosen (``LocalMapSpec.choose``). Options
+      may give the body other local shapes (row- vs column-parallel): a traced region holds
+      one body per option, each traced on its own shapes; every option must give the same
+      global outputs.
 
     Keyword arguments of the call are passed to ``func`` (tensors whole on every device).
     Plain tensors are global values; DTensor inputs run torch's own ``local_map`` on their
@@ -399,6 +632,10 @@ def local_map(
         body = make_body(func, leaves, tensor_positions, args_treespec, plan, structured)
         set_trace_key(body, func, args_treespec, plan, [leaf for p, leaf in enumerate(leaves) if p not in tensor_positions])
         tensors = [leaves[p] for p in tensor_positions]
+        if structured:
+            _refuse_other_local_shapes_under_dynamo(name, tensors, spec)
+        else:
+            _check_alternatives_eagerly(name, body, tensors, spec)
         outputs = call_body_hop(
             local_map_hop,
             body,
@@ -624,19 +861,6 @@ def _check_outputs(name: str, outputs: Sequence[Any], spec: LocalMapSpec) -> tup
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"local_map {name}: output {j} is a {type(output).__name__}, not a tensor")
         _layout.check_rank(output.dim(), placements, spec.mesh, f"local_map {name}: output {j}")
-        if not spec.alternatives:
-            continue
-        # Eager and traced alike: a solver may pick any option, and every option must leave
-        # the program around the region with the same global shapes.
-        shape = _layout.global_shape(output.shape, placements, spec.mesh, f"local_map {name}: output {j}")
-        for k, option in enumerate(spec.alternatives):
-            what = f"local_map {name}: output {j} (alternative {k})"
-            other = _layout.global_shape(output.shape, option.out_placements[j], spec.mesh, what)
-            if list(other) != list(shape):
-                raise ValueError(
-                    f"local_map {name}: output {j}: alternative {k} ({option!r}) makes it of global shape "
-                    f"{tuple(other)}, the active placements {tuple(shape)}; every alternative must give the same global shapes"
-                )
     return tuple(outputs)
 
 
@@ -826,6 +1050,9 @@ _dynamo.register_subgraph_hop(local_map_hop)
 @_inductor.register_inductor_rule(local_map_hop)
 def _inductor_rule(body: Callable, *operands_and_spec: Any) -> tuple:
     """The per-device program on one device: each device's shards sliced out, the body once
-    per device, the outputs reassembled (the eager semantics, traced)."""
+    per device, the outputs reassembled (the eager semantics, traced). A region with
+    alternatives holds one body per alternative: the active one runs."""
     operands, spec = local_map_hop.split_args(operands_and_spec)
+    if isinstance(body, (tuple, list)):
+        body = body[local_map_hop.active_option(spec)]
     return local_map_hop.run(_inductor.inlined(body), operands, spec)

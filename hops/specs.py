@@ -642,6 +642,12 @@ class LocalMapSpec(_FxLiteral):
       every device receives the whole cotangent, and the given layouts are taken as torch
       takes them; an entry left ``None`` is derived in that convention (``Replicate`` on an
       axis where every output is replicated, ``Partial`` where none is).
+
+    ``alternatives``: the placement options a solver may choose from (the spec's own
+    placements are one of them, the active one); the node then carries one body per option.
+    ``residuals``: in the forward region of a differentiated region with alternatives, its
+    last ``residuals`` outputs are per-device values its backward region reads, which only
+    the same alternative can read: a solver chooses both regions' alternatives together.
     """
 
     mesh: Mesh
@@ -649,6 +655,7 @@ class LocalMapSpec(_FxLiteral):
     out_placements: tuple[tuple[Placement, ...], ...]
     in_grad_placements: tuple[tuple[Placement, ...] | None, ...] | None = None
     alternatives: tuple[RegionPlacements, ...] = ()
+    residuals: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -667,6 +674,12 @@ class LocalMapSpec(_FxLiteral):
                 f"{len(self.in_placements)} tensor inputs"
             )
         object.__setattr__(self, "alternatives", self._checked_alternatives())
+        if isinstance(self.residuals, bool) or not isinstance(self.residuals, int) or not 0 <= self.residuals <= len(self.out_placements):
+            raise ValueError(
+                f"LocalMapSpec(residuals=...) must be an int in 0..{len(self.out_placements)} (trailing outputs), got {self.residuals!r}"
+            )
+        if self.residuals and not self.alternatives:
+            raise ValueError("LocalMapSpec(residuals=...) marks the residuals of a region with alternatives; this one has none")
 
     def _checked_alternatives(self) -> tuple[RegionPlacements, ...]:
         if not isinstance(self.alternatives, (tuple, list)):
@@ -700,9 +713,10 @@ class LocalMapSpec(_FxLiteral):
     def __repr__(self) -> str:
         grads = "" if self.in_grad_placements is None else f", {groups_text(self.in_grad_placements)!r}"
         alternatives = "" if not self.alternatives else f", alternatives={self.alternatives!r}"
+        residuals = "" if not self.residuals else f", residuals={self.residuals}"
         return (
             f"hops.LocalMapSpec({self.mesh!r}, {groups_text(self.in_placements)!r}, "
-            f"{groups_text(self.out_placements)!r}{grads}{alternatives})"
+            f"{groups_text(self.out_placements)!r}{grads}{alternatives}{residuals})"
         )
 
     def for_ranks(self, in_ranks: Sequence[int | None], out_ranks: Sequence[int]) -> LocalMapSpec:
@@ -735,6 +749,7 @@ class LocalMapSpec(_FxLiteral):
             groups(self.out_placements, out_ranks, "out_placements"),
             groups(self.in_grad_placements, in_ranks, "in_grad_placements"),
             alternatives,
+            self.residuals,
         )
         return self if resolved == self else resolved
 
@@ -759,7 +774,9 @@ class LocalMapSpec(_FxLiteral):
                 f"(indices 0..{len(self.alternatives) - 1})"
             )
         option = self.alternatives[index]
-        return LocalMapSpec(self.mesh, option.in_placements, option.out_placements, option.in_grad_placements, self.alternatives)
+        return LocalMapSpec(
+            self.mesh, option.in_placements, option.out_placements, option.in_grad_placements, self.alternatives, self.residuals
+        )
 
     def options(self) -> tuple[LocalMapSpec, ...]:
         """One spec per alternative, each without alternatives (just this spec without them)."""
@@ -768,9 +785,11 @@ class LocalMapSpec(_FxLiteral):
         return tuple(LocalMapSpec(self.mesh, o.in_placements, o.out_placements, o.in_grad_placements) for o in self.alternatives)
 
     @classmethod
-    def with_options(cls, options: Sequence[LocalMapSpec], active: int = 0, cost_hints: Sequence[Any] | None = None) -> LocalMapSpec:
+    def with_options(
+        cls, options: Sequence[LocalMapSpec], active: int = 0, cost_hints: Sequence[Any] | None = None, residuals: int = 0
+    ) -> LocalMapSpec:
         """The spec whose alternatives are ``options`` (specs on one mesh), ``options[active]``
-        active; one option gives that spec without alternatives."""
+        active; one option gives that spec without alternatives (and ``residuals`` unmarked)."""
         if len(options) == 1:
             return options[0]
         hints = cost_hints or [None] * len(options)
@@ -778,7 +797,7 @@ class LocalMapSpec(_FxLiteral):
             RegionPlacements(o.in_placements, o.out_placements, o.in_grad_placements, hint) for o, hint in zip(options, hints)
         )
         chosen = options[active]
-        return cls(chosen.mesh, chosen.in_placements, chosen.out_placements, chosen.in_grad_placements, alternatives)
+        return cls(chosen.mesh, chosen.in_placements, chosen.out_placements, chosen.in_grad_placements, alternatives, residuals)
 
     @property
     def replicated_cotangents(self) -> bool:
@@ -843,7 +862,7 @@ class LocalMapSpec(_FxLiteral):
             return LocalMapSpec(self.mesh, option.in_placements + extra, option.out_placements, grads)
 
         hints = [o.cost_hint for o in self.alternatives] or None
-        return LocalMapSpec.with_options([lifted_option(o) for o in self.options()], self.active or 0, hints)
+        return LocalMapSpec.with_options([lifted_option(o) for o in self.options()], self.active or 0, hints, self.residuals)
 
 
 # --------------------------------------------------------------------------- text form

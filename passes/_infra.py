@@ -103,15 +103,42 @@ def _drop_unreferenced_subgraphs(module: fx.GraphModule) -> None:
             delattr(module, name)
 
 
-def body_module(node: fx.Node) -> fx.GraphModule:
-    """The subgraph a HOP node takes as its first argument (a ``get_attr``)."""
-    body = node.args[0]
-    if not (isinstance(body, fx.Node) and body.op == "get_attr"):
-        raise PassError(f"{node.format_node()}: expected a get_attr of the body subgraph as first argument")
-    module = node.graph.owning_module.get_submodule(body.target)
+def body_attrs(node: fx.Node) -> list[fx.Node]:
+    """The ``get_attr`` nodes of a HOP node's bodies: its first argument, or the tuple of
+    them of a HOP whose spec offers options (one body per option, ``local_map``'s
+    alternatives), checked to be one per option."""
+    body = node.args[0] if node.args else None
+    bodies = list(body) if isinstance(body, (tuple, list)) else [body]
+    if not bodies or not all(isinstance(b, fx.Node) and b.op == "get_attr" for b in bodies):
+        raise PassError(f"{node.format_node()}: expected a get_attr of the body subgraph (or a tuple of them) as first argument")
+    options = node.target.num_options(node.args[-1]) if hasattr(node.target, "num_options") else 1
+    if isinstance(body, (tuple, list)) != (options > 1) or len(bodies) != options:
+        raise PassError(f"{node.format_node()}: {len(bodies)} bodies for a spec with {options} options; expected one per option")
+    return bodies
+
+
+def _module_of(node: fx.Node, attr: fx.Node) -> fx.GraphModule:
+    module = node.graph.owning_module.get_submodule(attr.target)
     if not isinstance(module, fx.GraphModule):
-        raise PassError(f"{node.format_node()}: its body {body.target} is a {type(module).__name__}, not a GraphModule")
+        raise PassError(f"{node.format_node()}: its body {attr.target} is a {type(module).__name__}, not a GraphModule")
     return module
+
+
+def body_attr(node: fx.Node) -> fx.Node:
+    """The ``get_attr`` of the body the node runs: its one body, or its spec's active option's."""
+    bodies = body_attrs(node)
+    return bodies[node.target.active_option(node.args[-1])] if len(bodies) > 1 else bodies[0]
+
+
+def body_module(node: fx.Node) -> fx.GraphModule:
+    """The subgraph a HOP node runs (its first argument, a ``get_attr``; of a tuple of them,
+    one per option, the active option's): what a lowering makes of the node."""
+    return _module_of(node, body_attr(node))
+
+
+def body_modules(node: fx.Node) -> list[fx.GraphModule]:
+    """Every body of a HOP node (one, or one per option)."""
+    return [_module_of(node, attr) for attr in body_attrs(node)]
 
 
 def check_spec(node: fx.Node, target: str) -> None:
@@ -174,8 +201,9 @@ def replace_tuple_output(node: fx.Node, values: list[Any]) -> None:
         node.graph.erase_node(user)
     body = node.args[0]
     node.graph.erase_node(node)
-    if isinstance(body, fx.Node) and body.op == "get_attr" and not body.users:
-        node.graph.erase_node(body)
+    for attr in body if isinstance(body, (tuple, list)) else [body]:
+        if isinstance(attr, fx.Node) and attr.op == "get_attr" and not attr.users:
+            node.graph.erase_node(attr)
 
 
 class HopRulePass(PassBase):

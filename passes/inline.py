@@ -33,6 +33,7 @@ from hops.specs import LocalMapSpec, Partial, Shard, ShardingSpec
 from passes._infra import (
     HopRulePass,
     PassError,
+    body_attr,
     body_module,
     copy_body_into,
     leaf_call,
@@ -147,7 +148,7 @@ def expand_region(node: fx.Node) -> None:
             pieces[j][coordinate] = output
     with graph.inserting_before(node):
         assembled = [
-            _assemble(graph, p, placements, spec, f"local_map {node.args[0].target}: output {j}")
+            _assemble(graph, p, placements, spec, f"local_map {body_attr(node).target}: output {j}")
             for j, (p, placements) in enumerate(zip(pieces, spec.out_placements))
         ]
     replace_tuple_output(node, assembled)

@@ -214,6 +214,38 @@ def kernel_in_a_region(device_mesh, report):
     run_aot(device_mesh, region, lambda x, w: torch.tanh(x @ w), (torch.randn(8, 6), torch.randn(6, 4)), (ROWS, WHOLE), report)
 
 
+def tanh_project(x, w):
+    return torch.tanh(x @ w)
+
+
+@scenario
+def region_alternatives_with_other_local_shapes(device_mesh, report):
+    """Row-parallel (x's rows over "model") or column-parallel (w's columns over "model"): the
+    graphs carry both bodies; each alternative, chosen in forward and backward, runs its own."""
+    along_model, columns = (Replicate(), Shard(0)), (Replicate(), Shard(1))
+    region = hops.local_map(
+        tanh_project, mesh=MESH, in_placements=(along_model, WHOLE), out_placements=along_model,
+        alternatives=[hops.RegionPlacements((WHOLE, columns), (columns,))],
+    )
+    args = (torch.randn(8, 6), torch.randn(6, 4))
+    for index, placements in enumerate([(along_model, WHOLE), (WHOLE, columns)]):
+        forward, backward, _ = aot_trace(region, *(a.clone().requires_grad_() for a in args))
+        for gm in (forward, backward):
+            for node in gm.graph.nodes:
+                if node.target is hops.local_map_hop:
+                    node.args = (*node.args[:-1], node.args[-1].choose(index))
+            gm.recompile()
+        passes.lower_to_dtensor(forward, device_mesh)
+        passes.lower_to_dtensor(backward, device_mesh)
+        expected, expected_grads = eager_grads(tanh_project, *args)
+        out, *saved = forward(*(on_mesh(device_mesh, a, p) for a, p in zip(args, placements)))
+        grads = backward(*saved, on_mesh(device_mesh, torch.ones(out.shape), WHOLE))
+        torch.testing.assert_close(out.full_tensor(), expected)
+        for i, (grad, want) in enumerate(zip(grads, expected_grads)):
+            torch.testing.assert_close(grad.full_tensor(), want, msg=f"alternative {index}: gradient {i}")
+        report[f"alternative {index}"] = dict(out=names(out.placements), grads=[names(g.placements) for g in grads])
+
+
 # --------------------------------------------------------------------------- scan, scopes
 
 

@@ -186,6 +186,12 @@ def test_a_kernel_runs_on_local_shards_inside_a_region(results):
     assert report["forward_comms"] == report["backward_comms"] == {}
 
 
+def test_each_region_alternative_runs_its_own_body_on_its_local_shards(results):
+    report = scenario(results, "region_alternatives_with_other_local_shapes")
+    assert report["alternative 0"] == {"out": [R, S0], "grads": [[P, S0], [P, P]]}
+    assert report["alternative 1"] == {"out": [R, S1], "grads": [[P, P], [P, S1]]}
+
+
 # --------------------------------------------------------------------------- scan, scopes
 
 

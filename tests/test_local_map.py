@@ -1098,7 +1098,9 @@ hops.LocalMapSpec(hops.Mesh.of(data=2, model=2), 'S(0)R, RR', 'S(0)R', alternati
             ([{"out_placements": "S(0)R", "bogus": 1}], TypeError, r"alternative 1 must be"),
             ([hops.RegionPlacements("S(0)R, RR", "S(0)R")], ValueError, r"alternatives 0 and 1 have the same placements"),
             ([hops.RegionPlacements("S(0)R", "S(0)R")], ValueError, r"alternative 1\) in_placements length 1 does not match"),
-            ([hops.RegionPlacements("S(0)S(1), RR", "S(0)S(1)")], ValueError, r"alternative 1 .* local shape \(2, 2\)"),
+            # Other local shapes are allowed, but the body must run on them: w (4,) does not
+            # broadcast against a (2, 2) block.
+            ([hops.RegionPlacements("S(0)S(1), RR", "S(0)S(1)")], ValueError, r"alternative 1 .* body fails on that alternative's local shapes"),
             ([hops.RegionPlacements("RS(0), RR", "S(0)S(1)")], ValueError, r"output 0: alternative 1 .* same global shapes"),
         ]
         for alternatives, error, message in cases:

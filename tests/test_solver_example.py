@@ -27,7 +27,9 @@ def test_auto_shard_example():
     # The annotated program: forward and backward, the layers' body printed once for 4 steps.
     assert out.count("# body lambda_body_0, once for 4 steps") == 1
     assert out.count("# body lambda_bwd_body_0, once for 4 steps") == 1
-    assert "hops_local_map(attention_body_0" in out and "placement=(" in out
+    # The attention region carries one body per placement option.
+    assert "hops_local_map((attention_alternative0_body_0, attention_alternative1_body_0)" in out and "placement=(" in out
+    assert "# body attention_alternative1_body_0 (alternative 1): " in out
     assert ", optimal, " in out
     # The attention region's two placement options, forward and backward.
     assert out.count(" of 2, cost=") == 2

@@ -37,7 +37,16 @@ from hops.named_scope import ScopeSpec, named_scope_hop
 from hops.scan import ScanSpec, scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import Mesh, ShardingSpec
-from passes._infra import PassError, body_module, copy_body_into, graph_modules, register_rule, replace_tuple_output, typed_spec
+from passes._infra import (
+    PassError,
+    body_module,
+    body_modules,
+    copy_body_into,
+    graph_modules,
+    register_rule,
+    replace_tuple_output,
+    typed_spec,
+)
 from passes.dtensor.runtime import (
     annotate_on_dtensors,
     enter_region,
@@ -62,7 +71,7 @@ def local_bodies(gm: fx.GraphModule) -> set[int]:
     for module in graph_modules(gm):
         for node in module.graph.nodes:
             if node.op == "call_function" and node.target is local_map_hop:
-                local.update(id(m) for m in graph_modules(body_module(node)))
+                local.update(id(m) for body in body_modules(node) for m in graph_modules(body))
     return local
 
 

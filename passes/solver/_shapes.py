@@ -85,15 +85,26 @@ class _FakeRun(fx.Interpreter):
 
     def _local_map(self, args: Sequence[Any]) -> tuple:
         body, *inputs, spec = args
-        local = [
-            value if placements is None else value.new_empty(_layout.local_shape(value.shape, placements, spec.mesh, f"local_map input {i}"))
-            for i, (value, placements) in enumerate(zip(inputs, spec.in_placements))
-        ]
-        outputs = _run(body, local, self.values)
-        return tuple(
-            out.new_empty(_layout.global_shape(out.shape, placements, spec.mesh, f"local_map output {j}"))
-            for j, (out, placements) in enumerate(zip(outputs, spec.out_placements))
-        )
+        # A region with alternatives has one body per alternative: each runs on its own
+        # local shapes (every value inside each gets its metadata); the active one's outputs
+        # make the region's.
+        bodies = list(body) if isinstance(body, (tuple, list)) else [body]
+        options = spec.options() if len(bodies) > 1 else (spec,)
+        results = []
+        for option, module in zip(options, bodies):
+            local = [
+                value if placements is None
+                else value.new_empty(_layout.local_shape(value.shape, placements, spec.mesh, f"local_map input {i}"))
+                for i, (value, placements) in enumerate(zip(inputs, option.in_placements))
+            ]
+            outputs = _run(module, local, self.values)
+            results.append(
+                tuple(
+                    out.new_empty(_layout.global_shape(out.shape, placements, spec.mesh, f"local_map output {j}"))
+                    for j, (out, placements) in enumerate(zip(outputs, option.out_placements))
+                )
+            )
+        return results[(spec.active or 0) if len(bodies) > 1 else 0]
 
 
 def _run(module: fx.GraphModule, inputs: Sequence[Any], values: ValueMeta) -> list:

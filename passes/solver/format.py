@@ -64,6 +64,15 @@ class _Printer:
             text = self._call_text(node)
             self.lines.append(f"{indent}{node.name} = {text}{self._comment(key)}")
             body = node.args[0] if node.op == "call_function" and node.args else None
+            if node.target is local_map_hop and isinstance(body, (tuple, list)):
+                # One body per alternative, each on its own local shapes.
+                for index, attr in enumerate(body):
+                    submodule = module.get_submodule(str(attr.target))
+                    count = sum(1 for n in submodule.graph.nodes if n.op == "call_function")
+                    self.lines.append(
+                        f"{indent}  # body {attr.target} (alternative {index}): {count} ops on each device's local shards"
+                    )
+                continue
             if not (isinstance(body, fx.Node) and body.op == "get_attr"):
                 continue
             submodule = module.get_submodule(str(body.target))

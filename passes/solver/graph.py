@@ -360,9 +360,8 @@ class _Builder:
         for value in node.all_input_nodes:
             if value in self.key and self.graph.nodes[self.key[value]]["kind"] == "local":
                 self._tie(self.key[value], key)
-        body = _body(node)
-        if body is not None:
-            self.walk(body, f"{scope}{node.args[0].target}/", multiplier, local=True)
+        for attr, body in _bodies(node):
+            self.walk(body, f"{scope}{attr.target}/", multiplier, local=True)
 
     def _call(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int) -> None:
         target = node.target
@@ -434,15 +433,22 @@ class _Builder:
                     choice.cost_hint,
                 )
             )
-        body_scope = f"{scope}{node.args[0].target}/"
+        bodies = _bodies(node)
+        if len(bodies) != len(strategies):
+            raise PassError(
+                f"placement_graph: {node.format_node()} has {len(bodies)} bodies for {len(strategies)} alternatives"
+            )
+        # Each alternative's body, on its own local shapes, under its own scope: the cost
+        # model prices strategy k with body k.
+        body_scopes = [f"{scope}{attr.target}" for attr, _ in bodies]
         key = self._add(
             node, scope, module, multiplier, kind="region", fixed=True, strategies=strategies,
-            body_scope=body_scope.rstrip("/"),
+            body_scope=body_scopes[spec.active or 0], body_scopes=body_scopes, residuals=spec.residuals,
             output_shapes=[tuple(int(s) for s in m.shape) for m in self._meta(node)],
         )
         self._read_inputs(node, key, multiplier)
-        body = _body(node)
-        self.walk(body, body_scope, multiplier, local=True)
+        for body_scope, (_, body) in zip(body_scopes, bodies):
+            self.walk(body, f"{body_scope}/", multiplier, local=True)
 
     def _named_scope(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int) -> None:
         body = _body(node)
@@ -647,12 +653,21 @@ def _signature(value: Any) -> Any:
 
 
 def _body(node: fx.Node) -> fx.GraphModule | None:
-    body = node.args[0] if node.args else None
-    if isinstance(body, fx.Node) and body.op == "get_attr":
-        module = node.graph.owning_module.get_submodule(str(body.target))
-        if isinstance(module, fx.GraphModule):
-            return module
-    return None
+    bodies = _bodies(node)
+    return bodies[0][1] if len(bodies) == 1 else None
+
+
+def _bodies(node: fx.Node) -> list[tuple[fx.Node, fx.GraphModule]]:
+    """A HOP node's bodies with their ``get_attr``: its first argument, or each of the tuple
+    of them a region with alternatives takes (one per alternative, in order)."""
+    first = node.args[0] if node.args else None
+    found = []
+    for body in first if isinstance(first, (tuple, list)) else [first]:
+        if isinstance(body, fx.Node) and body.op == "get_attr":
+            module = node.graph.owning_module.get_submodule(str(body.target))
+            if isinstance(module, fx.GraphModule):
+                found.append((body, module))
+    return found
 
 
 def as_program(gm: Any, where: str) -> list[tuple[str, fx.GraphModule]]:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from hops.specs import Mesh, Shard
+from passes._infra import PassError
 from passes.solver.cost import CostModel
 from passes.solver.graph import Strategy, is_view, materialized, placement_graph, shift_placements
 from passes.solver.ilp import Choice, Factor, InfeasiblePlacementError, Problem, evaluate, memory_of, solve_problem
@@ -169,14 +170,17 @@ class _ProblemBuilder:
         return [out.get(i) for i in range(n)]
 
     def region_cost(self, key: str, strategy: Strategy) -> float:
-        """A region's body cost on its traced local shapes, scaled by the local input size of
-        ``strategy`` against the traced alternative's (or the alternative's cost hint)."""
+        """A region's cost under ``strategy`` (one of its alternatives): the alternative's cost
+        hint, else the compute of that alternative's own body on its own local shapes (each
+        alternative's body is traced on its local shapes and placed under its own scope)."""
         if strategy.cost_hint is not None:
             return float(strategy.cost_hint)
         data = self.graph.nodes[key]
-        if "body_seconds" not in data:
+        scope = data["body_scopes"][data["strategies"].index(strategy)]
+        seconds = data.setdefault("body_seconds", {})
+        if scope not in seconds:
             total = 0.0
-            prefix = data["body_scope"] + "/"
+            prefix = scope + "/"
             for name, body in self.graph.nodes(data=True):
                 if body["kind"] != "local" or not name.startswith(prefix) or body["fx_node"].op != "call_function":
                     continue
@@ -186,15 +190,34 @@ class _ProblemBuilder:
                 ins = [self.graph.nodes[u]["shape"] for u in self.graph.predecessors(name) if self.graph.nodes[u]["shape"]]
                 itemsize = _itemsize(body["dtype"]) or 4
                 total += self.cost_model.compute_seconds(node.target, ins, [body["shape"]] if body["shape"] else [], itemsize)
-            data["body_seconds"] = total
-        traced = data["strategies"][0]
-        inputs = [self.graph.nodes[u] for u in self._input_keys(key)]
+            seconds[scope] = total
+        return seconds[scope]
 
-        def local_bytes(s: Strategy) -> float:
-            return sum(_local_numel(d["shape"], p, self.mesh) for d, p in zip(inputs, s.inputs) if p is not None)
-
-        scale = local_bytes(strategy) / max(local_bytes(traced), 1.0)
-        return data["body_seconds"] * scale
+    def residual_ties(self) -> list[Factor]:
+        """A backward region reading a forward region's residuals (per-device values only the
+        alternative that made them can read: ``LocalMapSpec.residuals``) takes the same
+        alternative: a factor allowing equal options only."""
+        factors, seen = [], set()
+        for u, v, data in self.graph.edges(data=True):
+            if self.graph.nodes[v]["kind"] != "region" or not any(use.kind == "input" for use in data["uses"]):
+                continue
+            owner, index, _ = self.resolve(u)
+            source = self.graph.nodes[owner]
+            if source["kind"] != "region" or not source["residuals"]:
+                continue
+            if index < len(source["strategies"][0].outputs) - source["residuals"] or (owner, v) in seen:
+                continue
+            seen.add((owner, v))
+            count = len(source["strategies"])
+            if len(self.graph.nodes[v]["strategies"]) != count:
+                raise PassError(
+                    f"solve_placements: region {v} reads the residuals of region {owner} but has "
+                    f"{len(self.graph.nodes[v]['strategies'])} alternatives, not {count}"
+                )
+            table = np.where(np.eye(count, dtype=bool), 0.0, np.inf)
+            options = np.arange(count, dtype=np.int64)
+            factors.append(Factor(self.index[owner], self.index[v], options, options, table))
+        return factors
 
     # ---------------------------------------------------------------- memory
 
@@ -262,6 +285,7 @@ class _ProblemBuilder:
                     dtype=float,
                 ) * use.multiplier
                 factors.append(Factor(self.index[owner_u], self.index[owner_v], rows, cols, table))
+        factors.extend(self.residual_ties())
         return Problem(choices, factors)
 
 

@@ -37,7 +37,7 @@ from hops.named_scope import ScopeSpec, named_scope_hop, run_in_scope
 from hops.scan import ScanSpec, _length, _run_steps, _split, scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import Mesh, ShardingSpec
-from passes._infra import PassError, body_module, leaf_call, register_rule, replace_tuple_output, runner_spec, typed_spec
+from passes._infra import PassError, body_attr, body_module, leaf_call, register_rule, replace_tuple_output, runner_spec, typed_spec
 from passes.inline import call_kernel_op, einsum_linear_to_aten, einsum_to_aten, region_operands
 from passes.xla import ops
 from passes.xla.while_loop import xla_while
@@ -101,7 +101,7 @@ def lower_local_map(node: fx.Node) -> None:
             else graph.call_function(ops.enter_manual, (value, repr(ShardingSpec(spec.mesh, placements))))
             for value, placements in zip(operands, spec.in_placements)
         ]
-        local_outputs = graph.call_module(node.args[0].target, tuple(local_inputs))
+        local_outputs = graph.call_module(body_attr(node).target, tuple(local_inputs))
         outputs = [
             graph.call_function(
                 ops.exit_manual,
