@@ -457,3 +457,28 @@ def test_a_program_differing_in_one_spec_or_body_misses(fresh_caches):
         expected, expected_grads = forward_backward(annotated_scan(**change), fresh(inputs))
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=what)
         torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4, msg=what)
+
+
+@pytest.mark.parametrize("active", [0, 1])
+def test_inductor_runs_the_active_alternative_of_a_region(active):
+    # A region offering row- and column-parallel placements holds one body per alternative
+    # (other local shapes); inductor compiles the active one.
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    line = Mesh.of(model=4)
+    region = hops.local_map(
+        lambda x, w: x @ w,
+        mesh=line,
+        in_placements=((Shard(0),), (Replicate(),)),
+        out_placements=((Shard(0),),),
+        alternatives=[hops.RegionPlacements("R, S(1)", "S(1)")],
+    )
+    x, w = torch.randn(8, 6), torch.randn(6, 12)
+    gm = make_fx(region, tracing_mode="fake")(x, w)
+    (node,) = [n for n in gm.graph.nodes if n.target is hops.local_map_hop]
+    node.args = (*node.args[:-1], node.args[-1].choose(active))
+    gm.recompile()
+    with inductor_graphs() as (_, received, lowered):
+        result = compile_fx(gm, [x, w])(x, w)
+    torch.testing.assert_close(result[0] if isinstance(result, (tuple, list)) else result, x @ w)
