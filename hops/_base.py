@@ -48,6 +48,7 @@ from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for th
     clone_aliased_outputs,
     find_input_mutation_and_aliasing,
     fresh_outputs,
+    lift_tensor_constants,
     named,
     refuse_untracked_xla_operands,
     symbolic_trace_call,
@@ -297,6 +298,13 @@ class BodyHOP(HigherOrderOperator):
             examples = distinct_tensors(self.body_inputs(operands, spec))
         with _compat.eager_stance():
             graph = reenter_make_fx(body)(*examples)
+        constants = lift_tensor_constants(graph)
+        if constants:  # made in the body (torch.tensor([...])): operands, as if closed over
+            with mode:
+                lifted = [torch.ops.aten.lift_fresh_copy.default(tensor) for _, tensor in constants]
+            for (placeholder, _), value in zip(constants, lifted):
+                placeholder.meta["val"] = value
+            operands, spec = self.fold_lifted(operands, spec, lifted)
         if not getattr(body, "hops_known_functional", False):
             self.refuse_mutation(graph, body)
         clone_aliased_outputs(graph)
