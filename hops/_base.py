@@ -48,6 +48,7 @@ from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for th
     clone_aliased_outputs,
     find_input_mutation_and_aliasing,
     fresh_outputs,
+    lift_tensor_constants,
     named,
     refuse_untracked_xla_operands,
     symbolic_trace_call,
@@ -401,6 +402,21 @@ class BodyHOP(HigherOrderOperator):
         with disable_proxy_modes_tracing():
             if count > 1 and all(isinstance(v, torch.Tensor) for values in steps for v in values):
                 self.check_options(name, steps, operands, spec)
+        constants = [lift_tensor_constants(graph) for graph in graphs]
+        if any(constants):  # made in the body (torch.tensor([...])): operands, as if closed over
+            values = [[tensor for _, tensor in lifted] for lifted in constants]
+            if any(len(v) != len(values[active]) or not all(torch.equal(a, b) for a, b in zip(v, values[active])) for v in values):
+                raise NotImplementedError(
+                    f"{self.__name__} {name}: the body makes different tensor constants under different "
+                    "alternatives; pass them in as arguments"
+                )
+            with mode:
+                lifted = [torch.ops.aten.lift_fresh_copy.default(tensor) for tensor in values[active]]
+            for graph_constants in constants:
+                for (placeholder, _), value in zip(graph_constants, lifted):
+                    placeholder.meta["val"] = value
+            operands, spec = self.fold_lifted(operands, spec, lifted)
+        with disable_proxy_modes_tracing():
             if all(isinstance(v, FakeTensor) for v in step) and all(
                 not isinstance(o, torch.Tensor) or isinstance(o, FakeTensor) for o in operands
             ):

@@ -84,6 +84,38 @@ def rename_inner_function(factory: Callable, inner: str, name: str) -> Callable:
     return renamed
 
 
+def lift_tensor_constants(gm: fx.GraphModule) -> list[tuple[fx.Node, torch.Tensor]]:
+    """Make each tensor constant of a traced body (what tracing makes of ``torch.tensor(...)``
+    in it: a ``get_attr`` of a tensor) a trailing placeholder; return the new placeholders
+    with the tensors, in order. The caller passes the tensors as operands, as if the body
+    had closed over them: export lifts the constants of the top graph only, and its
+    serializer refuses a tensor held by a subgraph."""
+    constants = [
+        node
+        for node in gm.graph.find_nodes(op="get_attr")
+        if isinstance(value := getattr(gm, node.target, None), torch.Tensor)
+        and not isinstance(value, torch.nn.Parameter)
+        and not value.requires_grad
+    ]
+    if not constants:
+        return []
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    lifted = []
+    for node in constants:
+        value = getattr(gm, node.target)
+        anchor = placeholders[-1] if placeholders else None
+        with gm.graph.inserting_after(anchor) if anchor is not None else gm.graph.inserting_before(next(iter(gm.graph.nodes))):
+            placeholder = gm.graph.placeholder(node.target.lstrip("_") or "constant")
+        placeholder.meta.update(node.meta)
+        node.replace_all_uses_with(placeholder)
+        gm.graph.erase_node(node)
+        delattr(gm, node.target)
+        placeholders.append(placeholder)
+        lifted.append((placeholder, value))
+    gm.recompile()
+    return lifted
+
+
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are views of one storage (real or fake tensors)."""
     try:

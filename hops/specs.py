@@ -143,11 +143,32 @@ class Mesh(_FxLiteral):
 
     # -- conversions
     def to_xla(self) -> Any:
-        """The equivalent ``torch_xla.distributed.spmd.Mesh``."""
+        """The equivalent ``torch_xla.distributed.spmd.Mesh``; ``ValueError`` when this mesh
+        is not the XLA runtime's devices (``xla_mismatch``)."""
         import numpy as np
 
         xs = _import_xla_spmd()
+        problem = self.xla_mismatch()
+        if problem is not None:
+            raise ValueError(f"Mesh.to_xla(): {problem}")
         return xs.Mesh(np.array(self.device_ids), self.shape, self.axis_names)
+
+    def xla_mismatch(self) -> str | None:
+        """Why this mesh is not a mesh of the XLA runtime's devices, or None when it is
+        (imports torch_xla). Under SPMD an XLA mesh holds every device of the runtime once:
+        ids ``0..n-1`` for ``n`` devices, in any order."""
+        _import_xla_spmd()
+        from torch_xla import runtime
+
+        count = runtime.global_runtime_device_count()
+        ids = sorted(self.device_ids)
+        if ids == list(range(count)):
+            return None
+        addressable = runtime.addressable_runtime_device_count()
+        return (
+            f"its mesh {self!r} has devices {ids}, but this process has {count} XLA devices "
+            f"(0..{count - 1}, {addressable} addressable); an XLA mesh must use each device once"
+        )
 
     @classmethod
     def from_xla(cls, xla_mesh: Any) -> Mesh:

@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.fx as fx
 from hop_db import SAMPLES, Module
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from snapshot import readable
 
 import hops
@@ -85,3 +87,117 @@ def test_loaded_program_lowers_to_the_same_hlo():
         torch_xla.sync()
     assert 'custom_call_target="Sharding"' in hlos[0]
     assert hlos[1] == hlos[0]
+
+
+# --------------------------------------------------------------------------- bodies holding HOPs
+#
+# A body is traced into a subgraph; a tensor it makes from Python values (``torch.tensor``)
+# is an operand of its HOP, lifted level by level, so export lifts it as a constant of the
+# program (its serializer refuses a tensor held by a subgraph).
+
+MESH = hops.Mesh.of(data=2, model=2)
+ROWS = hops.ShardingSpec(MESH, "S(0)R")
+ROW_PLACEMENTS = (hops.Shard(0), hops.Replicate())
+
+
+@hops.kernel(abstract=lambda x, *, scale: torch.empty_like(x), backward=lambda x, out, grad, *, scale: (grad * scale,))
+def export_scaled(x, *, scale=1.0):
+    return x * scale
+
+
+def _sine(x):
+    return torch.sin(x) * torch.tensor(1.5)
+
+
+def _tripled(local):
+    return local * torch.tensor([3.0, 1.0, -1.0, 0.5])
+
+
+def _plus(c, v):
+    return c + v * torch.tensor(0.25), None
+
+
+INNER = {
+    "annotation": lambda x: hops.annotate_sharding(x * 2, ROWS),
+    "local_map": lambda x: hops.local_map(_tripled, out_placements=ROW_PLACEMENTS, in_placements=(ROW_PLACEMENTS,), device_mesh=MESH)(x),
+    "kernel": lambda x: export_scaled(x, scale=0.5),
+    "named_scope": lambda x: hops.named_scope("inner")(_sine)(x),
+    "einsum": lambda x: hops.einsum("ij,kj->ik", x, x) * 0.1,
+    "scan": lambda x: hops.scan(_plus, x, torch.stack([x, x * 2]))[0],
+}
+
+
+def _nested(outer: str, inner: str, constant_outside: bool):
+    """A program whose ``outer`` body HOP's body calls the ``inner`` HOP (each body making a
+    constant tensor when ``constant_outside``)."""
+
+    def body(v):
+        v = INNER[inner](v + (torch.tensor([1.0, -2.0, 0.5, 3.0]) if constant_outside else 0))
+        return torch.tanh(v)
+
+    def program(x):
+        if outer == "scan":
+            return hops.scan(lambda c, v: (body(c + v), c.sum()), x, torch.stack([x, -x, x * 0.5]))
+        if outer == "local_map":
+            return hops.local_map(body, out_placements=ROW_PLACEMENTS, in_placements=(ROW_PLACEMENTS,), device_mesh=MESH)(x)
+        return hops.named_scope("outer")(body)(x)
+
+    return program
+
+
+def _every_hop_step(c, x, w):
+    c = hops.annotate_sharding(c @ w + x * torch.tensor(0.5), ROWS)
+    c = hops.local_map(_tripled, out_placements=ROW_PLACEMENTS, in_placements=(ROW_PLACEMENTS,), device_mesh=MESH)(c)
+    c = hops.named_scope("block")(_sine)(export_scaled(c, scale=0.5))
+    c = hops.einsum("ij,jk->ik", c, w) + torch.tensor([1.0, 2.0, 3.0, 4.0])
+    c = hops.scan(_plus, c, torch.stack([c, -c]))[0]
+    return c, c.sum()
+
+
+class EveryHopScan(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)) * 0.5)
+
+    def forward(self, h, xs):
+        return hops.scan(_every_hop_step, h, xs, additional_inputs=(self.w,))
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+def test_a_scan_whose_body_holds_every_hop_round_trips(strict):
+    torch.manual_seed(0)
+    model, h, xs = EveryHopScan(), torch.randn(4, 4), torch.randn(3, 4, 4)
+    program = torch.export.export(model, (h, xs), strict=strict)
+    loaded = round_trip(program)
+    expected = hop_calls(program.graph_module)
+    assert sorted({target for _, target, _ in expected}) == [
+        "hops_kernel_einsum", "hops_kernel_export_scaled", "hops_local_map", "hops_named_scope", "hops_scan", "hops_sharding_annotation"
+    ]
+    assert hop_calls(loaded.graph_module) == expected
+    # The constants the bodies made are constants of the program, not tensors in subgraphs.
+    for module in loaded.graph_module.modules():
+        if isinstance(module, fx.GraphModule):
+            assert not any(isinstance(getattr(module, n.target), torch.Tensor) for n in module.graph.find_nodes(op="get_attr"))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.module()(h, xs), model(h, xs))
+        h2, xs2 = torch.randn(4, 4), torch.randn(3, 4, 4)
+        torch.testing.assert_close(loaded.module()(h2, xs2), model(h2, xs2))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    outer=st.sampled_from(["scan", "local_map", "named_scope"]),
+    inner=st.sampled_from(sorted(INNER)),
+    constant_outside=st.booleans(),
+    strict=st.booleans(),
+)
+def test_each_hop_nested_in_each_body_hop_round_trips(outer, inner, constant_outside, strict):
+    if outer == "local_map" and inner == "einsum":
+        inner = "kernel"  # the local shard is not square
+    program = _nested(outer, inner, constant_outside)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(len(outer) + len(inner)))
+    exported = torch.export.export(Module(program), (x,), strict=strict)
+    loaded = round_trip(exported)
+    assert [t for _, t, _ in hop_calls(loaded.graph_module)] == [t for _, t, _ in hop_calls(exported.graph_module)]
+    torch.testing.assert_close(loaded.module()(x), program(x))
+    torch.testing.assert_close(loaded.module()(x * 2), program(x * 2))

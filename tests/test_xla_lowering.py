@@ -236,3 +236,94 @@ def test_local_map_region_off_xla_refuses_clearly():
     gm = passes.lower_to_xla(make_fx(sharded_matmul)(torch.randn(8, 6), torch.randn(6, 4)))
     with pytest.raises(RuntimeError, match="run only on XLA tensors under SPMD"):
         gm(torch.randn(8, 6), torch.randn(6, 4))
+
+
+# A graph lowered where torch_xla is not imported (the README allows lowering on one machine
+# and running on another), then run on this process's 4 XLA devices: each program's mesh is
+# checked where it first meets the runtime, as a ValueError naming the mesh.
+LOWERED_ELSEWHERE = r"""
+import json, os, sys
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+import hops, passes
+
+MESHES = {
+    "eight": hops.Mesh.of(data=2, model=4),
+    "three": hops.Mesh.of(data=3),
+    "id 7": hops.Mesh((2, 2), ("data", "model"), (0, 1, 2, 7)),
+    "permuted": hops.Mesh((2, 2), ("data", "model"), (3, 1, 2, 0)),
+}
+
+
+def programs(mesh):
+    rows = (hops.Shard(0),) + (hops.Replicate(),) * (mesh.ndim - 1)
+    spec = hops.ShardingSpec(mesh, rows)
+    region = hops.local_map(lambda x: x * 2, out_placements=rows, in_placements=(rows,), device_mesh=mesh)
+
+    def step(c, x):
+        c = hops.annotate_sharding(torch.tanh(c + x), spec)
+        return c, c.sum()
+
+    return {
+        "annotation": lambda x: hops.annotate_sharding(x * 2, spec) + 1,
+        "region": lambda x: region(x) + 1,
+        "scan": lambda x: hops.scan(step, x, x.unsqueeze(0).expand(3, -1, -1))[0],
+    }
+
+
+x = torch.randn(12, 8)
+lowered = {(m, p): (passes.lower_to_xla(make_fx(fn)(x)), fn(x)) for m, mesh in MESHES.items() for p, fn in programs(mesh).items()}
+assert "torch_xla" not in sys.modules  # lowered without torch_xla: nothing checked the mesh yet
+
+os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
+import torch_xla
+import torch_xla.runtime as xr
+
+xr.use_spmd()
+results = {}
+for (m, p), (gm, expected) in lowered.items():
+    try:
+        out = gm(x.to(torch_xla.device()))
+        torch_xla.sync()
+        results[f"{m} {p}"] = ["ran", bool(torch.allclose(out.cpu(), expected, atol=1e-5))]
+    except Exception as error:
+        results[f"{m} {p}"] = [type(error).__name__, str(error)]
+print(json.dumps(results))
+"""
+
+
+def test_a_graph_lowered_without_torch_xla_checks_its_mesh_where_it_first_runs():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_USE_SPMD", "PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    result = subprocess.run([sys.executable, "-c", LOWERED_ELSEWHERE], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(result.stdout.splitlines()[-1])
+    described = {
+        "eight": (r"hops\.Mesh\.of\(data=2, model=4\)", r"\[0, 1, 2, 3, 4, 5, 6, 7\]"),
+        "three": (r"hops\.Mesh\.of\(data=3\)", r"\[0, 1, 2\]"),
+        "id 7": (r"hops\.Mesh\.of\(\(0, 1, 2, 7\), data=2, model=2\)", r"\[0, 1, 2, 7\]"),
+    }
+    for mesh, (name, ids) in described.items():
+        for program in ("annotation", "region", "scan"):
+            kind, message = results[f"{mesh} {program}"]
+            assert kind == "ValueError", (mesh, program, kind, message)
+            assert re.search(
+                rf"hops_xla\.\w+ with .*: its mesh {name} has devices {ids}, but this process has 4 XLA devices "
+                r"\(0\.\.3, 4 addressable\); an XLA mesh must use each device once",
+                message,
+            ), (mesh, program, message)
+    # A mesh of the runtime's devices in another order runs, after the refusals, and is right.
+    for program in ("annotation", "region", "scan"):
+        assert results[f"permuted {program}"] == ["ran", True], results[f"permuted {program}"]
+
+
+def test_mesh_to_xla_refuses_a_mesh_that_is_not_the_runtime_devices():
+    with pytest.raises(ValueError, match=r"Mesh.to_xla\(\): its mesh hops.Mesh.of\(data=3\) has devices \[0, 1, 2\], but this process has 4"):
+        Mesh.of(data=3).to_xla()
+    with pytest.raises(ValueError, match=r"has devices \[0, 1, 2, 7\]"):
+        Mesh((2, 2), ("data", "model"), (0, 1, 2, 7)).to_xla()
+    assert Mesh.from_xla(Mesh((2, 2), ("data", "model"), (3, 1, 2, 0)).to_xla()) == Mesh((2, 2), ("data", "model"), (3, 1, 2, 0))

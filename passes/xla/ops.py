@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hops.specs import ShardingSpec, spec_from_text
+from hops.specs import Mesh, ShardingSpec, spec_from_text
 
 _lib = torch.library.Library("hops_xla", "DEF")
 
@@ -36,8 +36,22 @@ _OP_SHARDINGS: dict[tuple[str, int], Any] = {}
 _XLA_MESHES: dict[Any, Any] = {}
 
 
-def xla_op_sharding(spec_text: str, ndim: int) -> Any:
-    """torch_xla's ``OpSharding`` for a spec text and a tensor rank, built once."""
+def xla_mesh(mesh: Mesh, what: str) -> Any:
+    """torch_xla's ``Mesh`` for ``mesh``, built once: where a lowered graph first meets the
+    runtime it runs on (it may have been lowered on another machine, before torch_xla was
+    imported). ``ValueError`` naming ``what`` when ``mesh`` is not the runtime's devices."""
+    built = _XLA_MESHES.get(mesh)
+    if built is None:
+        problem = mesh.xla_mismatch()
+        if problem is not None:
+            raise ValueError(f"{what}: {problem}")
+        built = _XLA_MESHES[mesh] = mesh.to_xla()
+    return built
+
+
+def xla_op_sharding(spec_text: str, ndim: int, what: str = "hops_xla") -> Any:
+    """torch_xla's ``OpSharding`` for a spec text and a tensor rank, built once; ``what``
+    names the caller in errors."""
     key = (spec_text, ndim)
     op_sharding = _OP_SHARDINGS.get(key)
     if op_sharding is None:
@@ -45,10 +59,8 @@ def xla_op_sharding(spec_text: str, ndim: int) -> Any:
         if not isinstance(spec, ShardingSpec):
             raise TypeError(f"expected the text of a hops.ShardingSpec, got {spec_text!r}")
         partition_spec = spec.to_partition_spec(ndim)
-        xla_mesh = _XLA_MESHES.get(spec.mesh)
-        if xla_mesh is None:
-            xla_mesh = _XLA_MESHES[spec.mesh] = spec.mesh.to_xla()
-        op_sharding = _OP_SHARDINGS[key] = xla_mesh.get_op_sharding(partition_spec)
+        mesh = xla_mesh(spec.mesh, f"{what} with {spec_text}")
+        op_sharding = _OP_SHARDINGS[key] = mesh.get_op_sharding(partition_spec)
     return op_sharding
 
 
@@ -59,7 +71,7 @@ def sharding_constraint_on_xla(x: torch.Tensor, spec: str) -> torch.Tensor:
     # A copy of device data would stay device data and be resharded through the host;
     # an arithmetic identity makes an IR value the Sharding custom call can attach to.
     out = x * 1
-    torch_xla._XLAC._xla_mark_sharding(out, xla_op_sharding(spec, x.dim()))
+    torch_xla._XLAC._xla_mark_sharding(out, xla_op_sharding(spec, x.dim(), "hops_xla.sharding_constraint"))
     return out
 
 
@@ -172,6 +184,7 @@ def _enter_manual_xla(x: torch.Tensor, spec: str):
     from hops.specs import Partial
 
     region = _region_spec(spec)
+    xla_mesh(region.mesh, f"hops_xla.enter_manual with {spec}")
     out = x * 1  # an IR value (not device data) the custom calls can attach to
     torch_xla._XLAC._xla_mark_sharding(out, xla_op_sharding(_without_partial(region), x.dim()))
     local = torch_xla._XLAC._spmd_full_to_shard_shape(out)
@@ -189,6 +202,7 @@ def _exit_manual_xla(x: torch.Tensor, spec: str):
     from hops.specs import Partial
 
     region = _region_spec(spec)
+    xla_mesh(region.mesh, f"hops_xla.exit_manual with {spec}")  # before its all-reduces use the device ids
     local = x
     for axis, placement in enumerate(region.placements):
         if isinstance(placement, Partial):

@@ -19,6 +19,13 @@ for Python scalars, lifted constants, the RNG seed. So that none of them is an o
 - larger constants are operands bound on every call;
 - the RNG seed is an operand: each call (each step of a loop) gets a fresh one, so each
   draws different numbers.
+
+A host value the function makes (``torch.tensor(2.0)``, ``torch.ones(())``, a small
+``torch.tensor([...], device=x.device)``: in a traced graph a CPU constant or factory, then a
+copy to the device or a 0-dim operand of a device op) is written into the computation as a
+literal straight from the host (``_HostValuesAsLiterals``): it never becomes device data,
+which torch_xla would upload and staging would read back to make the literal. Staging moves
+no data either way; a call binds device tensors only.
 """
 
 from __future__ import annotations
@@ -187,8 +194,89 @@ class StagedFunction:
         return list(torch_xla._XLAC._xla_user_computation(f"hops_xla::{self.name}", operands, call.computation))
 
 
+def _literal(value: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A host tensor's value as an XLA tensor made of constants (no device data: nothing is
+    transferred), or None where it is too large or of a dtype a Python number cannot hold."""
+    if value.numel() > LITERAL_ELEMENTS or value.is_complex() or value.layout != torch.strided:
+        return None
+    numbers = value.reshape(-1).tolist()  # a host read: value is on the host
+    dtype = value.dtype
+    if dtype == torch.bool:  # torch_xla makes a bool fill value device data: built as integers
+        numbers, dtype = [int(number) for number in numbers], torch.int32
+    if all(number == numbers[0] for number in numbers) or not numbers:
+        literal = torch.full(value.shape, numbers[0] if numbers else 0, dtype=dtype, device=device)
+    else:
+        parts = [torch.full((), number, dtype=dtype, device=device) for number in numbers]
+        literal = torch.stack(parts).reshape(value.shape)
+    return literal.to(value.dtype)
+
+
+# ``_to_copy`` arguments other than the device and dtype, and the values that keep a copy a
+# plain copy of the values.
+_PLAIN_COPY = {
+    "layout": (None, torch.strided),
+    "pin_memory": (None, False),
+    "memory_format": (None, torch.preserve_format, torch.contiguous_format),
+}
+
+
+def _host_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and not isinstance(value, torch.nn.Parameter)
+
+
+class _HostValuesAsLiterals:
+    """While staging: a host tensor that meets a device (copied to it, or a 0-dim operand of
+    an op on device tensors) becomes a literal of the computation instead of device data.
+
+    torch_xla would upload it (``TransferToDevice``) and hoist it as a parameter, which
+    ``stage`` would read back (``TransferFromDevice``) to write it as a literal. Built as a
+    ``TorchDispatchMode`` class on first use (torch imported lazily like the rest of staging).
+    Ops inside a higher-order operator's body run outside the mode (a HOP left in a step
+    staged without SPMD): their constants take the hoisting path."""
+
+    _mode_type: Any = None
+
+    @classmethod
+    def mode(cls) -> Any:
+        if cls._mode_type is None:
+            from torch.utils._python_dispatch import TorchDispatchMode
+            from torch.utils._pytree import tree_flatten, tree_unflatten
+
+            class Mode(TorchDispatchMode):
+                supports_higher_order_operators = True
+
+                def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                    kwargs = kwargs or {}
+                    if isinstance(func, torch._ops.HigherOrderOperator):
+                        return func(*args, **kwargs)
+                    if func is torch.ops.aten._to_copy.default and _host_tensor(args[0]):
+                        device = kwargs.get("device")
+                        if device is not None and torch.device(device).type == "xla":
+                            if all(kwargs.get(k) in plain for k, plain in _PLAIN_COPY.items()):
+                                value = args[0].to(kwargs.get("dtype") or args[0].dtype)
+                                literal = _literal(value, torch.device(device))
+                                if literal is not None:
+                                    return literal
+                    flat, spec = tree_flatten((args, kwargs))
+                    device = next((a.device for a in flat if isinstance(a, torch.Tensor) and a.device.type == "xla"), None)
+                    if device is not None:
+                        changed = False
+                        for i, value in enumerate(flat):
+                            if _host_tensor(value) and value.dim() == 0:
+                                literal = _literal(value, device)
+                                if literal is not None:
+                                    flat[i], changed = literal, True
+                        if changed:
+                            args, kwargs = tree_unflatten(flat, spec)
+                    return func(*args, **kwargs)
+
+            cls._mode_type = Mode
+        return cls._mode_type()
+
+
 def _with_scalars_as_constants(fn: Callable, inputs: Sequence[torch.Tensor]) -> Any:
-    """``fn(*inputs)`` staged with every Python number as an XLA constant.
+    """``fn(*inputs)`` staged with every Python number, and every host value that meets the
+    device (``_HostValuesAsLiterals``), as an XLA constant.
 
     By default torch_xla makes a number other than 0 and 1 device data, cached by value and
     shared by every op that uses it: a parameter. One such scalar used both inside a
@@ -201,6 +289,7 @@ def _with_scalars_as_constants(fn: Callable, inputs: Sequence[torch.Tensor]) -> 
     before = torch_xla._XLAC._get_xla_all_numbers_special_scalars()
     torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)
     try:
-        return fn(*inputs)
+        with _HostValuesAsLiterals.mode():
+            return fn(*inputs)
     finally:
         torch_xla._XLAC._set_xla_all_numbers_special_scalars(before)

@@ -12,7 +12,9 @@ The step is staged by ``staging.stage`` (which says how values torch_xla hoists 
 parameters are handled). The loop state is ``(counter, *carry, *xs, *ys, *additional,
 *constants, [seeds])``: small constants are literals of the loop body, larger ones
 loop-invariant operands, and the RNG seed one fresh seed per step, so each step draws
-different numbers.
+different numbers. A call moves no data between host and device: its operands are the
+caller's device tensors, the constants (device data since staging) and the seeds (drawn on
+the device); the ys buffers start as zeros made by the computation itself.
 
 What XLA compiles is kept to what the loop needs, since on XLA:CPU each kernel is an LLVM
 compile (the bulk of a scan's compile time) and identical fused kernels are compiled once:
@@ -21,9 +23,6 @@ compile (the bulk of a scan's compile time) and identical fused kernels are comp
   value itself in both directions, so a scan's backward (a reverse scan over the forward's
   inputs) reuses the forward's slice kernels; ``length - 1 - index`` (or a second counter,
   which XLA folds back into that) fused into every slice makes each a new kernel;
-- on XLA:CPU the ys buffers start as zeros copied from the host (a memcpy) rather than a
-  zero-fill kernel per buffer shape; on other devices a fill is cheap to compile and a
-  host copy is a transfer per call, so they stay fills;
 - the computation returns the carries and ys only.
 """
 
@@ -85,7 +84,6 @@ def xla_while(
     operands = [
         *carry,
         *xs,
-        *(_zeros((length, *shape), dtype, device) for shape, dtype in loop.y_metadata),
         *additional,
         *loop.constants,
     ]
@@ -94,15 +92,6 @@ def xla_while(
     state = torch_xla._XLAC._xla_user_computation("hops_xla::scan", operands, loop.computation)
     num_carry, num_ys = len(carry), len(loop.y_metadata)
     return (*state[:num_carry], *state[num_carry : num_carry + num_ys])
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An initial ys buffer: on XLA:CPU copied from the host (no fill kernel to compile)."""
-    from torch_xla import runtime
-
-    if runtime.device_type() == "CPU":
-        return torch.zeros(shape, dtype=dtype).to(device)
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _build(
@@ -129,7 +118,8 @@ def _build(
     constants = step.constants
 
     # 2. The loop: state (counter, *carry, *xs, *ys, *additional, *constants, [seeds]); the
-    #    computation's parameters are the same without the counter.
+    #    computation's parameters are the same without the counter and the ys, which start
+    #    as zeros the computation makes (a buffer from the host would be a transfer per call).
     carry_start = 1
     xs_start = carry_start + num_carry
     ys_start = xs_start + num_xs
@@ -143,7 +133,6 @@ def _build(
     parameter_shapes = [
         *(shape(t.shape, t.dtype) for t in carry),
         *(shape(t.shape, t.dtype) for t in xs),
-        *(shape((length, *y_shape), y_dtype) for y_shape, y_dtype in ys),
         *(shape(t.shape, t.dtype) for t in additional),
         *(shape(t.shape, t.dtype) for t in constants),
     ]
@@ -155,9 +144,13 @@ def _build(
         return xb.Op.scalar(like.builder() if like is not None else builder, value, dtype=xb.Type.S64)
 
     parameters = [xb.mkparam(builder, i, s) for i, s in enumerate(parameter_shapes)]
+    ys_zeros = [
+        xb.Op.scalar(builder, 0, dtype=xb.Op.from_torch_type(y_dtype)).broadcast([length, *y_shape]) for y_shape, y_dtype in ys
+    ]
     iterations = length // unroll
     # The counter is the position of the iteration's first step: 0 up, or length - 1 down.
-    state = [s64(length - 1 if reverse else 0), *parameters]
+    num_given = num_carry + num_xs
+    state = [s64(length - 1 if reverse else 0), *parameters[:num_given], *ys_zeros, *parameters[num_given:]]
 
     def condition(counter: Any, *rest: Any) -> Any:
         # Another iteration only while all of its ``unroll`` steps are in range. Forward, the
