@@ -127,6 +127,14 @@ class OptionBodies:
         return self.bodies[self.active].unflatten(flat)
 
 
+def _same_constant(a: torch.Tensor, b: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return isinstance(a, FakeTensor) or isinstance(b, FakeTensor) or bool(torch.equal(a, b))
+
+
 def option_body(body: Callable, index: int) -> Callable:
     """The body of option ``index``: its own for ``OptionBodies``; one Python body (which
     runs on any local shapes) serves every option."""
@@ -405,7 +413,7 @@ class BodyHOP(HigherOrderOperator):
         constants = [lift_tensor_constants(graph) for graph in graphs]
         if any(constants):  # made in the body (torch.tensor([...])): operands, as if closed over
             values = [[tensor for _, tensor in lifted] for lifted in constants]
-            if any(len(v) != len(values[active]) or not all(torch.equal(a, b) for a, b in zip(v, values[active])) for v in values):
+            if count > 1 and any(len(v) != len(values[active]) or not all(_same_constant(a, b) for a, b in zip(v, values[active])) for v in values):
                 raise NotImplementedError(
                     f"{self.__name__} {name}: the body makes different tensor constants under different "
                     "alternatives; pass them in as arguments"
