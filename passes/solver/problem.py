@@ -569,7 +569,9 @@ class _Search:
                     lo, hi = self.lo[v], self.hi[v]
                     room = float((self.rhs[lo:hi] - self.load[lo:hi]).min())
                     usage = self.usage[v]
-                    vals = np.where(usage - usage[current] <= room, vals, np.inf)
+                    fits = usage - usage[current] <= room
+                    fits[current] = True
+                    vals = np.where(fits, vals, np.inf)
                 best = int(np.argmin(vals))
                 if vals[best] < vals[current] - 1e-9 * max(1.0, abs(vals[current])):
                     self.move(v, best)
