@@ -185,6 +185,7 @@ class _Reduced:
         self.eliminated: list[tuple] = []
         self.memory_node = np.zeros(n, dtype=bool)
         self._next = 0
+        self._dirty: set[int] = set()  # edges whose separable part may not be folded yet
         for (i, j), m in zip(problem.edges.tolist(), problem.edge_costs):
             self._add_edge(i, j, m.copy())
 
@@ -198,12 +199,14 @@ class _Reduced:
             eid = self.adjacent[i][j]
             a, _, existing = self.edges[eid]
             self.edges[eid][2] = existing + (m if a == i else m.T)
+            self._dirty.add(eid)
             return
         eid = self._next
         self._next += 1
         self.edges[eid] = [i, j, m]
         self.adjacent[i][j] = eid
         self.adjacent[j][i] = eid
+        self._dirty.add(eid)
 
     def _drop_edge(self, eid: int) -> None:
         i, j, _ = self.edges.pop(eid)
@@ -251,6 +254,7 @@ class _Reduced:
         for eid in self.adjacent[node].values():
             i, _, m = self.edges[eid]
             self.edges[eid][2] = m[mask] if i == node else m[:, mask]
+            self._dirty.add(eid)
 
     def _allowed(self, node: int) -> np.ndarray:
         mask = np.isfinite(self.cost[node])
@@ -390,25 +394,24 @@ class _Reduced:
         while queue and time.perf_counter() < deadline:
             rounds += 1
             touched: set[int] = set()
-            for node in queue:
+            while self._dirty:
+                eid = self._dirty.pop()
+                if eid not in self.edges:
+                    continue
+                i, j, _ = self.edges[eid]
+                if not self._normalize(eid):
+                    # A strategy forbidden whatever the other side does: drop it (the edge is dirty again).
+                    for side in (i, j):
+                        self._restrict(side, self._allowed(side))
+                        touched.add(side)
+                        touched.update(self.adjacent[side])
+                elif eid not in self.edges:
+                    touched.update((i, j))
+            for count, node in enumerate(queue):
+                if count % 512 == 0 and time.perf_counter() >= deadline:
+                    break
                 if self.removed[node]:
                     continue
-                mask = self._allowed(node)
-                if not mask.all():
-                    self._restrict(node, mask)
-                    touched.update(self.adjacent[node])
-                for neighbour in list(self.adjacent[node]):
-                    eid = self.adjacent[node].get(neighbour)
-                    if eid is None:
-                        continue
-                    if not self._normalize(eid):
-                        self._restrict(node, self._allowed(node))
-                        self._restrict(neighbour, self._allowed(neighbour))
-                        touched.add(neighbour)
-                        if eid in self.edges:
-                            self._normalize(eid)
-                    if eid not in self.edges:
-                        touched.add(neighbour)
                 before = len(self.cost[node])
                 self._dominance(node)
                 if len(self.cost[node]) < before:
@@ -490,10 +493,11 @@ class _Search:
         for v in np.flatnonzero(self.memory):
             self.load[self.lo[v] : self.hi[v]] += self.usage[v][self.s[v]]
 
-    def construct(self, deadline: float) -> None:
+    def construct(self, deadline: float, frugal: bool = False) -> None:
         """Assign nodes one by one in problem order, each to its cheapest strategy that keeps a
         strategy open for every unassigned neighbour (forward checking) and fits the memory left
-        (unassigned nodes count at their least usage)."""
+        (unassigned nodes count at their least usage). ``frugal``: the smallest usage first, then
+        the cheapest (memory left for later nodes' compatible strategies)."""
         self.start(least_usage=True)
         open_ = [np.isfinite(c) for c in self.cost]
         assigned = np.zeros(len(self.nodes), dtype=bool)
@@ -514,14 +518,43 @@ class _Search:
                 room = float((self.rhs[lo:hi] - self.load[lo:hi]).min()) if hi > lo else math.inf
                 usage = self.usage[v]
                 total = np.where(usage - usage[current] <= room, total, np.inf)
+                if frugal:
+                    # Forbidden choices first (big), then usage, then cost.
+                    blocked = np.floor(total / self.big)
+                    order = np.lexsort((total, usage, blocked))
+                    self.move(v, int(order[0]))
+                    assigned[v] = True
+                    self._narrow(v, open_, assigned)
+                    continue
             a = int(np.argmin(total))
             self.move(v, a)
             assigned[v] = True
-            for w, _, matrix in self.adjacent[v]:
-                if not assigned[w]:
-                    narrowed = open_[w] & np.isfinite(matrix[a])
-                    if narrowed.any():
-                        open_[w] = narrowed
+            self._narrow(v, open_, assigned)
+
+    def _narrow(self, v: int, open_: list[np.ndarray], assigned: np.ndarray) -> None:
+        a = self.s[v]
+        for w, _, matrix in self.adjacent[v]:
+            if not assigned[w]:
+                narrowed = open_[w] & np.isfinite(matrix[a])
+                if narrowed.any():
+                    open_[w] = narrowed
+
+    def assign(self, strategies: np.ndarray) -> None:
+        self.s = strategies.copy()
+        self.load[:] = 0.0
+        for v in np.flatnonzero(self.memory):
+            self.load[self.lo[v] : self.hi[v]] += self.usage[v][self.s[v]]
+
+    def excess(self) -> np.ndarray:
+        """Per node, what it and its edges cost now above their least (where to look for gains)."""
+        s = self.s
+        excess = np.array([c[a] - c.min() for c, a in zip(self.penalized_cost, s.tolist())])
+        for li, lj, m in self.edges:
+            value = m[s[li], s[lj]]
+            value = value if np.isfinite(value) else self.big
+            excess[li] += value
+            excess[lj] += value
+        return excess
 
     def values(self, v: int) -> np.ndarray:
         """Penalized cost of each strategy of ``v`` with its neighbours as they are."""
@@ -811,9 +844,17 @@ def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, 
         # the smallest-usage start (feasible whenever anything is) when that has finite cost.
         search.start(least_usage=False)
         search.descend(deadline, respect_memory=False)
-        if search.violation() > 0:
-            search.construct(deadline)
-            search.descend(deadline)
+        cheapest = search.s.copy() if search.violation() == 0 else None
+        cheapest_cost = search.objective() if cheapest is not None else math.inf
+        search.construct(deadline)
+        search.descend(deadline)
+        greedy, greedy_cost = search.s.copy(), search.objective()
+        # Memory taken early may leave later nodes no compatible strategy: also leave it to them.
+        search.construct(deadline, frugal=True)
+        search.descend(deadline)
+        for other, other_cost in ((greedy, greedy_cost), (cheapest, cheapest_cost)):
+            if other is not None and other_cost < search.objective():
+                search.assign(other)
         stats["start_violation"] = search.violation()
         best = search.objective()
         stats["heuristic_cost"] = best
@@ -889,6 +930,11 @@ def _large_neighbourhood_search(search: _Search, deadline: float) -> tuple[int, 
             k = int(search.rng.choice(len(over), p=over / over.sum()))
             live = np.flatnonzero(search.memory & (search.lo <= k) & (search.hi > k))
             seeds = search.rng.choice(live, size=min(len(live), 16), replace=False)
+        if seeds is None and rounds % 2:
+            # Every other round, start where the incumbent pays most above the node minima.
+            excess = search.excess()
+            if excess.sum() > 0:
+                seeds = [int(search.rng.choice(len(excess), p=excess / excess.sum()))]
         free = search.neighbourhood(budget, seeds)
         rounds += 1
         began = time.perf_counter()
