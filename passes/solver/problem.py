@@ -639,7 +639,13 @@ class _Search:
         return np.array(sorted(free), dtype=np.int64)
 
     def solve_milp(
-        self, free: np.ndarray, time_limit: float, warm: bool, penalty: float | None = None, soft_forbidden: bool = False
+        self,
+        free: np.ndarray,
+        time_limit: float,
+        warm: bool,
+        penalty: float | None = None,
+        soft_forbidden: bool = False,
+        deadline: float = math.inf,
     ) -> tuple[str, np.ndarray | None, float]:
         """Optimize ``free`` with the others fixed: (status, strategies of ``free`` or None, bound).
         With ``penalty`` the memory limit is soft: each unit above it costs ``penalty``; with
@@ -761,7 +767,8 @@ class _Search:
         highs.setOptionValue("output_flag", False)
         highs.setOptionValue("threads", 1)
         highs.setOptionValue("mip_rel_gap", _MIP_GAP)
-        highs.setOptionValue("time_limit", max(0.05, float(time_limit)))
+        # Building the model took time too: HiGHS gets what is left of it before the deadline.
+        highs.setOptionValue("time_limit", max(0.05, min(float(time_limit), deadline - time.perf_counter())))
         lp = highspy.HighsLp()
         lp.num_col_ = ncols
         lp.num_row_ = len(row_lower)
@@ -821,7 +828,8 @@ def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, 
         if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
             raise ValueError(f"time_limit must be a number of seconds > 0 or None, got {time_limit!r}")
     begin = time.perf_counter()
-    deadline = math.inf if time_limit is None else begin + float(time_limit)
+    # Room kept after the search for expanding and checking the solution.
+    deadline = math.inf if time_limit is None else begin + float(time_limit) * 0.97 - 0.2
     limit = None if problem.usage_limit is None else float(problem.usage_limit)
     reduced = _Reduced(problem)
     reduced.reduce(limit, begin + 0.25 * (deadline - begin))
@@ -862,7 +870,10 @@ def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, 
             method = "milp"
             left = math.inf if time_limit is None else deadline - time.perf_counter()
             status, chosen, bound = search.solve_milp(
-                np.arange(len(search.nodes)), left if math.isfinite(left) else 1e30, warm=best < search.big
+                np.arange(len(search.nodes)),
+                left if math.isfinite(left) else 1e30,
+                warm=best < search.big,
+                deadline=deadline,
             )
             stats["milp_status"] = status
             if status == "infeasible":
@@ -938,7 +949,7 @@ def _large_neighbourhood_search(search: _Search, deadline: float) -> tuple[int, 
         free = search.neighbourhood(budget, seeds)
         rounds += 1
         began = time.perf_counter()
-        status, chosen, _ = search.solve_milp(free, min(left, 10.0), warm=True, penalty=penalty, soft_forbidden=forbidden)
+        status, chosen, _ = search.solve_milp(free, 10.0, warm=True, penalty=penalty, soft_forbidden=forbidden, deadline=deadline)
         took = time.perf_counter() - began
         if status == "optimal" and took < 2.0:
             budget = min(int(budget * 1.3), 400_000)
