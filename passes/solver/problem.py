@@ -493,22 +493,27 @@ class _Search:
         for v in np.flatnonzero(self.memory):
             self.load[self.lo[v] : self.hi[v]] += self.usage[v][self.s[v]]
 
-    def construct(self, deadline: float, frugal: bool = False) -> None:
+    def construct(self, deadline: float, frugal: bool = False, lookahead: bool = True, reverse: bool = False) -> None:
         """Assign nodes one by one in problem order, each to its cheapest strategy that keeps a
         strategy open for every unassigned neighbour (forward checking) and fits the memory left
         (unassigned nodes count at their least usage). ``frugal``: the smallest usage first, then
-        the cheapest (memory left for later nodes' compatible strategies)."""
+        the cheapest (memory left for later nodes' compatible strategies). ``lookahead``: a
+        strategy is also charged, per unassigned neighbour, that neighbour's best response."""
         self.start(least_usage=True)
         open_ = [np.isfinite(c) for c in self.cost]
         assigned = np.zeros(len(self.nodes), dtype=bool)
-        for v in range(len(self.nodes)):
-            if v % 256 == 0 and time.perf_counter() >= deadline:
+        order = range(len(self.nodes) - 1, -1, -1) if reverse else range(len(self.nodes))
+        for count, v in enumerate(order):
+            if count % 256 == 0 and time.perf_counter() >= deadline:
                 return
             total = self.penalized_cost[v].copy()
             total[~open_[v]] += self.big
             for w, penalized, matrix in self.adjacent[v]:
                 if assigned[w]:
                     total += penalized[:, self.s[w]]
+                elif lookahead:
+                    # The neighbour's best open strategy against each of v's (big if none).
+                    total += (penalized[:, open_[w]] + self.penalized_cost[w][open_[w]]).min(axis=1)
                 else:
                     # Strategies of v that leave w nothing open.
                     total[~(np.isfinite(matrix[:, open_[w]]).any(axis=1))] += self.big
@@ -854,15 +859,19 @@ def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, 
         search.descend(deadline, respect_memory=False)
         cheapest = search.s.copy() if search.violation() == 0 else None
         cheapest_cost = search.objective() if cheapest is not None else math.inf
-        search.construct(deadline)
-        search.descend(deadline)
-        greedy, greedy_cost = search.s.copy(), search.objective()
-        # Memory taken early may leave later nodes no compatible strategy: also leave it to them.
-        search.construct(deadline, frugal=True)
-        search.descend(deadline)
-        for other, other_cost in ((greedy, greedy_cost), (cheapest, cheapest_cost)):
-            if other is not None and other_cost < search.objective():
-                search.assign(other)
+        # Greedy constructions, the best kept: the cheapest first; the smallest usage first (memory
+        # taken early may leave later nodes no compatible strategy), with and without charging
+        # each choice its unassigned neighbours' best responses. Each needs a few seconds on
+        # large problems, so the later ones only run while they leave most of the time limit.
+        candidates = [] if cheapest is None else [(cheapest_cost, cheapest)]
+        variants = [dict(lookahead=False), dict(frugal=True, lookahead=False), dict(frugal=True, lookahead=True)]
+        for number, variant in enumerate(variants):
+            if number and time_limit is not None and time.perf_counter() - begin > 0.3 * time_limit:
+                break
+            search.construct(deadline, **variant)
+            search.descend(deadline)
+            candidates.append((search.objective(), search.s.copy()))
+        search.assign(min(candidates, key=lambda candidate: candidate[0])[1])
         stats["start_violation"] = search.violation()
         best = search.objective()
         stats["heuristic_cost"] = best
