@@ -18,18 +18,25 @@ forbidden choices). This is the problem of XLA's auto-sharding and of the IOPDDL
    last start before some node ends can bind); nodes whose usage no remaining constraint sees
    are memory-free, and a memory-free node with at most two neighbours is eliminated (a leaf's
    minimum, a chain link's min-plus product) -- a node whose usage matters is never eliminated;
-2. a primal heuristic, so a feasible solution always exists once one is found: the
-   smallest-usage strategies (feasible whenever anything is), improved by coordinate descent
-   (each node moves to its cheapest strategy given its neighbours and the memory left over its
-   lifetime);
+2. a primal heuristic: the cheapest strategies improved by coordinate descent (each node
+   moves to its cheapest strategy given its neighbours), kept if within the memory limit; and
+   greedy constructions (nodes assigned in order, each to the cheapest, or the smallest-usage,
+   strategy that leaves every unassigned neighbour a strategy of finite cost and fits the
+   memory left, the unassigned counted at their smallest usage, which fits whenever anything
+   does), each improved by coordinate descent that keeps to the memory left over a node's
+   lifetime; the best is the incumbent;
 3. HiGHS's MILP (one binary per strategy; per edge a continuous variable per finite pair whose
    row and column sums equal the two nodes' binaries; a row per memory constraint), on the whole
-   reduced problem when it is small, and otherwise on neighbourhoods of the current solution
-   (large neighbourhood search: a connected set of nodes is freed, the rest stay fixed), each
-   started from the incumbent, which is never made worse.
+   reduced problem when it is small, and otherwise on neighbourhoods of the incumbent (large
+   neighbourhood search: a connected set of nodes around a random node, or one where the
+   incumbent pays most, is freed and the rest stay fixed; one memory row per stretch of time in
+   which the same freed nodes are live), each started from the incumbent, which is never made
+   worse. While the incumbent still has a forbidden pair, or breaks the memory limit, those
+   are priced instead of excluded, so each neighbourhood is feasible and repairs what it can.
 
-The result carries the best solution found, its cost, and a certified lower bound (the MILP's
-dual bound on the whole reduced problem, or else the reduced problem's sum of node minima).
+The result carries the best solution found, its cost, and a certified lower bound: the MILP's
+dual bound on the whole reduced problem (HiGHS stops at a relative gap of 1e-7; with integer
+costs, rounded up), or else the reduced problem's sum of node minima (weak).
 """
 
 from __future__ import annotations
@@ -824,9 +831,10 @@ class _Search:
 
 
 def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, seed: int = 0) -> ProblemSolution:
-    """The cheapest strategies found within ``time_limit`` seconds (``None``: solve to optimality),
-    with a lower bound no solution beats. Raises ``InfeasiblePlacementError`` (a ``ValueError``)
-    when no choice fits the memory limit or every choice has an infinite cost."""
+    """The cheapest strategies found within ``time_limit`` seconds (``None``: solve to optimality,
+    within a relative gap of 1e-7), with a lower bound no solution beats. ``seed``: the random
+    choice of neighbourhoods. Raises ``InfeasiblePlacementError`` (a ``ValueError``) when no
+    choice fits the memory limit or has finite cost, or when none was found in the time limit."""
     if not isinstance(problem, StrategyProblem):
         raise TypeError(f"problem must be a StrategyProblem, got {type(problem).__name__}")
     if time_limit is not None:
@@ -834,7 +842,7 @@ def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, 
             raise ValueError(f"time_limit must be a number of seconds > 0 or None, got {time_limit!r}")
     begin = time.perf_counter()
     # Room kept after the search for expanding and checking the solution.
-    deadline = math.inf if time_limit is None else begin + float(time_limit) * 0.97 - 0.2
+    deadline = math.inf if time_limit is None else begin + float(time_limit) * 0.95 - 0.2
     limit = None if problem.usage_limit is None else float(problem.usage_limit)
     reduced = _Reduced(problem)
     reduced.reduce(limit, begin + 0.25 * (deadline - begin))
@@ -893,9 +901,8 @@ def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, 
                 for v, a in enumerate(chosen.tolist()):
                     search.move(v, a)
             lower = max(lower, bound)
-            if status == "optimal":
-                lower = math.inf  # clamped to the cost below
-        if lower != math.inf and time.perf_counter() < deadline:
+            stats["milp_optimal"] = status == "optimal"
+        if not stats.get("milp_optimal") and time.perf_counter() < deadline:
             method = "milp-lns" if method == "milp" else "lns"
             stats["lns_rounds"], stats["lns_improvements"] = _large_neighbourhood_search(search, deadline)
     if search.violation() > 0:
@@ -911,7 +918,18 @@ def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, 
     if limit is not None and peak_usage(problem, strategies) > limit:  # pragma: no cover - a bug if reached
         raise AssertionError("the solver returned strategies above the usage limit")
     stats.update(method=method, seconds=time.perf_counter() - begin)
+    if _integral(problem):
+        # Integer costs: no solution costs less than the bound rounded up.
+        lower = math.ceil(lower - 1e-9 * max(1.0, abs(lower)))
     return ProblemSolution(strategies, cost, min(lower, cost), stats)
+
+
+def _integral(problem: StrategyProblem) -> bool:
+    def whole(values: np.ndarray) -> bool:
+        finite = values[np.isfinite(values)]
+        return bool(np.all(finite == np.round(finite)))
+
+    return all(whole(c) for c in problem.node_costs) and all(whole(m) for m in problem.edge_costs)
 
 
 def _large_neighbourhood_search(search: _Search, deadline: float) -> tuple[int, int]:
