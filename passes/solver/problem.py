@@ -889,7 +889,7 @@ def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, 
             raise ValueError(f"time_limit must be a number of seconds > 0 or None, got {time_limit!r}")
     begin = time.perf_counter()
     # Room kept after the search for expanding and checking the solution.
-    deadline = math.inf if time_limit is None else begin + float(time_limit) * 0.95 - 0.2
+    deadline = math.inf if time_limit is None else begin + float(time_limit) * 0.93 - 0.3
     limit = None if problem.usage_limit is None else float(problem.usage_limit)
     reduced = _Reduced(problem)
     reduced.reduce(limit, begin + 0.25 * (deadline - begin))
@@ -1001,9 +1001,11 @@ def _large_neighbourhood_search(search: _Search, deadline: float) -> tuple[int, 
         return search.objective() + (penalty * search.violation() if penalty is not None else 0.0)
 
     current = score()
+    took = 0.0
     while True:
         left = deadline - time.perf_counter()
-        if left < 0.2:
+        # A round runs over by its model's building (HiGHS gets only what is left after it).
+        if left < max(0.2, 0.5 * took):
             break
         if penalty is not None and search.violation() == 0:
             penalty = None
