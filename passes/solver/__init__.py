@@ -3,7 +3,9 @@
 - ``placement_graph``: the networkx view (values, strategies, fixed placements, data edges);
 - ``solve_placements``: the cheapest placements under a ``CostModel`` and a memory budget;
 - ``apply_placements``: the solution stated as sharding annotations and region choices;
-- ``format_placements`` / ``draw_placements``: the solution printed / pictured.
+- ``format_placements`` / ``draw_placements``: the solution printed / pictured;
+- ``StrategyProblem`` / ``solve_problem``: the core as a plain problem (strategies, pair costs,
+  memory over liveness intervals), and ``read_iopddl`` for the IOPDDL contest's files.
 """
 
 from passes.solver.apply import apply_placements
@@ -12,6 +14,8 @@ from passes.solver.draw import draw_placements
 from passes.solver.format import format_placements
 from passes.solver.graph import Strategy, placement_graph
 from passes.solver.ilp import InfeasiblePlacementError
+from passes.solver.iopddl import read_iopddl
+from passes.solver.problem import ProblemSolution, StrategyProblem, peak_usage, problem_cost, solve_problem
 from passes.solver.solve import PlacementSolution, solve_placements
 
 __all__ = [
@@ -25,4 +29,10 @@ __all__ = [
     "CostModel",
     "PRESETS",
     "InfeasiblePlacementError",
+    "StrategyProblem",
+    "ProblemSolution",
+    "solve_problem",
+    "problem_cost",
+    "peak_usage",
+    "read_iopddl",
 ]
