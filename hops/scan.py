@@ -108,6 +108,9 @@ class Scan(BodyHOP):
         carry, xs, additional = _split(inputs, spec)
         return (*carry, *_slice_examples(xs), *additional)
 
+    def check_outputs(self, body: Callable, outputs: Sequence[Any], inputs: Sequence[Any], spec: ScanSpec) -> None:
+        _check_step(body_name(body), outputs, _split(inputs, spec)[0])
+
     def outputs_from_body(self, outputs: Sequence[Any], inputs: Sequence[Any], spec: ScanSpec) -> tuple:
         carry, xs, _ = _split(inputs, spec)
         step = _check_step("scan", outputs, carry)
