@@ -73,6 +73,19 @@ def dynamo_graph_break(gb_type: str, context: str, explanation: str, from_exc: B
     graph_break(gb_type=gb_type, context=context, explanation=explanation, hints=[], **extra)
 
 
+def dynamo_traceable_callable(fn: Any) -> Any:
+    """Under Dynamo, the function a ``torch.compile``d ``fn`` wraps (Dynamo inlines it when
+    ``fn`` is called anyway); else ``fn``. Dynamo 2.9 traces no use of the wrapper but a call
+    and its ``_torchdynamo_inline`` attribute (private, set by torch.compile from 2.9 to
+    2.15): not its name, ``callable`` or ``hasattr``. Outside Dynamo, ``fn`` itself."""
+    if not torch.compiler.is_dynamo_compiling():
+        return fn
+    try:
+        return fn._torchdynamo_inline
+    except AttributeError:
+        return fn
+
+
 def dynamo_graph_breaks_are_errors(tx: Any) -> bool:
     """Whether a graph break here fails the compile (``fullgraph=True``, or
     ``torch._dynamo.error_on_graph_break``): the tracer's ``one_graph`` /
