@@ -73,17 +73,29 @@ def dynamo_graph_break(gb_type: str, context: str, explanation: str, from_exc: B
     graph_break(gb_type=gb_type, context=context, explanation=explanation, hints=[], **extra)
 
 
-def dynamo_traceable_callable(fn: Any) -> Any:
-    """Under Dynamo, the function a ``torch.compile``d ``fn`` wraps (Dynamo inlines it when
-    ``fn`` is called anyway); else ``fn``. Dynamo 2.9 traces no use of the wrapper but a call
-    and its ``_torchdynamo_inline`` attribute (private, set by torch.compile from 2.9 to
-    2.15): not its name, ``callable`` or ``hasattr``. Outside Dynamo, ``fn`` itself."""
-    if not torch.compiler.is_dynamo_compiling():
+def dynamo_trace_compiled_function_hasattr() -> None:
+    """Let Dynamo 2.9 trace ``hasattr`` of a ``torch.compile``d function (as 2.13 does), which
+    ``compiled_function_inside`` asks: 2.9's ``WrapperUserFunctionVariable`` (private) traces
+    only a call and the wrapped function's attribute. Answered from the wrapper itself."""
+    if TORCH_VERSION >= (2, 13):
+        return
+    from torch._dynamo.variables.constant import ConstantVariable
+    from torch._dynamo.variables.functions import WrapperUserFunctionVariable
+
+    def call_obj_hasattr(self: Any, tx: Any, name: str) -> Any:
+        return ConstantVariable.create(hasattr(self.wrapper_obj, name))
+
+    WrapperUserFunctionVariable.call_obj_hasattr = call_obj_hasattr
+
+
+def compiled_function_inside(fn: Any) -> Any:
+    """Under Dynamo 2.9, the function a ``torch.compile``d ``fn`` wraps (Dynamo inlines it
+    at the call anyway): 2.9 traces neither ``callable`` of the wrapper nor its name (``hasattr``
+    once ``dynamo_trace_compiled_function_hasattr`` taught it). Else ``fn`` itself.
+    ``_torchdynamo_inline`` is torch.compile's private attribute for the wrapped function."""
+    if TORCH_VERSION >= (2, 13) or not torch.compiler.is_dynamo_compiling():
         return fn
-    try:
-        return fn._torchdynamo_inline
-    except AttributeError:
-        return fn
+    return fn._torchdynamo_inline if hasattr(fn, "_torchdynamo_inline") else fn
 
 
 def dynamo_graph_breaks_are_errors(tx: Any) -> bool:
@@ -168,7 +180,9 @@ def install_dynamo_frame_error_filter(typed_error: Any) -> None:
             replacement = typed_error(error)
             if replacement is None:
                 raise
-        raise replacement.with_traceback(replacement.__traceback__) from None
+        # Without the tracer's frames (as Dynamo strips its own errors'): they would keep the
+        # whole trace alive for as long as the caller holds the error.
+        raise replacement.with_traceback(None) from None
 
     _compile.hops_error_filter = True  # type: ignore[attr-defined]
     convert_frame._compile = _compile

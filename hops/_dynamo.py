@@ -203,6 +203,7 @@ def register_subgraph_hop(hop: Any) -> None:
         fake_args = tuple(vt.as_proxy().node.meta["example_value"] for vt in tensor_args)
         # The checks eager makes before running the body, with eager's messages.
         named = _NamedBody(call.name if call is not None else _user_function_name(tx, body))
+        hop.split_args((*fake_args, *specs))
         hop.check(named, fake_args, specs[-1])
         example_args = _body_example_args(tx, hop, tensor_args, specs)
         # Speculate on graph-free copies of the args that carry the body's example values:
@@ -216,7 +217,9 @@ def register_subgraph_hop(hop: Any) -> None:
         body_gm = torch.fx.GraphModule(tx.output.nn_modules, body_graph)
         with tx.fake_mode:
             outputs = _refuse_input_writes(body_gm, example_args, call)
-        hop.check_outputs(named, outputs, fake_args, specs[-1])
+            hop.check_outputs(named, outputs, fake_args, specs[-1])
+            # The node's fake rule, here: what it refuses is raised unwrapped.
+            hop.outputs_from_body(outputs, fake_args, specs[-1])
         body_name = tx.output.install_subgraph(_subgraph_name(tx, body), body_gm)
         node_args = (
             make_attr(tx, body_name),
@@ -287,7 +290,9 @@ def _refuse_input_writes(body_gm: torch.fx.GraphModule, example_args: Sequence[A
     for node in placeholders:
         example = node.meta.get("example_value")
         if isinstance(example, torch.Tensor):
-            example = torch.empty_strided(example.size(), example.stride(), dtype=example.dtype, device=example.device)
+            example = torch.empty_strided(
+                example.size(), example.stride(), dtype=example.dtype, device=example.device, requires_grad=example.requires_grad
+            )
         inputs.append(example)
     versions = [t._version if isinstance(t, torch.Tensor) else None for t in inputs]
     outputs = body_gm(*inputs)
@@ -414,6 +419,7 @@ def frame_error(error: BaseException) -> BaseException | None:
 
 
 _compat.install_dynamo_frame_error_filter(frame_error)
+_compat.dynamo_trace_compiled_function_hasattr()
 
 
 def _body_example_args(tx: Any, hop: Any, tensor_args: list[Any], specs: tuple) -> tuple:

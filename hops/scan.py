@@ -275,7 +275,7 @@ def scan(
     JAX), xs of different lengths, non-tensor outputs, a step writing into its inputs or a
     tensor it closes over.
     """
-    fn = _compat.dynamo_traceable_callable(fn)  # a torch.compile'd step in compiled code
+    fn = _compat.compiled_function_inside(fn)  # a torch.compile'd step, in compiled code
     name = body_name(fn)
     if callable(length):
         # torch_xla's positional order: scan(fn, init, xs, partition_fn, is_fn_pure).
