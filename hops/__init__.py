@@ -26,7 +26,14 @@ _compat.register_fx_global("hops", "import hops", _sys.modules[__name__])
 
 from hops import _inductor  # noqa: E402
 from hops.assume_pure import assume_pure  # noqa: E402
-from hops.einsum import EinsumLinear, einsum, einsum_linear, patch_linear  # noqa: E402
+from hops.einsum import (  # noqa: E402
+    EinsumLinear,
+    einsum,
+    einsum_kernel,
+    einsum_linear,
+    einsum_linear_kernel,
+    patch_linear,
+)
 from hops.kernel import Kernel, KernelParams, kernel  # noqa: E402
 from hops.local_map import local_map, local_map_hop  # noqa: E402
 from hops.named_scope import ScopeSpec, named_scope, named_scope_hop  # noqa: E402
@@ -63,6 +70,8 @@ __all__ = [
     "KernelParams",
     "einsum",
     "einsum_linear",
+    "einsum_kernel",
+    "einsum_linear_kernel",
     "patch_linear",
     "EinsumLinear",
     "named_scope",

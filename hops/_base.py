@@ -6,6 +6,8 @@ flat tuple of its results. Each HOP says what is particular to it in a few metho
 
 - ``check(body, operands, spec)``: validate a call (raise ``TypeError``/``ValueError``);
 - ``body_inputs(operands, spec)``: what the body sees (one slice of xs, device 0's shards);
+- ``check_outputs(body, outputs, operands, spec)``: refuse what the body returns as eager
+  does (a scan carry changing shape), naming the body;
 - ``outputs_from_body(outputs, operands, spec)``: the HOP's results from the body's (fake)
   outputs (ys stacked, global shapes);
 - ``run(body, operands, spec)``: its semantics on real tensors, the reference everything
@@ -220,6 +222,10 @@ class BodyHOP(HigherOrderOperator):
     def body_inputs(self, operands: Sequence[Any], spec: Any) -> tuple:
         raise NotImplementedError
 
+    def check_outputs(self, body: Callable, outputs: Sequence[Any], operands: Sequence[Any], spec: Any) -> None:
+        """Refuse the body's (fake) flat outputs as running the body eagerly refuses them,
+        naming ``body`` (Dynamo checks a traced body with it). Default: nothing to check."""
+
     def outputs_from_body(self, outputs: Sequence[Any], operands: Sequence[Any], spec: Any) -> tuple:
         raise NotImplementedError
 
@@ -285,6 +291,16 @@ class BodyHOP(HigherOrderOperator):
         traced = symbolic_trace_call(self, (body, *operands_and_spec))
         if traced is not None:
             return traced
+        if operands_and_spec and _is_call_description(operands_and_spec[-1]):
+            # Dynamo broke the graph at a public function's call (see call_body_hop) and runs
+            # it eagerly: as the public function would have, with Dynamo off inside (it would
+            # compile the frames below and meet the same call again).
+            _, name, what, names = operands_and_spec[-1]
+            operands, spec = self.split_args(operands_and_spec[:-1])
+            body = named(body, name)  # made in compiled code, where it kept its factory's name
+            return torch.compiler.disable(call_body_hop)(
+                self, body, operands, spec, what=what, input_names=lambda i: names[i], user_function=body
+            )
         operands, spec = self.split_args(operands_and_spec)
         load_device_rules(operands)
         if operands and isinstance(operands[-1], tuple):
@@ -315,6 +331,7 @@ class BodyHOP(HigherOrderOperator):
         operands, spec = self.split_args(args)
         with mode:
             outputs = pytree.tree_leaves(body(*self.body_inputs(operands, spec)))
+            self.check_outputs(body, outputs, operands, spec)
             return self.outputs_from_body(outputs, operands, spec)
 
     def functionalize_rule(self, ctx: Any, body: Callable, *args: Any) -> Any:
@@ -497,6 +514,12 @@ def _refuse_untraced_closure(closed: Sequence[torch.Tensor], operands: Sequence[
             )
 
 
+def _is_call_description(value: Any) -> bool:
+    from hops._dynamo import CALL_DESCRIPTION
+
+    return type(value) is tuple and len(value) == 4 and value[0] == CALL_DESCRIPTION
+
+
 def call_body_hop(
     hop: "BodyHOP",
     body: Callable,
@@ -512,7 +535,11 @@ def call_body_hop(
     tensors it closes over. Under Dynamo, which lifts and checks bodies itself, just call it.
     The results come in the structure the body returns."""
     if torch.compiler.is_dynamo_compiling():
-        return hop(body, *operands, spec)
+        from hops._dynamo import call_description
+
+        # The variable checks the call as below and names it as eager's errors do.
+        names = tuple(input_names(i) for i in range(len(operands)))
+        return hop(body, *operands, spec, call_description(body_name(user_function), what, names))
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
     hop.check(body, operands, spec)

@@ -61,7 +61,7 @@ def dynamo_hop_variable_base() -> type:
     return TorchHigherOrderOperatorVariable
 
 
-def dynamo_graph_break(gb_type: str, context: str, explanation: str) -> None:
+def dynamo_graph_break(gb_type: str, context: str, explanation: str, from_exc: BaseException | None = None) -> None:
     """Stop Dynamo tracing here with a structured reason (an error under ``fullgraph=True``).
 
     2.9 names the structured form ``unimplemented_v2``; 2.13 renamed it ``unimplemented``.
@@ -69,7 +69,123 @@ def dynamo_graph_break(gb_type: str, context: str, explanation: str) -> None:
     from torch._dynamo import exc
 
     graph_break = getattr(exc, "unimplemented_v2", None) or exc.unimplemented
-    graph_break(gb_type=gb_type, context=context, explanation=explanation, hints=[])
+    extra = {} if from_exc is None else {"from_exc": from_exc}
+    graph_break(gb_type=gb_type, context=context, explanation=explanation, hints=[], **extra)
+
+
+def dynamo_trace_compiled_function_hasattr() -> None:
+    """Let Dynamo 2.9 trace ``hasattr`` of a ``torch.compile``d function (as 2.13 does), which
+    ``compiled_function_inside`` asks: 2.9's ``WrapperUserFunctionVariable`` (private) traces
+    only a call and the wrapped function's attribute. Answered from the wrapper itself."""
+    if TORCH_VERSION >= (2, 13):
+        return
+    from torch._dynamo.variables.constant import ConstantVariable
+    from torch._dynamo.variables.functions import WrapperUserFunctionVariable
+
+    def call_obj_hasattr(self: Any, tx: Any, name: str) -> Any:
+        return ConstantVariable.create(hasattr(self.wrapper_obj, name))
+
+    WrapperUserFunctionVariable.call_obj_hasattr = call_obj_hasattr
+
+
+def compiled_function_inside(fn: Any) -> Any:
+    """Under Dynamo 2.9, the function a ``torch.compile``d ``fn`` wraps (Dynamo inlines it
+    at the call anyway): 2.9 traces neither ``callable`` of the wrapper nor its name (``hasattr``
+    once ``dynamo_trace_compiled_function_hasattr`` taught it). Else ``fn`` itself.
+    ``_torchdynamo_inline`` is torch.compile's private attribute for the wrapped function."""
+    if TORCH_VERSION >= (2, 13) or not torch.compiler.is_dynamo_compiling():
+        return fn
+    return fn._torchdynamo_inline if hasattr(fn, "_torchdynamo_inline") else fn
+
+
+def dynamo_graph_breaks_are_errors(tx: Any) -> bool:
+    """Whether a graph break here fails the compile (``fullgraph=True``, or
+    ``torch._dynamo.error_on_graph_break``): the tracer's ``one_graph`` /
+    ``error_on_graph_break`` (private, both present from 2.9 to 2.15)."""
+    return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+
+
+def is_dynamo_exception(error: BaseException) -> bool:
+    from torch._dynamo.exc import TorchDynamoException
+
+    return isinstance(error, TorchDynamoException)
+
+
+def is_dynamo_observed_exception(error: BaseException) -> bool:
+    """Whether ``error`` is Dynamo's stand-in for an exception the traced code raised."""
+    from torch._dynamo.exc import ObservedException
+
+    return isinstance(error, ObservedException)
+
+
+def dynamo_uncaught_exception(error: BaseException) -> tuple[type, tuple, str] | None:
+    """Behind Dynamo's "Observed exception" error (traced code raised an exception nothing
+    in the traced code caught, under ``fullgraph=True``): the exception's class and constant
+    arguments, and the file of the traced function that raised it; else None.
+
+    Dynamo keeps no reference to its tracers on the error. The stand-in exception
+    (``ObservedException``, the error's cause) was re-raised through the frame of each
+    tracer it left, outermost first on its traceback: the tracers are the ``self`` of those
+    frames, the innermost one traced the raising function (``f_code``), and their shared
+    ``exn_vt_stack`` holds the exception (``dynamo_raised_exception``). Private, the same
+    names from 2.9 to 2.15."""
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+    observed = error
+    seen = set()
+    while observed is not None and not is_dynamo_observed_exception(observed) and id(observed) not in seen:
+        seen.add(id(observed))
+        observed = observed.__cause__ or observed.__context__
+    if observed is None or not is_dynamo_observed_exception(observed):
+        return None
+    tracers = []
+    traceback = observed.__traceback__
+    while traceback is not None:
+        tracer = traceback.tb_frame.f_locals.get("self")
+        if isinstance(tracer, InstructionTranslatorBase) and (not tracers or tracers[-1] is not tracer):
+            tracers.append(tracer)
+        traceback = traceback.tb_next
+    if not tracers:
+        return None
+    raised = dynamo_raised_exception(tracers[0])
+    code = getattr(tracers[-1], "f_code", None)
+    if raised is None or code is None:
+        return None
+    return raised[0], raised[1], code.co_filename
+
+
+def install_dynamo_frame_error_filter(typed_error: Any) -> None:
+    """Let ``typed_error(error)`` replace the error that ends a Dynamo frame compile.
+
+    Dynamo rewraps every exception leaving a frame's compile that is not one of its own
+    (or an ``AssertionError``) as ``InternalTorchDynamoError``, and reports traced code's
+    uncaught exceptions as its generic "Observed exception": there is no hook for an
+    exception to reach the caller as itself. ``torch._dynamo.convert_frame._compile``
+    (private, a module function called by name from 2.9 to 2.15) is wrapped, once: what
+    ``typed_error`` returns for the error (None: keep Dynamo's) is raised instead, which
+    Dynamo's callers re-raise unchanged (it is no graph break)."""
+    import functools
+
+    from torch._dynamo import convert_frame
+
+    compile_frame = convert_frame._compile
+    if getattr(compile_frame, "hops_error_filter", False):
+        return
+
+    @functools.wraps(compile_frame)
+    def _compile(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return compile_frame(*args, **kwargs)
+        except Exception as error:
+            replacement = typed_error(error)
+            if replacement is None:
+                raise
+        # Without the tracer's frames (as Dynamo strips its own errors'): they would keep the
+        # whole trace alive for as long as the caller holds the error.
+        raise replacement.with_traceback(None) from None
+
+    _compile.hops_error_filter = True  # type: ignore[attr-defined]
+    convert_frame._compile = _compile
 
 
 def dynamo_speculate_subgraph(tx: Any, body: Any, body_inputs: list, hop: Any) -> tuple:
@@ -79,8 +195,9 @@ def dynamo_speculate_subgraph(tx: Any, body: Any, body_inputs: list, hop: Any) -
     (each a TensorVariable whose node's ``example_value`` gives the input's metadata), then
     the lifted closure values; ``lifted`` maps each outer proxy to its inner placeholder, in
     input order. The graph returns the flat leaves of what ``body`` returns, whose structure
-    is ``treespec``. Mutating an input is a graph break; an output that is an input is
-    allowed (the HOP's rules return copies of such outputs, as in eager).
+    is ``treespec``. Writing into an input is traced (``hops._dynamo`` refuses it with this
+    package's error, naming the input); an output that is an input is allowed (the HOP's
+    rules return copies of such outputs, as in eager).
 
     ``speculate_subgraph`` is private but has these arguments from 2.9 to 2.15 (2.13 calls it
     the legacy path; newer torch HOPs use ``speculate_subgraph_with_auto_output_flattening``,
@@ -98,7 +215,7 @@ def dynamo_speculate_subgraph(tx: Any, body: Any, body_inputs: list, hop: Any) -
         set_subgraph_inputs="manual",
         should_flatten_outputs=True,
         remove_consts_from_outputs=False,
-        supports_input_mutation=False,
+        supports_input_mutation=True,
         supports_aliasing=True,
     )
     return graph, lifted, output_spec.treespec
@@ -109,12 +226,15 @@ def dynamo_raised_exception(tx: Any) -> tuple[type, tuple] | None:
     an ``ObservedException``), or None when the arguments are not constants.
 
     Private state, the same names from 2.9 to 2.15: the tracer's ``exn_vt_stack`` holds the
-    raised exception's variable, whose ``value_type`` / ``init_args`` are the class and the
-    constructor's arguments."""
+    raised exception's variable: for a class defined in Python, ``value_type`` / ``init_args``
+    are the class and the constructor's arguments; for a builtin class, ``exc_type`` /
+    ``args``."""
     current = getattr(getattr(tx, "exn_vt_stack", None), "_current_exception", None)
     exc_type = getattr(current, "value_type", None)
     init_args = getattr(current, "init_args", None)
     if not isinstance(exc_type, type) or init_args is None:
+        exc_type, init_args = getattr(current, "exc_type", None), getattr(current, "args", None)
+    if not isinstance(exc_type, type) or not isinstance(init_args, (list, tuple)):
         return None
     try:
         return exc_type, tuple(a.as_python_constant() for a in init_args)

@@ -7,6 +7,14 @@ source, so a different spec recompiles instead of silently reusing the graph).
 A HOP whose first argument is a Python body (``register_subgraph_hop``) gets the same
 treatment for its tensors and specs; Dynamo traces the body into a GraphModule, and tensors
 the body closes over become explicit inputs of that GraphModule and of the node.
+
+This package's typed errors reach the caller as themselves, with eager's class and message,
+whatever path brought them into Dynamo (see ``typed_error_break``): raised by a HOP's
+validation or body-shape rule while its variable runs, by its fake rule while Dynamo
+propagates fake tensors through the node, by the body while Dynamo traces it (an observed
+exception), or by this package's Python that Dynamo traces around the HOP call (its
+"Observed exception"). Without ``fullgraph`` each is a graph break: the call then runs
+eagerly, which raises it (or lets the caller catch it) as eager does.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import dataclasses
 import os
 import re
 import types
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -112,9 +120,14 @@ def register_plain_hop(hop: Any) -> None:
         args, kwargs = LazyVariableTracker.realize_all((args, kwargs))
         values = [_constant_or_proxy(tx, a, hop.__name__, i) for i, a in enumerate(args)]
         named = {k: _constant_or_proxy(tx, v, hop.__name__, k) for k, v in kwargs.items()}
-        proxy = tx.output.create_proxy(
-            "call_function", hop, hop.node_args(*values, **named), {}
-        )
+        node_args = hop.node_args(*values, **named)
+        # The call on its fake values first, here: the HOP's checks raise its typed errors
+        # themselves (under Dynamo's fake-tensor run of the node they come wrapped, and on
+        # some versions without the original).
+        examples = [v.node.meta["example_value"] if isinstance(v, torch.fx.Proxy) else v for v in node_args]
+        with tx.fake_mode, torch.no_grad():
+            hop(*examples)
+        proxy = tx.output.create_proxy("call_function", hop, node_args, {})
         return wrap_fx_proxy(tx=tx, proxy=proxy)
 
     variable_cls = type(
@@ -123,7 +136,7 @@ def register_plain_hop(hop: Any) -> None:
         {
             "_HOP_NAME": f"torch.ops.higher_order.{hop.__name__}",
             "_ALLOW_FALLBACK_TO_EAGER": True,
-            "_call_function": _call_function,
+            "_call_function": _raising_typed_errors(_call_function),
         },
     )
     _compat.register_dynamo_hop_variable(hop, variable_cls)
@@ -173,6 +186,9 @@ def register_subgraph_hop(hop: Any) -> None:
         while num_tensors < len(rest) and isinstance(rest[num_tensors], TensorVariable):
             num_tensors += 1
         tensor_args, spec_args = rest[:num_tensors], rest[num_tensors:]
+        call = _call_description(spec_args)
+        if call is not None:
+            spec_args = spec_args[:-1]
         specs = tuple(
             _constant_or_proxy(tx, a, hop.__name__, num_tensors + 1 + i)
             for i, a in enumerate(spec_args)
@@ -184,6 +200,11 @@ def register_subgraph_hop(hop: Any) -> None:
                 explanation=f"{hop.__name__} takes its tensors before its spec arguments",
             )
 
+        fake_args = tuple(vt.as_proxy().node.meta["example_value"] for vt in tensor_args)
+        # The checks eager makes before running the body, with eager's messages.
+        named = _NamedBody(call.name if call is not None else _user_function_name(tx, body))
+        hop.split_args((*fake_args, *specs))
+        hop.check(named, fake_args, specs[-1])
         example_args = _body_example_args(tx, hop, tensor_args, specs)
         # Speculate on graph-free copies of the args that carry the body's example values:
         # "manual" inputs take their placeholder metadata from these, so the body sees the
@@ -192,8 +213,13 @@ def register_subgraph_hop(hop: Any) -> None:
             _graph_free_tensor_variable(vt.as_proxy().node.name, example)
             for vt, example in zip(tensor_args, example_args)
         ]
-        body_graph, lifted_freevars, treespec = _speculate(tx, body, body_inputs, hop)
+        body_graph, lifted_freevars, treespec = _compat.dynamo_speculate_subgraph(tx, body, body_inputs, hop)
         body_gm = torch.fx.GraphModule(tx.output.nn_modules, body_graph)
+        with tx.fake_mode:
+            outputs = _refuse_input_writes(body_gm, example_args, call)
+            hop.check_outputs(named, outputs, fake_args, specs[-1])
+            # The node's fake rule, here: what it refuses is raised unwrapped.
+            hop.outputs_from_body(outputs, fake_args, specs[-1])
         body_name = tx.output.install_subgraph(_subgraph_name(tx, body), body_gm)
         node_args = (
             make_attr(tx, body_name),
@@ -213,26 +239,187 @@ def register_subgraph_hop(hop: Any) -> None:
         {
             "_HOP_NAME": f"torch.ops.higher_order.{hop.__name__}",
             "_ALLOW_FALLBACK_TO_EAGER": True,
-            "_call_function": _call_function,
+            "_call_function": _raising_typed_errors(_call_function),
         },
     )
     _compat.register_dynamo_hop_variable(hop, variable_cls)
 
 
-def _speculate(tx: Any, body: Any, body_inputs: list, hop: Any) -> tuple:
-    """``_compat.dynamo_speculate_subgraph``, except that one of this package's typed errors
-    raised while tracing the body (a local_map whose body returns more outputs than
-    ``out_placements`` names) is raised as itself, as in eager: traced code's exceptions
-    otherwise reach a ``fullgraph=True`` caller as Dynamo's generic ``Unsupported``."""
-    from torch._dynamo.exc import ObservedException
+class _NamedBody:
+    """Stands for a body in a HOP's checks, which only name it (``body_name``)."""
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = name
+
+
+CALL_DESCRIPTION = "hops.call_description"
+
+
+def call_description(name: str, what: str, input_names: Sequence[str]) -> tuple:
+    """What a public function tells its HOP's variable about the call, passed after the spec
+    under Dynamo only (never a node arg): the user function's name, the call as eager's errors
+    name it (``"local_map(block)"``) and the name of each input (``"leaf 0"``)."""
+    return (CALL_DESCRIPTION, name, what, tuple(input_names))
+
+
+class _CallDescription:
+    def __init__(self, value: tuple) -> None:
+        _, self.name, self.what, self.input_names = value
+
+
+def _call_description(spec_args: Sequence[Any]) -> _CallDescription | None:
+    if not spec_args:
+        return None
+    try:
+        value = spec_args[-1].as_python_constant()
+    except NotImplementedError:
+        return None
+    if type(value) is tuple and len(value) == 4 and value[0] == CALL_DESCRIPTION:
+        return _CallDescription(value)
+    return None
+
+
+def _refuse_input_writes(body_gm: torch.fx.GraphModule, example_args: Sequence[Any], call: Any) -> list:
+    """Run the traced body on fresh fakes (the body's own inputs, then what it closes over):
+    its outputs; a write into one of its own inputs raises eager's ``BodyMutationError`` (the
+    body is traced allowing input writes so that this package, not Dynamo, names the input)."""
+    from hops._body import BodyMutationError
+
+    placeholders = list(body_gm.graph.find_nodes(op="placeholder"))
+    inputs = []
+    for node in placeholders:
+        example = node.meta.get("example_value")
+        if isinstance(example, torch.Tensor):
+            example = torch.empty_strided(
+                example.size(), example.stride(), dtype=example.dtype, device=example.device, requires_grad=example.requires_grad
+            )
+        inputs.append(example)
+    versions = [t._version if isinstance(t, torch.Tensor) else None for t in inputs]
+    outputs = body_gm(*inputs)
+    for i, (value, version) in enumerate(zip(inputs[: len(example_args)], versions)):
+        if isinstance(value, torch.Tensor) and value._version != version:
+            where = call.what if call is not None else "the body"
+            name = call.input_names[i] if call is not None and i < len(call.input_names) else str(i)
+            raise BodyMutationError(
+                f"{where}: the body writes into its input {name} in place; a body must be "
+                "functional (compute a new tensor and return it instead)"
+            )
+    return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+
+
+# --------------------------------------------------------------------------- typed errors
+
+
+def _raising_typed_errors(call_function: Any) -> Any:
+    """A variable's ``_call_function`` whose failures caused by one of this package's typed
+    errors become ``typed_error_break``s."""
+
+    def _call_function(self: Any, tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        try:
+            return call_function(self, tx, args, kwargs)
+        except Exception as error:
+            typed = _typed_error(tx, error)
+            if typed is None:
+                raise
+        typed_error_break(tx, typed)
+
+    return _call_function
+
+
+_TYPED_ERROR = "hops_typed_error"
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and the exceptions it was raised from (or while handling, where that shows),
+    root cause first."""
+    chain, seen = [], set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        chain.append(current)
+        pending += [current.__cause__, None if current.__suppress_context__ else current.__context__]
+    return chain[::-1]
+
+
+def _raised_here(error: BaseException) -> bool:
+    """Whether this package's code raised ``error`` (the innermost frame of its traceback)."""
+    traceback = error.__traceback__
+    if traceback is None:
+        return False
+    while traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    return os.path.dirname(os.path.abspath(traceback.tb_frame.f_code.co_filename)) == _PACKAGE_DIRECTORY
+
+
+def _typed_error(tx: Any, error: BaseException) -> BaseException | None:
+    """The exception eager would raise behind ``error``, raised while a HOP variable ran: a
+    typed error one of this package's rules raised (directly, or under Dynamo's wrapping of
+    a fake-tensor rule's failure), one an inner HOP found, or the exception the body raised
+    while Dynamo traced it (the body raises it as itself in eager too). None otherwise."""
+    if _compat.is_dynamo_observed_exception(error):
+        raised = _compat.dynamo_raised_exception(tx)
+        if raised is None:
+            return None
+        try:
+            return raised[0](*raised[1])
+        except Exception:  # a class that cannot be rebuilt from its arguments
+            return None
+    for cause in _chain(error):
+        typed = getattr(cause, _TYPED_ERROR, None)
+        if typed is not None:
+            return typed
+        if not _compat.is_dynamo_exception(cause) and _raised_here(cause):
+            return cause
+    return None
+
+
+def typed_error_break(tx: Any, typed: BaseException) -> None:
+    """Stop tracing because of ``typed``, one of this package's typed errors (or a body's
+    exception). Without ``fullgraph`` it is a graph break: the call runs eagerly, where it
+    raises ``typed`` as eager does (or the caller catches it). With ``fullgraph`` the graph
+    break carries ``typed``, which the frame error filter (``frame_error``) raises in place of
+    Dynamo's error."""
+    from torch._dynamo.exc import Unsupported
 
     try:
-        return _compat.dynamo_speculate_subgraph(tx, body, body_inputs, hop)
-    except ObservedException:
-        raised = _compat.dynamo_raised_exception(tx)
-        if raised is not None and raised[0].__module__.split(".")[0] == "hops":
-            raise raised[0](*raised[1]) from None
+        _compat.dynamo_graph_break(
+            gb_type="hops: a typed error",
+            context=f"{type(typed).__name__}: {typed}",
+            explanation="this package raised a typed error for the call, as eager does",
+            from_exc=typed,
+        )
+    except Unsupported as graph_break:
+        if _compat.dynamo_graph_breaks_are_errors(tx):
+            setattr(graph_break, _TYPED_ERROR, typed)
         raise
+
+
+def frame_error(error: BaseException) -> BaseException | None:
+    """The error to raise instead of ``error``, which ended a Dynamo frame compile: the typed
+    error a graph break carries (``typed_error_break``), or the exception this package's
+    Python raised while Dynamo traced it uncaught (Dynamo's "Observed exception"), as eager
+    raises it. None: Dynamo's error stands."""
+    for cause in _chain(error):
+        typed = getattr(cause, _TYPED_ERROR, None)
+        if typed is not None:
+            return typed
+    uncaught = _compat.dynamo_uncaught_exception(error)
+    if uncaught is None:
+        return None
+    exception_type, exception_args, filename = uncaught
+    if os.path.dirname(os.path.abspath(filename)) != _PACKAGE_DIRECTORY:
+        return None  # the user's own code raised it: Dynamo's report stands
+    try:
+        return exception_type(*exception_args)
+    except Exception:
+        return None
+
+
+_compat.install_dynamo_frame_error_filter(frame_error)
+_compat.dynamo_trace_compiled_function_hasattr()
 
 
 def _body_example_args(tx: Any, hop: Any, tensor_args: list[Any], specs: tuple) -> tuple:
@@ -269,6 +456,11 @@ def _graph_free_tensor_variable(name: str, example: Any) -> Any:
     node.meta["example_value"] = example
     props = {**TensorVariable.specialize(example), "class_type": torch.Tensor}
     return TensorVariable(torch.fx.Proxy(node), **props)
+
+
+def _user_function_name(tx: Any, body: Any) -> str:
+    """The name eager gives the body: its user function's (``body_name``)."""
+    return _subgraph_name(tx, body).removesuffix("_body") or "body"
 
 
 def _subgraph_name(tx: Any, body: Any) -> str:

@@ -21,6 +21,8 @@ def body_name(body: Any) -> str:
     name = getattr(body, "__name__", None)
     if not isinstance(name, str) or name in ("GraphModule", "forward"):
         name = type(body).__name__
+    # Dynamo 2.9 answers a nested function's qualified name ("f.<locals>.g") for __name__.
+    name = name.rpartition(".")[2]
     characters: list[str] = []
     for character in name:  # each run of non-word characters becomes one "_"
         if character.isalnum() or character == "_":

@@ -101,6 +101,52 @@ def canonical_equation(equation: Any, operands: Sequence[Any]) -> str:
     return ",".join(inputs) + "->" + rhs
 
 
+def check_operands(equation: str, operands: Sequence[Any]) -> None:
+    """Refuse operands ``torch.einsum`` would refuse deep inside, naming them: a subscript
+    letter (or a dim under ``...``, counted from the right) whose sizes differ between
+    operands where neither is 1 (``ValueError``), or operands of different dtypes
+    (``TypeError``). ``equation`` is canonical (``canonical_equation``); symbolic sizes are
+    left to torch."""
+    tensors = [(i, o) for i, o in enumerate(operands) if isinstance(o, torch.Tensor)]
+    for i, operand in tensors[1:]:
+        first, like = tensors[0]
+        if operand.dtype != like.dtype:
+            raise TypeError(
+                f"hops.einsum({equation!r}): operand {i} is {operand.dtype} but operand {first} is {like.dtype}; "
+                "einsum operands must have one dtype (cast one with .to())"
+            )
+    inputs, _ = _split_equation(equation)
+    seen: dict[Any, tuple[int, int]] = {}  # letter, or (ELLIPSIS, dim from the right) -> (operand, size)
+    for i, operand in tensors:
+        tokens = _tokens(inputs[i])
+        named = len(tokens) - (ELLIPSIS in tokens)
+        width = operand.dim() - named
+        dims: list[tuple[Any, int]] = []
+        position = 0
+        for token in tokens:
+            if token == ELLIPSIS:
+                dims += [((ELLIPSIS, width - k), position + k) for k in range(width)]
+                position += width
+            else:
+                dims.append((token, position))
+                position += 1
+        for key, dim in dims:
+            size = operand.shape[dim]
+            if not isinstance(size, int):
+                continue
+            if key not in seen or seen[key][1] == 1:
+                seen[key] = (i, size)
+                continue
+            other, other_size = seen[key]
+            if size != other_size and size != 1:
+                what = f"subscript {key!r}" if isinstance(key, str) else f"dim {key[1]} from the right under '...'"
+                raise ValueError(
+                    f"hops.einsum({equation!r}): {what} has size {other_size} in operand {other} but {size} in "
+                    f"operand {i} (dim {dim} of shape {tuple(operand.shape)}); sizes of one subscript must match "
+                    "(or be 1, broadcast)"
+                )
+
+
 def _split_equation(equation: str) -> tuple[list[str], str]:
     lhs, _, rhs = equation.partition("->")
     return lhs.split(","), rhs
@@ -198,7 +244,9 @@ def einsum(equation: str, *operands: Any) -> torch.Tensor:
     hold ``hops_kernel_einsum`` nodes instead of view/``bmm``/view; lowered to XLA it is one
     ``dot`` that keeps the batch dims. Operands may also be given as one list. Equations
     may use ``...`` and implicit output; a subscript repeated within one operand
-    (diagonals) raises ``ValueError``, as do subscripts that do not match the operands.
+    (diagonals) raises ``ValueError``, as do subscripts that do not match the operands
+    and a subscript whose sizes differ between operands (neither 1); operands of different
+    dtypes raise ``TypeError``. Each error names the operand.
     """
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
@@ -207,12 +255,14 @@ def einsum(equation: str, *operands: Any) -> torch.Tensor:
         or not isinstance(equation, str)
         or not all(isinstance(o, torch.Tensor) for o in operands)
     ):
-        return einsum_kernel(*operands, equation=canonical_equation(equation, operands))
-    # Eager: an equation is checked once per operand ranks.
-    key = (equation, tuple(o.dim() for o in operands))
-    canonical = _CANONICAL.get(key)
-    if canonical is None:
-        canonical = _CANONICAL[key] = canonical_equation(equation, operands)
+        canonical = canonical_equation(equation, operands)
+    else:
+        # Eager: an equation is parsed once per operand ranks.
+        key = (equation, tuple(o.dim() for o in operands))
+        canonical = _CANONICAL.get(key)
+        if canonical is None:
+            canonical = _CANONICAL[key] = canonical_equation(equation, operands)
+    check_operands(canonical, operands)
     return einsum_kernel(*operands, equation=canonical)
 
 
@@ -261,8 +311,8 @@ def einsum_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``torch.nn.functional.linear`` as einsum: ``hops_kernel_einsum_linear(x, weight, bias)``
     (or ``hops_kernel_einsum`` without bias); its backward is three einsum nodes.
 
-    Raises ``TypeError``/``ValueError`` naming the argument for non-tensors, a weight that is
-    not 2-D, a bias that is not 1-D of the weight's output size, or mismatched features.
+    Raises ``TypeError``/``ValueError`` naming the argument for non-tensors, dtypes that
+    differ, a weight that is not 2-D, a bias that is not 1-D of the weight's output size, or mismatched features.
     """
     for argument, value in (("x", x), ("weight", weight), ("bias", bias)):
         if not (value is None and argument == "bias") and not isinstance(value, (torch.Tensor, torch.fx.Proxy)):
@@ -274,6 +324,11 @@ def einsum_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             f"hops.einsum_linear: x has shape {tuple(x.shape)}, but weight {tuple(weight.shape)} takes "
             f"{weight.shape[1]} input features in the last dim"
         )
+    for argument, value in (("weight", weight), ("bias", bias)):
+        if isinstance(value, torch.Tensor) and isinstance(x, torch.Tensor) and value.dtype != x.dtype:
+            raise TypeError(
+                f"hops.einsum_linear: x is {x.dtype} but {argument} is {value.dtype}; x, weight and bias must have one dtype"
+            )
     if isinstance(bias, torch.Tensor) and isinstance(weight, torch.Tensor) and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(
             f"hops.einsum_linear(bias=...) must have shape ({weight.shape[0]},), got {tuple(bias.shape)}"

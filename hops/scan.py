@@ -108,6 +108,9 @@ class Scan(BodyHOP):
         carry, xs, additional = _split(inputs, spec)
         return (*carry, *_slice_examples(xs), *additional)
 
+    def check_outputs(self, body: Callable, outputs: Sequence[Any], inputs: Sequence[Any], spec: ScanSpec) -> None:
+        _check_step(body_name(body), outputs, _split(inputs, spec)[0])
+
     def outputs_from_body(self, outputs: Sequence[Any], inputs: Sequence[Any], spec: ScanSpec) -> tuple:
         carry, xs, _ = _split(inputs, spec)
         step = _check_step("scan", outputs, carry)
@@ -272,6 +275,7 @@ def scan(
     JAX), xs of different lengths, non-tensor outputs, a step writing into its inputs or a
     tensor it closes over.
     """
+    fn = _compat.compiled_function_inside(fn)  # a torch.compile'd step, in compiled code
     name = body_name(fn)
     if callable(length):
         # torch_xla's positional order: scan(fn, init, xs, partition_fn, is_fn_pure).

@@ -717,7 +717,7 @@ class GraphModule(torch.nn.Module):
 
 class Einsum(Sample):
     name = "einsum"
-    hop = hops.einsum.__globals__["einsum_kernel"]
+    hop = hops.einsum_kernel
 
     @staticmethod
     def inputs(seed=0):
@@ -783,4 +783,79 @@ class GraphModule(torch.nn.Module):
 """)
 
 
-SAMPLES = [Annotation, LocalMap, Scan, NamedScope, Kernel, Einsum]
+class EinsumLinear(Sample):
+    name = "einsum_linear"
+    hop = hops.einsum_linear_kernel
+
+    @staticmethod
+    def inputs(seed=0):
+        g = generator(seed)
+        return (
+            torch.randn(2, 3, 4, generator=g, requires_grad=True),
+            torch.randn(5, 4, generator=g, requires_grad=True),
+            torch.randn(5, generator=g, requires_grad=True),
+        )
+
+    @staticmethod
+    def program(x, weight, bias):
+        return hops.einsum_linear(x, weight, bias)
+
+    @staticmethod
+    def reference(x, weight, bias):
+        return torch.nn.functional.linear(x, weight, bias)
+
+    # ---- snapshots (filled with EXPECTTEST_ACCEPT=1; one string holds on every torch version)
+
+    def snapshot_make_fx_fake(t, text):
+        t.assertExpectedInline(text, """\
+class program(torch.nn.Module):
+    def forward(self, x_1: "f32[2, 3, 4]", weight_1: "f32[5, 4]", bias_1: "f32[5]"):
+        hops_kernel_einsum_linear: "f32[2, 3, 5]" = torch.ops.higher_order.hops_kernel_einsum_linear(x_1, weight_1, bias_1, hops.KernelParams.of())
+        return hops_kernel_einsum_linear
+""")
+
+    def snapshot_aot(t, text):
+        t.assertExpectedInline(text, """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[2, 3, 4]", primals_2: "f32[5, 4]", primals_3: "f32[5]"):
+        hops_kernel_einsum_linear: "f32[2, 3, 5]" = torch.ops.higher_order.hops_kernel_einsum_linear(primals_1, primals_2, primals_3, hops.KernelParams.of())
+        return (hops_kernel_einsum_linear, primals_1, primals_2)
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[2, 3, 4]", primals_2: "f32[5, 4]", tangents_1: "f32[2, 3, 5]"):
+        hops_kernel_einsum: "f32[2, 3, 4]" = torch.ops.higher_order.hops_kernel_einsum(tangents_1, primals_2, hops.KernelParams.of(equation='...o,oi->...i'))
+        hops_kernel_einsum_1: "f32[5, 4]" = torch.ops.higher_order.hops_kernel_einsum(tangents_1, primals_1, hops.KernelParams.of(equation='...o,...i->oi'))
+        hops_kernel_einsum_2: "f32[5]" = torch.ops.higher_order.hops_kernel_einsum(tangents_1, hops.KernelParams.of(equation='...o->o'))
+        return (hops_kernel_einsum, hops_kernel_einsum_1, hops_kernel_einsum_2)
+""")
+
+    def snapshot_export_strict(t, text):
+        t.assertExpectedInline(text, """\
+class GraphModule(torch.nn.Module):
+    def forward(self, inputs_0: "f32[2, 3, 4]", inputs_1: "f32[5, 4]", inputs_2: "f32[5]"):
+        hops_kernel_einsum_linear: "f32[2, 3, 5]" = torch.ops.higher_order.hops_kernel_einsum_linear(inputs_0, inputs_1, inputs_2, hops.KernelParams.of())
+        return (hops_kernel_einsum_linear,)
+""")
+
+    def snapshot_dynamo(t, text):
+        t.assertExpectedInline(text, """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 3, 4]", L_weight_: "f32[5, 4]", L_bias_: "f32[5]"):
+        l_x_ = L_x_
+        l_weight_ = L_weight_
+        l_bias_ = L_bias_
+        hops_kernel_einsum_linear: "f32[2, 3, 5]" = torch.ops.higher_order.hops_kernel_einsum_linear(l_x_, l_weight_, l_bias_, hops.KernelParams.of())
+        return (hops_kernel_einsum_linear,)
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[2, 3, 4]", primals_2: "f32[5, 4]", primals_3: "f32[5]"):
+        hops_kernel_einsum_linear: "f32[2, 3, 5]" = torch.ops.higher_order.hops_kernel_einsum_linear(primals_1, primals_2, primals_3, hops.KernelParams.of())
+        return (hops_kernel_einsum_linear, primals_1, primals_2)
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[2, 3, 4]", primals_2: "f32[5, 4]", tangents_1: "f32[2, 3, 5]"):
+        hops_kernel_einsum: "f32[2, 3, 4]" = torch.ops.higher_order.hops_kernel_einsum(tangents_1, primals_2, hops.KernelParams.of(equation='...o,oi->...i'))
+        hops_kernel_einsum_1: "f32[5, 4]" = torch.ops.higher_order.hops_kernel_einsum(tangents_1, primals_1, hops.KernelParams.of(equation='...o,...i->oi'))
+        hops_kernel_einsum_2: "f32[5]" = torch.ops.higher_order.hops_kernel_einsum(tangents_1, hops.KernelParams.of(equation='...o->o'))
+        return (hops_kernel_einsum, hops_kernel_einsum_1, hops_kernel_einsum_2)
+""")
+
+
+SAMPLES = [Annotation, LocalMap, Scan, NamedScope, Kernel, Einsum, EinsumLinear]

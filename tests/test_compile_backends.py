@@ -79,3 +79,32 @@ def test_hops_xla_lowers_the_annotations_and_copies_nothing():
     assert (transfers(), compiles()) == before
     assert [id(p) for p in xla_model.parameters()] == parameter_ids
     torch.testing.assert_close(out.cpu(), expected.detach())
+
+
+def _decaying_step(carry, x):
+    return carry * 0.5 + x.sin(), carry * x
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph_breaks"])
+def test_a_compiled_step_scanned_inside_a_compiled_function_matches_eager(fullgraph):
+    # Dynamo 2.9 traced nothing of a torch.compile'd function but its call (its name, as
+    # scan reads it, was an "Unsupported hasattr call"); values and gradients as eager's loop.
+    compiled_step = torch.compile(_decaying_step, backend="eager")
+
+    def program(init, xs):
+        return hops.scan(compiled_step, init, xs)
+
+    def loop(init, xs):
+        carry, ys = init, []
+        for x in xs:
+            carry, y = _decaying_step(carry, x)
+            ys.append(y)
+        return carry, torch.stack(ys)
+
+    torch._dynamo.reset()
+    init, xs = torch.randn(4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    got = torch.compile(program, backend="aot_eager", fullgraph=fullgraph)(init, xs)
+    expected = loop(init, xs)
+    torch.testing.assert_close(got, expected)
+    grads = torch.autograd.grad([got[0].sum() + got[1].sum()], [init, xs])
+    torch.testing.assert_close(grads, torch.autograd.grad([expected[0].sum() + expected[1].sum()], [init, xs]))

@@ -6,6 +6,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from snapshot import TestCase, aot_trace, hlo_text, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -137,6 +139,53 @@ class TestBadCalls(TestCase):
             hops.einsum("i1->i", a)
         with self.assertRaisesRegex(TypeError, r"hops.einsum\('ij->i'\) operand 0 must be a Tensor, got float"):
             hops.einsum("ij->i", 1.0)
+
+    def test_mismatched_sizes_and_dtypes_are_refused_naming_operand_and_subscript(self):
+        a = torch.randn(3, 4)
+        with self.assertRaisesRegex(
+            ValueError, r"hops.einsum\('ij,jk->ik'\): subscript 'j' has size 4 in operand 0 but 5 in operand 1 \(dim 0 of shape \(5, 6\)\)"
+        ):
+            hops.einsum("ij,jk->ik", a, torch.randn(5, 6))
+        with self.assertRaisesRegex(ValueError, r"dim 1 from the right under '...' has size 2 in operand 0 but 3 in operand 1"):
+            hops.einsum("...ij,...jk->...ik", torch.randn(2, 3, 4), torch.randn(3, 4, 5))
+        with self.assertRaisesRegex(TypeError, r"hops.einsum\('ij,jk->ik'\): operand 1 is torch.float64 but operand 0 is torch.float32"):
+            hops.einsum("ij,jk->ik", a, torch.randn(4, 5, dtype=torch.double))
+        with self.assertRaisesRegex(TypeError, r"hops.einsum_linear: x is torch.float32 but weight is torch.float64"):
+            hops.einsum_linear(a, torch.randn(5, 4, dtype=torch.double))
+        # A size-1 dim broadcasts, as in torch.einsum.
+        self.assertEqual(hops.einsum("ij,jk->ik", torch.randn(3, 1), torch.randn(4, 6)).shape, (3, 6))
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        st.lists(st.integers(1, 3), min_size=3, max_size=3),
+        st.lists(st.integers(1, 3), min_size=5, max_size=5),
+        st.sampled_from(["ij,jk->ik", "bij,bjk->bik", "...ij,...jk->...ik", "ij,ij->", "i,j,ij->"]),
+        st.booleans(),
+    )
+    def test_refuses_exactly_what_torch_einsum_refuses(self, left, right, equation, same_dtype):
+        # Property: on random sizes (1 broadcasts), hops.einsum raises a typed error where
+        # torch.einsum fails and gives torch.einsum's value where it does not. Mixed dtypes are
+        # always refused (torch.einsum promotes them only when a product degenerates to mul).
+        lhs = equation.split("->")[0].split(",")
+        sizes = iter(left + right)
+        operands = []
+        for k, subscripts in enumerate(lhs):
+            rank = len(subscripts.replace("...", "")) + (1 if "..." in subscripts else 0)
+            dtype = torch.float32 if same_dtype or k == 0 else torch.float64
+            operands.append(torch.randn([next(sizes) for _ in range(rank)], dtype=dtype))
+        if not same_dtype:
+            with self.assertRaisesRegex(TypeError, r"operand 1 is torch.float64 but operand 0 is torch.float32"):
+                hops.einsum(equation, *operands)
+            return
+        # opt_einsum (where installed) refuses some broadcasts torch.einsum itself computes.
+        with torch.backends.opt_einsum.flags(enabled=False):
+            try:
+                expected = torch.einsum(equation, *operands)
+            except RuntimeError:
+                with self.assertRaises((ValueError, TypeError)):
+                    hops.einsum(equation, *operands)
+            else:
+                self.assertEqual(hops.einsum(equation, *operands), expected)
 
     def test_bad_linear_arguments_are_refused(self):
         x, w = torch.randn(2, 4), torch.randn(5, 4)

@@ -198,3 +198,32 @@ def test_a_body_writing_into_its_input_is_refused_under_inference_mode():
 
     with torch.inference_mode(), pytest.raises(ValueError, match="writes into"):
         hops.scan(step, torch.zeros(3), torch.ones(4, 3))
+
+
+# --------------------------------------------------------------------------- the package's HOPs
+
+
+def package_hops() -> dict[str, object]:
+    """Every HOP object a module of the ``hops`` package defines, by its registered name."""
+    import importlib
+    import pkgutil
+
+    from torch._ops import HigherOrderOperator
+
+    found = {}
+    for module_info in pkgutil.iter_modules(hops.__path__):
+        module = importlib.import_module(f"hops.{module_info.name}")
+        for value in vars(module).values():
+            if isinstance(value, HigherOrderOperator):
+                found[value.__name__] = value
+    return found
+
+
+def test_every_hop_of_the_package_is_public_and_has_a_sample():
+    found = package_hops()
+    assert "hops_scan" in found and "hops_kernel_einsum_linear" in found  # the walk sees the modules
+    public = {id(getattr(hops, name)) for name in hops.__all__}
+    assert sorted(name for name, hop in found.items() if id(hop) not in public) == []
+    sampled = {id(sample.hop) for sample in SAMPLES}
+    # Kernels of user code (the sample's scaled_cube) are not the package's.
+    assert sorted(name for name, hop in found.items() if id(hop) not in sampled) == []

@@ -1,0 +1,149 @@
+"""Under torch.compile this package's typed errors are raised as themselves: the same class
+and message as in eager, with ``fullgraph=True`` and without, whichever path brought them
+into Dynamo (a HOP's checks run by its variable, its fake rule run on the node, the body
+raising while Dynamo traces it, this package's Python raising while Dynamo traces it)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import hops
+from hops import Mesh, Replicate, Shard, ShardingSpec
+from hops._body import BodyMutationError
+from hops.local_map import LocalMapArgumentError
+
+MESH = Mesh((2, 2), ("data", "model"))
+ROWS = ((Shard(0), Replicate()),)
+
+
+@hops.kernel(abstract=lambda x, *, sizes: torch.empty_like(x))
+def resized(x, *, sizes):
+    return x.clone()
+
+
+def writes_its_input(a):
+    a.add_(1)
+    return a * 2
+
+
+def inner_none(a):
+    return None
+
+
+# (name, bad program of x: float32[8, 4], expected class, message regex)
+BAD_PROGRAMS = [
+    (
+        "annotation spec given as a string",
+        lambda x: hops.annotate_sharding(x, "S(0)R"),
+        TypeError,
+        r"annotate_sharding\(spec=...\) must be a hops.ShardingSpec, got str 'S\(0\)R'",
+    ),
+    (
+        "Shard dim out of range",
+        lambda x: hops.annotate_sharding(x, ShardingSpec(MESH, (Shard(5), Replicate()))),
+        ValueError,
+        r"placement hops.Shard\(5\) on mesh axis 'data' shards dim 5, but the tensor has rank 2",
+    ),
+    (
+        "uneven local_map shard",
+        lambda x: hops.local_map(lambda a: a + 1, mesh=MESH, in_placements=ROWS, out_placements=ROWS)(x[:7]),
+        ValueError,
+        r"^local_map lambda: input 0: dim 0 has size 7, which does not split evenly over mesh axes \['data'\]",
+    ),
+    (
+        "local_map body returning more outputs than out_placements",
+        lambda x: hops.local_map(lambda a: (a + 1, a + 2), mesh=MESH, in_placements=ROWS, out_placements=ROWS)(x),
+        LocalMapArgumentError,
+        r"which does not match out_placements: 1 placements for 2 outputs",
+    ),
+    (
+        "local_map body writing into its input",
+        lambda x: hops.local_map(writes_its_input, mesh=MESH, in_placements=ROWS, out_placements=ROWS)(x),
+        BodyMutationError,
+        r"^local_map\(writes_its_input\): the body writes into its input leaf 0 in place",
+    ),
+    (
+        "scan carry changing shape",
+        lambda x: hops.scan(lambda c, xi: (torch.cat([c, xi]), xi), x[0], x),
+        TypeError,
+        r"^scan lambda: carry leaf 0 changes from \(4,\) torch.float32 to \(8,\) torch.float32 in one step",
+    ),
+    (
+        "kernel param given as a list",
+        lambda x: resized(x, sizes=[1, 2]),
+        TypeError,
+        r"^kernel resized: param sizes is a list \(\[1, 2\]\), which is not hashable; pass a tuple",
+    ),
+    (
+        "einsum operand of the wrong rank",
+        lambda x: hops.einsum("ij,jk->ik", x, x[0]),
+        ValueError,
+        r"^hops.einsum\('ij,jk->ik'\) operand 1 has rank 1, but its subscripts 'jk' name 2 dims",
+    ),
+    (
+        "einsum contracted sizes that differ",
+        lambda x: hops.einsum("ij,jk->ik", x, x),
+        ValueError,
+        r"subscript 'j' has size 4 in operand 0 but 8 in operand 1",
+    ),
+    (
+        "named_scope body returning None",
+        lambda x: hops.named_scope("block")(inner_none)(x),
+        TypeError,
+        r"^hops.named_scope\('block'\): inner_none returned NoneType, expected a Tensor",
+    ),
+    (
+        "a typed error inside a scan inside a named scope",
+        lambda x: hops.named_scope("outer")(lambda a: hops.scan(lambda c, xi: (torch.cat([c, xi]), xi), a[0], a)[0])(x),
+        TypeError,
+        r"^scan lambda: carry leaf 0 changes from \(4,\) torch.float32 to \(8,\)",
+    ),
+]
+
+RUNS = {
+    "eager": lambda program: program,
+    "fullgraph": lambda program: torch.compile(program, backend="eager", fullgraph=True),
+    "graph_breaks": lambda program: torch.compile(program, backend="eager"),
+}
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+@pytest.mark.parametrize("name, program, expected, message", BAD_PROGRAMS, ids=[case[0] for case in BAD_PROGRAMS])
+def test_a_typed_error_is_raised_as_in_eager(name, program, expected, message, run):
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as compiled:
+        RUNS[run](program)(torch.randn(8, 4))
+    with pytest.raises(Exception) as eager:
+        program(torch.randn(8, 4))
+    assert type(eager.value) is expected
+    assert type(compiled.value) is type(eager.value), f"{name}: {type(compiled.value).__name__}: {compiled.value}"
+    assert str(compiled.value) == str(eager.value)
+    assert re.search(message, str(eager.value)), str(eager.value)
+
+
+def test_traced_code_catching_the_typed_error_compiles_without_fullgraph():
+    # Without fullgraph the typed error is a graph break: the call runs eagerly, where the
+    # caller's except clause catches it, as in eager.
+    def program(x):
+        try:
+            return hops.annotate_sharding(x, ShardingSpec(MESH, (Shard(5), Replicate())))
+        except ValueError:
+            return x * 3
+
+    torch._dynamo.reset()
+    x = torch.randn(8, 4)
+    torch.testing.assert_close(torch.compile(program, backend="eager")(x), x * 3)
+
+
+def test_the_users_own_exception_keeps_dynamos_report():
+    # Only this package's errors are raised as themselves: an exception the user's own
+    # code raises under fullgraph keeps Dynamo's behaviour.
+    def program(x):
+        raise KeyError("the user's own")
+
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(program, backend="eager", fullgraph=True)(torch.randn(2))
