@@ -11,7 +11,9 @@ alpha-beta model: a collective over an axis of ``n`` devices costs the axis's
 - ``Partial -> Shard`` (reduce-scatter), ``Shard(i) -> Shard(j)`` (all-to-all): ``(n - 1) / n * local_bytes``;
 - ``Replicate -> Shard`` / ``Replicate -> Partial``: local, a copy of the result at ``memory_bandwidth``.
 
-Axes that shrink the local tensor are redistributed first. Presets hold public peak numbers
+The axes change in the order DTensor plans (``redistribution_steps``): from the last axis to the
+first, then what is left from the first to the last; a shard nested in another axis's shard of
+the same dim is gathered before it (one more collective on meshes of 2 or more axes). Presets hold public peak numbers
 of common devices; every field can be overridden (``CostModel.preset("h100", link_bandwidth=(50e9, 450e9))``).
 """
 
@@ -26,7 +28,7 @@ import torch
 
 from hops.specs import Mesh, Partial, Replicate, Shard
 
-__all__ = ["CostModel", "PRESETS"]
+__all__ = ["CostModel", "PRESETS", "redistribution_steps"]
 
 
 def _per_axis(value: float | Sequence[float], mesh: Mesh, name: str) -> tuple[float, ...]:
@@ -107,10 +109,7 @@ class CostModel:
         latency = _per_axis(self.link_latency, mesh, "link_latency")
         current = list(source)
         total = 0.0
-        for axis in sorted(range(mesh.ndim), key=lambda a: (_growth(source[a], target[a]), a)):
-            before, after = current[axis], target[axis]
-            if before == after:
-                continue
+        for axis, before, after in redistribution_steps(source, target):
             n = mesh.shape[axis]
             local = _local_bytes(shape, itemsize, current, mesh)
             sent = _bytes_sent(before, after, n, local)
@@ -124,15 +123,34 @@ class CostModel:
         return total
 
 
-def _growth(before: Any, after: Any) -> int:
-    """Order of redistribution: shrinking steps (0), size-preserving (1), growing (2)."""
-    if before == after:
-        return 1
-    if isinstance(after, Shard) and not isinstance(before, Shard):
-        return 0
-    if isinstance(after, Shard):
-        return 1
-    return 2
+def redistribution_steps(source: Sequence[Any], target: Sequence[Any]) -> list[tuple[int, Any, Any]]:
+    """The per-axis changes ``(axis, before, after)`` that turn ``source`` into ``target``, in
+    order, as DTensor plans them on a mesh of any rank (its default, left-to-right shard order):
+
+    1. axes from the last to the first: each goes to its target, except that an axis whose target
+       is ``Shard(d)`` while the axes before it shard dim ``d`` differently than in the target is
+       first made ``Replicate`` (its shard is nested in another: ``(S(1), S(0), S(1))`` to
+       ``(R, S(0), S(1))`` gathers the last axis and the first, then slices the last again);
+    2. axes from the first to the last: what still differs goes to its target.
+    """
+    current, target = list(source), list(target)
+    steps = []
+    if any(isinstance(p, Shard) for p in current):
+        for axis in reversed(range(len(current))):
+            goal = target[axis]
+            if isinstance(goal, Shard):
+                before = [i for i in range(axis) if current[i] == goal]
+                after = [i for i in range(axis) if target[i] == goal]
+                if before != after:
+                    goal = Replicate()
+            if current[axis] != goal:
+                steps.append((axis, current[axis], goal))
+                current[axis] = goal
+    for axis, goal in enumerate(target):
+        if current[axis] != goal:
+            steps.append((axis, current[axis], goal))
+            current[axis] = goal
+    return steps
 
 
 def _local_bytes(shape: Sequence[int], itemsize: int, placements: Sequence[Any], mesh: Mesh) -> float:
