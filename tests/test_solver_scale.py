@@ -191,3 +191,59 @@ def test_the_example_offers_the_region_one_layout_per_axis_of_the_heads_size():
     assert auto_shard.parse_mesh("2x2", "batch,model") == Mesh((2, 2), ("batch", "model"))
     with pytest.raises(ValueError, match="--mesh must be sizes joined by 'x'"):
         auto_shard.parse_mesh("2by2")
+
+
+# --------------------------------------------------------------------------- redistributions
+
+
+@pytest.fixture(scope="module")
+def device_meshes():
+    """DeviceMeshes of 8 ranks shaped (8,), (2, 4) and (2, 2, 2) on a fake process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialized in the test process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        meshes = [Mesh((8,), ("a",)), Mesh((2, 4), ("a", "b")), CUBE]
+        yield {mesh: mesh.to_device_mesh() for mesh in meshes}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_redistribution_steps_are_the_ones_dtensor_plans(device_meshes):
+    """On meshes of rank 1 to 3, for any two layouts of a rank-3 tensor, the steps the cost model
+    prices and the collectives it predicts are DTensor's own plan, step for step."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    from passes.solver import _dtensor
+    from passes.solver.collectives import redistribution_collectives
+    from passes.solver.cost import redistribution_steps
+
+    source_options = [Replicate(), Shard(0), Shard(1), Shard(2), Partial()]
+    target_options = [Replicate(), Shard(0), Shard(1), Shard(2)]
+    shape = (8, 8, 8)
+    meta = _dtensor.tensor_meta(shape, torch.float32)
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.sampled_from(sorted(device_meshes, key=lambda m: m.ndim)), st.data())
+    def check(mesh, data):
+        source = tuple(data.draw(st.sampled_from(source_options)) for _ in mesh.shape)
+        target = tuple(data.draw(st.sampled_from(target_options)) for _ in mesh.shape)
+        device_mesh = device_meshes[mesh]
+        infos = _gen_transform_infos(
+            DTensorSpec(device_mesh, _dtensor.to_dtensor(source), tensor_meta=meta),
+            DTensorSpec(device_mesh, _dtensor.to_dtensor(target), tensor_meta=meta),
+        )
+        planned = [
+            (info.mesh_dim, *(_dtensor.from_dtensor((p,), len(shape))[0] for p in info.src_dst_placements))
+            for info in infos
+        ]
+        assert redistribution_steps(source, target) == planned, (mesh, source, target)
+        communicating = [(a, b) for _, a, b in planned if not isinstance(a, Replicate)]
+        assert len(redistribution_collectives(source, target, mesh)) == len(communicating)
+
+    check()

@@ -20,6 +20,7 @@ of common devices; every field can be overridden (``CostModel.preset("h100", lin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import string
 from typing import Any, Sequence
@@ -68,6 +69,10 @@ class CostModel:
                 raise ValueError(f"CostModel({field}=...) must be a number >= 0 or a tuple of them, got {value!r}")
             if field == "link_bandwidth" and any(v == 0 for v in values):
                 raise ValueError(f"CostModel(link_bandwidth=...) must be positive, got {value!r}")
+        for field in ("link_bandwidth", "link_latency"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)):
+                object.__setattr__(self, field, tuple(value))  # hashable: costs are cached per model
         if not isinstance(self.optimizer_state_bytes, (int, float)) or self.optimizer_state_bytes < 0:
             raise ValueError(f"CostModel(optimizer_state_bytes=...) must be >= 0, got {self.optimizer_state_bytes!r}")
 
@@ -103,24 +108,47 @@ class CostModel:
         self, shape: Sequence[int], itemsize: int, source: Sequence[Any] | None, target: Sequence[Any] | None, mesh: Mesh
     ) -> float:
         """Time to turn a tensor laid out as ``source`` into ``target``."""
-        if source is None or target is None or tuple(source) == tuple(target):
+        if source is None or target is None:
             return 0.0
-        bandwidth = _per_axis(self.link_bandwidth, mesh, "link_bandwidth")
-        latency = _per_axis(self.link_latency, mesh, "link_latency")
-        current = list(source)
+        source, target = tuple(source), tuple(target)
+        if source == target:
+            return 0.0
+        bandwidth, latency = _links(self, mesh)
+        # Bytes per device as the steps go: the whole value over the ways its dims are split.
+        local = math.prod(shape) * itemsize / _ways(source, mesh.shape)
         total = 0.0
-        for axis, before, after in redistribution_steps(source, target):
+        for axis, before, after, ratio in _steps(source, target, mesh.shape):
             n = mesh.shape[axis]
-            local = _local_bytes(shape, itemsize, current, mesh)
             sent = _bytes_sent(before, after, n, local)
-            current[axis] = after
+            local *= ratio
             if sent is None:
                 # Local: copy out this device's slice (R -> S) or zero a copy (R -> P).
                 if n > 1:
-                    total += _local_bytes(shape, itemsize, current, mesh) / self.memory_bandwidth
+                    total += local / self.memory_bandwidth
                 continue
             total += latency[axis] + sent / bandwidth[axis]
         return total
+
+
+@functools.lru_cache(maxsize=None)
+def _links(model: CostModel, mesh: Mesh) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    return _per_axis(model.link_bandwidth, mesh, "link_bandwidth"), _per_axis(model.link_latency, mesh, "link_latency")
+
+
+def _ways(placements: Sequence[Any], sizes: Sequence[int]) -> int:
+    return math.prod(n for n, p in zip(sizes, placements) if isinstance(p, Shard))
+
+
+@functools.lru_cache(maxsize=None)
+def _steps(source: tuple, target: tuple, sizes: tuple[int, ...]) -> tuple[tuple[int, Any, Any, float], ...]:
+    """``redistribution_steps``, each with the factor by which it changes the local bytes
+    (shape-independent, so shared by every value laid out alike)."""
+    out, current = [], list(source)
+    for axis, before, after in redistribution_steps(source, target):
+        old = _ways(current, sizes)
+        current[axis] = after
+        out.append((axis, before, after, old / _ways(current, sizes)))
+    return tuple(out)
 
 
 def redistribution_steps(source: Sequence[Any], target: Sequence[Any]) -> list[tuple[int, Any, Any]]:
@@ -151,14 +179,6 @@ def redistribution_steps(source: Sequence[Any], target: Sequence[Any]) -> list[t
             steps.append((axis, current[axis], goal))
             current[axis] = goal
     return steps
-
-
-def _local_bytes(shape: Sequence[int], itemsize: int, placements: Sequence[Any], mesh: Mesh) -> float:
-    ways = 1
-    for size, p in zip(mesh.shape, placements):
-        if isinstance(p, Shard):
-            ways *= size
-    return math.prod(shape) * itemsize / ways
 
 
 def _bytes_sent(before: Any, after: Any, n: int, local: float) -> float | None:
