@@ -41,6 +41,11 @@ layer. Printed: variables, trace / graph / build / solve / apply seconds, end to
 (``ru_maxrss``), next to autoparallel's published figures where there are some. Bars: end to
 end <= 10 s, peak RSS < 2 GB, variables at one layer == at full depth.
 
+Known (measured while writing this): on 3-D meshes a rank-4 activation has up to 7^3 layouts,
+and the pairwise tables between such values make the exact integer program ~1.75M variables
+for LLaMA-3 8B on 4x4x4 (graph 3 s, build 7 s, reductions 3 s of CPU); HiGHS finds no plan
+within ``SOLVE_LIMIT`` and the shape is reported without one. 8B on 8x8: 77k variables.
+
 Usage: python benchmarks/solver_scaling.py [--layers 1,2,4,8,16,32] [--unrolled-up-to 32]
        python benchmarks/solver_scaling.py --production-only
 """

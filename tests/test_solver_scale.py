@@ -242,6 +242,8 @@ def test_redistribution_steps_are_the_ones_dtensor_plans(device_meshes):
             (info.mesh_dim, *(_dtensor.from_dtensor((p,), len(shape))[0] for p in info.src_dst_placements))
             for info in infos
         ]
+        # torch 2.9 lists the one axis of a 1-D mesh even when it does not change.
+        planned = [step for step in planned if step[1] != step[2]]
         assert redistribution_steps(source, target) == planned, (mesh, source, target)
         communicating = [(a, b) for _, a, b in planned if not isinstance(a, Replicate)]
         assert len(redistribution_collectives(source, target, mesh)) == len(communicating)
