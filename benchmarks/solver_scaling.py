@@ -45,7 +45,8 @@ Known (measured while writing this, on a shared 2-core machine): 8B on 8x8 is 77
 6.3 s of CPU end to end, 0.65 GB peak RSS, the same at 1 and 32 layers. On 3-D meshes a rank-4
 activation has up to 7^3 layouts, and the pairwise tables between such values make the exact
 integer program 1.75M variables for 8B on 4x4x4: HiGHS stops at ``SOLVE_LIMIT`` with a plan
-that is not proven optimal (status printed), 67 s of CPU, 4.3 GB peak RSS. Those bars fail.
+that is not proven optimal (status printed), 67 s of CPU, 4.3 GB peak RSS; 70B on 8x8x8 alike
+(1.74M variables, 72 s of CPU, 4.6 GB). Those bars fail.
 
 Usage: python benchmarks/solver_scaling.py [--layers 1,2,4,8,16,32] [--unrolled-up-to 32]
        python benchmarks/solver_scaling.py --production-only
