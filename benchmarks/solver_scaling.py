@@ -28,7 +28,28 @@ The anchor (autoparallel, its own ILP over the unrolled joint graph with PuLP/CB
 same model and mesh, measured on this machine kind and quoted in the issue): 320k variables /
 64 s at 1 layer; with repeated-layer clustering 573k variables / 308 s at 32 layers.
 
+Then production shapes, each solved in a fresh process (its peak host memory is its own), the
+model built on the meta device (``with torch.device("meta")``: no parameter is ever
+materialized) and the plan applied to the program:
+
+  llama3-8b  @ 8x8    ("data", "model")            dim 4096, 32 layers, FFN 14336
+  llama3-8b  @ 4x4x4  ("data", "fsdp", "tensor")
+  llama3-70b @ 8x8x8  ("data", "fsdp", "tensor")   dim 8192, 80 layers, FFN 28672
+
+(32 / 64 heads, 8 kv heads, vocab 128256, batch 64, seq 2048), each at full depth and at one
+layer. Printed: variables, trace / graph / build / solve / apply seconds, end to end, peak RSS
+(``ru_maxrss``), next to autoparallel's published figures where there are some. Bars: end to
+end <= 10 s, peak RSS < 2 GB, variables at one layer == at full depth.
+
+Known (measured while writing this, on a shared 2-core machine): 8B on 8x8 is 77k variables,
+6.3 s of CPU end to end, 0.65 GB peak RSS, the same at 1 and 32 layers. On 3-D meshes a rank-4
+activation has up to 7^3 layouts, and the pairwise tables between such values make the exact
+integer program 1.75M variables for 8B on 4x4x4: HiGHS stops at ``SOLVE_LIMIT`` with a plan
+that is not proven optimal (status printed), 67 s of CPU, 4.3 GB peak RSS; 70B on 8x8x8 alike
+(1.74M variables, 72 s of CPU, 4.6 GB). Those bars fail.
+
 Usage: python benchmarks/solver_scaling.py [--layers 1,2,4,8,16,32] [--unrolled-up-to 32]
+       python benchmarks/solver_scaling.py --production-only
 """
 
 from __future__ import annotations
@@ -36,8 +57,12 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import json
+import math
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -75,23 +100,12 @@ def make_losses(cfg):
     return example.make_loss(cfg, MESH), example.make_loss(cfg, MESH, unrolled=True)
 
 
-def trace(loss, cfg, inputs):
-    """AOTAutograd forward and backward graphs of one training step, traced on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    tokens, targets, params, consts = inputs
-    with FakeTensorMode() as mode:
-        fake = lambda t: mode.from_tensor(t)  # noqa: E731
-        return example.trace_training_step(
-            loss, fake(tokens), fake(targets), {k: fake(v) for k, v in params.items()}, {k: fake(v) for k, v in consts.items()}
-        )
-
-
 def end_to_end(loss, cfg, **solve_options):
-    inputs = example.example_inputs(cfg)  # the program's inputs exist before any solving
+    with torch.device("meta"):
+        inputs = example.example_inputs(cfg)  # shapes only: the program's inputs are never made
     gc.collect()
     start = time.perf_counter()
-    graphs = trace(loss, cfg, inputs)
+    graphs = example.trace_training_step(loss, *inputs)
     traced = time.perf_counter()
     graph = passes.placement_graph(graphs, MESH)
     placed = time.perf_counter()
@@ -107,6 +121,114 @@ def end_to_end(loss, cfg, **solve_options):
         variables=solution.stats["variables"],
         nodes=graph.number_of_nodes(),
     )
+
+
+# --------------------------------------------------------------------------- production shapes
+
+LLAMA3_8B = dict(dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, batch=64, seq=2048)
+LLAMA3_70B = dict(LLAMA3_8B, dim=8192, layers=80, heads=64, ffn=28672)
+PRODUCTION = {
+    "llama3-8b@8x8": (LLAMA3_8B, ((8, 8), ("data", "model"))),
+    "llama3-8b@4x4x4": (LLAMA3_8B, ((4, 4, 4), ("data", "fsdp", "tensor"))),
+    "llama3-70b@8x8x8": (LLAMA3_70B, ((8, 8, 8), ("data", "fsdp", "tensor"))),
+}
+# autoparallel on LLaMA-3 8B, 32 layers, 64 GPUs, 2-D mesh, repeated-layer clustering:
+# 3.67M decision variables (meta-pytorch/autoparallel#357), ILP build 15.1 s + solve 36.5 s
+# (#438); search total 46.8 s at 2.76 GiB RSS (#521). Nothing published for the others.
+AUTOPARALLEL = {
+    "llama3-8b@8x8": "3.67M variables, build 15.1 s + solve 36.5 s (#357, #438); 46.8 s, 2.76 GiB RSS (#521)",
+}
+
+
+SOLVE_LIMIT = 60.0  # seconds the MILP solver gets per production shape (beyond it: reported as no plan)
+
+
+def run_production(name: str, layers: int | None = None) -> dict:
+    """Trace, graph, build, solve and apply one production shape in this process."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    shape, (mesh_shape, axis_names) = PRODUCTION[name]
+    cfg = example.Config(**dict(shape, **({"layers": layers} if layers else {})))
+    mesh = hops.Mesh(mesh_shape, axis_names)
+    loss = example.make_loss(cfg, mesh)
+    with torch.device("meta"):
+        inputs = example.example_inputs(cfg)
+    start, cpu = time.perf_counter(), time.process_time()
+    graphs = example.trace_training_step(loss, *inputs)
+    traced = time.perf_counter()
+    graph = passes.placement_graph(graphs, mesh)
+    placed = time.perf_counter()
+    try:
+        solution = solve_graph(graph, cost_model=COST_MODEL, graph_seconds=placed - traced, time_limit=SOLVE_LIMIT)
+    except RuntimeError as error:  # no plan within the time limit: say so, with how far it got
+        return dict(
+            name=name, layers=cfg.layers, error=str(error)[:200], trace=traced - start, graph=placed - traced,
+            total=time.perf_counter() - start, cpu=time.process_time() - cpu,
+            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        )
+    solved = time.perf_counter()
+    passes.apply_placements(graphs, solution)
+    applied = time.perf_counter()
+    materialized = [
+        node.name for gm in graphs for node in gm.graph.find_nodes(op="placeholder")
+        if "val" in node.meta and not isinstance(node.meta["val"], FakeTensor)
+    ]
+    return dict(
+        name=name, layers=cfg.layers, variables=solution.stats["variables"], status=solution.stats["status"],
+        trace=traced - start, graph=placed - traced, build=solution.stats["build_seconds"],
+        solve=solution.stats["solve_seconds"], apply=applied - solved, total=applied - start,
+        cpu=time.process_time() - cpu,
+        peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, materialized=materialized,
+        parameters=sum(math.prod(v.shape) for v in inputs[2].values()),
+    )
+
+
+def production_in_subprocess(name: str, layers: int | None = None) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--one", name] + (["--one-layers", str(layers)] if layers else [])
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def production() -> list[tuple[str, bool, str]]:
+    print("\n# production shapes, each in a fresh process, the model on the meta device (h100 cost model)")
+    print(
+        "(seconds are wall time; 'cpu': this process's CPU seconds over the same span, which a shared machine's "
+        "load does not inflate)"
+    )
+    print("shape              layers  params variables   trace   graph   build   solve   apply   total     cpu  peak RSS")
+    bars = []
+    for name in PRODUCTION:
+        full = production_in_subprocess(name)
+        one = production_in_subprocess(name, 1)
+        for r in (full, one):
+            if "error" in r:
+                print(
+                    f"{r['name']:18s} {r['layers']:6d} trace {r['trace']:.2f} s, graph {r['graph']:.2f} s, then no plan: "
+                    f"{r['error']} ({r['total']:.2f} s, {r['cpu']:.2f} s CPU, peak RSS {r['peak_rss'] / 2**30:.2f} GiB)",
+                    flush=True,
+                )
+                continue
+            print(
+                f"{r['name']:18s} {r['layers']:6d} {r['parameters'] / 1e9:6.1f}B {r['variables']:9d} {r['trace']:7.2f} "
+                f"{r['graph']:7.2f} {r['build']:7.2f} {r['solve']:7.2f} {r['apply']:7.2f} {r['total']:7.2f} {r['cpu']:7.2f} "
+                f"{r['peak_rss'] / 2**30:6.2f} GiB  {r['status'][:40]}",
+                flush=True,
+            )
+        print(f"{'':18s} autoparallel: {AUTOPARALLEL.get(name, 'no published figure')}")
+        if "error" in full or "error" in one:
+            bars.append((f"{name} solved", False, (full.get("error") or one.get("error"))[:120]))
+            continue
+        bars += [
+            (f"{name} solved to optimality", full["status"] == "optimal", full["status"][:60]),
+            (f"{name} end to end <= 10 s", full["total"] <= 10.0, f"{full['total']:.2f} s ({full['cpu']:.2f} s CPU)"),
+            (f"{name} peak RSS < 2 GB", full["peak_rss"] < 2e9 and not full["materialized"],
+             f"{full['peak_rss'] / 1e9:.2f} GB, materialized inputs: {full['materialized'] or 'none'}"),
+            (f"{name} variables at 1 layer == at {full['layers']}", one["variables"] == full["variables"],
+             f"{one['variables']} vs {full['variables']}"),
+        ]
+    return bars
 
 
 def row(kind, layers, r):
@@ -132,9 +254,26 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", default="1,2,4,8,16,32")
     parser.add_argument("--unrolled-up-to", type=int, default=32)
+    parser.add_argument("--production-only", action="store_true", help="only the production shapes")
+    parser.add_argument("--one", choices=sorted(PRODUCTION), help=argparse.SUPPRESS)  # one shape, as JSON
+    parser.add_argument("--one-layers", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     layer_counts = [int(n) for n in args.layers.split(",")]
     torch.set_num_threads(1)
+    if args.one:
+        # Untimed first: imports and DTensor's rule tables, on a one-layer toy of the same mesh.
+        shape, (mesh_shape, axis_names) = PRODUCTION[args.one]
+        toy = example.Config(layers=1, batch=math.prod(mesh_shape), heads=max(mesh_shape), kv_heads=1, dim=8 * max(mesh_shape))
+        toy_mesh = hops.Mesh(mesh_shape, axis_names)
+        with torch.device("meta"):
+            toy_inputs = example.example_inputs(toy)
+        passes.placement_graph(example.trace_training_step(example.make_loss(toy, toy_mesh), *toy_inputs), toy_mesh)
+        print(json.dumps(run_production(args.one, args.one_layers)))
+        return
+    if args.production_only:
+        for name, ok, detail in production():
+            print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
+        return
     print(f"torch {torch.__version__}, mesh {dict(zip(MESH.axis_names, MESH.shape))}, cost model {COST_MODEL.name}")
     # One untimed run first: imports, DTensor's rule tables and the fake process group are
     # made once per process, and would otherwise count against whichever N runs first.
@@ -222,7 +361,6 @@ def main() -> None:
         except ImportError as error:
             print(f"{backend:8s} not installed ({error})")
 
-    print("\n# bars")
     scan_first, scan_last = results["scan", first], results["scan", last]
     ratio = medians[last] / medians[first]
     bars = [
@@ -238,6 +376,8 @@ def main() -> None:
         ("memory budget binds, holds, and an infeasible one is refused", budget_ok,
          f"{bound.memory / 2**20:.1f} <= {budget / 2**20:.1f} < {free.memory / 2**20:.1f} MiB unconstrained"),
     ]
+    bars += production()
+    print("\n# bars")
     for name, ok, detail in bars:
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
     print(

@@ -1,27 +1,33 @@
 """Let the solver shard a LLaMA-style decoder, then run its plan on 4 XLA CPU devices.
 
-    python examples/auto_shard.py [picture.png|picture.svg]
+    python examples/auto_shard.py [picture.png|picture.svg] [--mesh 2x2] [--axes data,model]
 
 1. The model: token embedding, then layers of RMSNorm, attention (rotary embeddings, grouped
    query heads; the attention itself a ``hops.local_map`` region on each device's batch and
-   heads, with two placement options the solver chooses from), RMSNorm and a SwiGLU MLP, run by ``hops.scan`` over weights stacked along dim 0; a
-   final norm, the output projection and cross-entropy.
-2. AOTAutograd traces the training step into forward and backward graphs: one scan each, the
-   region inside.
-3. ``passes.solve_placements`` places every value on a 2x2 mesh ("data", "model") for a TPU
-   v5e-like cost model; the scan body is solved once, for every layer.
+   heads, with one placement option per mesh axis the solver chooses from: the heads split
+   over that axis, the batch over the others), RMSNorm and a SwiGLU MLP, run by ``hops.scan``
+   over weights stacked along dim 0; a final norm, the output projection and cross-entropy.
+2. The plan is made without the model's numbers, as for a model too big for one host: the
+   parameters are built on the meta device (``with torch.device("meta")``), and AOTAutograd
+   traces the training step on fake tensors into forward and backward graphs (one scan each,
+   the region inside).
+3. ``passes.solve_placements`` places every value on the mesh (``--mesh``: any rank, e.g.
+   ``2x2`` ("data", "model"), ``2x2x1`` ("data", "fsdp", "tensor"); its devices must number 4
+   here to run) for a TPU v5e-like cost model; the scan body is solved once, for every layer.
 4. ``passes.format_placements`` prints the annotated program, ``passes.draw_placements``
    draws it.
 5. ``passes.apply_placements`` states the plan as sharding annotations (checked by
-   ``passes.check_placements``), ``passes.lower_to_xla`` lowers both graphs, and the step runs
-   on 4 XLA CPU devices under SPMD; loss and every gradient are checked against eager PyTorch.
+   ``passes.check_placements``), ``passes.lower_to_xla`` lowers both graphs; only then are real
+   parameters made, and the step runs on 4 XLA CPU devices under SPMD; loss and every gradient
+   are checked against eager PyTorch.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import math
 import os
-import sys
 import tempfile
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -55,7 +61,8 @@ LAYER_WEIGHTS = ("attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w3
 
 
 def init_params(config: Config, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Embedding, per-layer weights stacked along dim 0, final norm and output projection."""
+    """Embedding, per-layer weights stacked along dim 0, final norm and output projection.
+    Under ``with torch.device("meta")`` they are meta tensors: shapes only, no memory."""
     generator = torch.Generator().manual_seed(seed)
     L, D, F_, V = config.layers, config.dim, config.ffn, config.vocab
     q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
@@ -104,9 +111,9 @@ def make_loss(config: Config, mesh: Mesh, *, unrolled: bool = False):
     (``unrolled``: the layers as a Python loop instead of a scan, for comparisons)."""
     H, KV, HD = config.heads, config.kv_heads, config.head_dim
     # The attention region: each device computes the heads it holds of the batch rows it holds.
-    # Two options for the solver: batch over "data" and heads over "model", or the other way.
-    heads = (Shard(0), Shard(2))  # [batch, seq, heads, head_dim]: batch over "data", heads over "model"
-    swapped = (Shard(2), Shard(0))  # heads over "data", batch over "model"
+    # One option per mesh axis for the solver: the heads split over that axis, the batch over
+    # the others (on a 2x2 mesh: heads over "model" and batch over "data", or the other way).
+    options = attention_placements(config, mesh)
     whole = tuple(Replicate() for _ in mesh.shape)
 
     def attention(q, k, v, future):
@@ -115,12 +122,13 @@ def make_loss(config: Config, mesh: Mesh, *, unrolled: bool = False):
         scores = scores.masked_fill(future, float("-inf"))
         return (scores.softmax(-1) @ v).transpose(1, 2).contiguous()
 
+    first, *others = options
     local_attention = hops.local_map(
         attention,
         mesh=mesh,
-        in_placements=(heads, heads, heads, whole),
-        out_placements=heads,
-        alternatives=[dict(in_placements=(swapped, swapped, swapped, whole), out_placements=swapped)],
+        in_placements=(first, first, first, whole),
+        out_placements=first,
+        alternatives=[dict(in_placements=(o, o, o, whole), out_placements=o) for o in others],
     )
 
     def layer(h, weights, consts):
@@ -150,18 +158,69 @@ def make_loss(config: Config, mesh: Mesh, *, unrolled: bool = False):
     return loss
 
 
+def attention_placements(config: Config, mesh: Mesh) -> list[tuple]:
+    """The attention region's layouts of ``[batch, seq, heads, head_dim]``: the heads split over
+    one mesh axis, the batch over every other. The heads' axis is the last one of more than one
+    device or any axis of its size (each alternative gives the body the same local shapes), the
+    last first; layouts that do not split evenly are left out."""
+    sizes = [n for n in mesh.shape if n > 1] or [1]
+    options = []
+    for heads_axis in reversed(range(mesh.ndim)):
+        if mesh.shape[heads_axis] != sizes[-1]:
+            continue
+        batch_ways = math.prod(n for axis, n in enumerate(mesh.shape) if axis != heads_axis)
+        if config.batch % batch_ways or config.heads % mesh.shape[heads_axis]:
+            continue
+        options.append(tuple(Shard(2) if axis == heads_axis else Shard(0) for axis in range(mesh.ndim)))
+    if not options:
+        raise ValueError(
+            f"the decoder's batch {config.batch} and heads {config.heads} split evenly over no layout of mesh "
+            f"{dict(zip(mesh.axis_names, mesh.shape))} (heads over one axis, batch over the others)"
+        )
+    return options
+
+
+DEFAULT_AXIS_NAMES = {1: ("data",), 2: ("data", "model"), 3: ("data", "fsdp", "tensor")}
+
+
+def parse_mesh(shape: str, axes: str | None = None) -> Mesh:
+    """``parse_mesh("4x4x4", "data,fsdp,tensor")``; axis names default to ``DEFAULT_AXIS_NAMES``
+    of the mesh's rank (``axis0, axis1, ...`` beyond)."""
+    try:
+        sizes = tuple(int(n) for n in shape.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--mesh must be sizes joined by 'x' (e.g. 2x2 or 4x4x4), got {shape!r}") from None
+    names = tuple(axes.split(",")) if axes else DEFAULT_AXIS_NAMES.get(len(sizes), tuple(f"axis{i}" for i in range(len(sizes))))
+    return Mesh(sizes, names)
+
+
 def example_inputs(config: Config, seed: int = 0) -> tuple:
+    """``(tokens, targets, params, consts)``; meta tensors under ``with torch.device("meta")``."""
     generator = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, config.vocab, (config.batch, config.seq), generator=generator)
     targets = torch.randint(0, config.vocab, (config.batch, config.seq), generator=generator)
     return tokens, targets, init_params(config, seed), constants(config)
 
 
-def trace_training_step(loss, tokens, targets, params, consts):
+def trace_training_step(loss, tokens, targets, params, consts, *, device: str = "cpu"):
     """AOTAutograd's forward and backward graphs of ``loss``; the inputs are
-    ``(tokens, targets, *params.values(), *consts.values())``, parameters need gradients."""
-    from functorch.compile import aot_function, make_boxed_func
+    ``(tokens, targets, *params.values(), *consts.values())``, parameters need gradients.
 
+    Real, fake or meta tensors: meta tensors are traced as fake tensors on ``device`` (the
+    graphs then read as if traced on it), so a model built on the meta device is never
+    materialized; no input's values are read."""
+    from functorch.compile import aot_function, make_boxed_func
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    inputs = [tokens, targets, *params.values(), *consts.values()]
+    if any(t.device.type == "meta" for t in inputs):
+        with FakeTensorMode():
+            fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in inputs]
+            return _trace(loss, fakes, list(params), list(consts), aot_function, make_boxed_func)
+    return _trace(loss, inputs, list(params), list(consts), aot_function, make_boxed_func)
+
+
+def _trace(loss, inputs, names, const_names, aot_function, make_boxed_func):
     graphs = {}
 
     def keep(name):
@@ -171,35 +230,47 @@ def trace_training_step(loss, tokens, targets, params, consts):
 
         return compile_graph
 
-    names, const_names = list(params), list(consts)
-
     def flat_loss(tokens, targets, *tensors):
         return loss(
             tokens, targets, dict(zip(names, tensors[: len(names)])), dict(zip(const_names, tensors[len(names) :]))
         )
 
-    leaves = [p.detach().requires_grad_() for p in params.values()]
+    tokens, targets, *tensors = inputs
+    leaves = [p.detach().requires_grad_() for p in tensors[: len(names)]]
     aot_function(flat_loss, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(
-        tokens, targets, *leaves, *consts.values()
+        tokens, targets, *leaves, *tensors[len(names) :]
     ).backward()
     return graphs["forward"], graphs["backward"]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("picture", nargs="?", default=os.path.join(tempfile.gettempdir(), "auto_shard.png"))
+    parser.add_argument("--mesh", default="2x2", help="mesh shape, sizes joined by 'x' (4 devices to run here)")
+    parser.add_argument("--axes", default=None, help="axis names joined by ',' (default: data,model / data,fsdp,tensor)")
+    args = parser.parse_args()
+    mesh = parse_mesh(args.mesh, args.axes)
+    devices = int(os.environ["CPU_NUM_DEVICES"])
+    if mesh.size != devices:
+        parser.error(f"--mesh {args.mesh} has {mesh.size} devices; this example runs on {devices} XLA CPU devices")
+
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
     xr.use_spmd()
     device = torch_xla.device()
-    picture = sys.argv[1] if len(sys.argv) > 1 else os.path.join(tempfile.gettempdir(), "auto_shard.png")
+    picture = args.picture
 
-    config, mesh = Config(), Mesh((2, 2), ("data", "model"))
+    config = Config()
     loss = make_loss(config, mesh)
-    tokens, targets, params, consts = example_inputs(config)
-    forward, backward = trace_training_step(loss, tokens, targets, params, consts)
+    # The plan needs the model's shapes only: it is made from a model on the meta device.
+    with torch.device("meta"):
+        meta_inputs = example_inputs(config)
+    forward, backward = trace_training_step(loss, *meta_inputs)
 
     solution = passes.solve_placements((forward, backward), mesh, cost_model=passes.CostModel.preset("tpu-v5e"))
+    print(f"# mesh {dict(zip(mesh.axis_names, mesh.shape))}")
     print(passes.format_placements((forward, backward), solution))
     stats = solution.stats
     print(
@@ -214,6 +285,8 @@ def main() -> None:
     passes.check_placements(backward)
     passes.lower_to_xla(forward)
     passes.lower_to_xla(backward)
+    # Only now the real parameters: the plan runs on them.
+    tokens, targets, params, consts = example_inputs(config)
     inputs = [tokens, targets, *params.values(), *consts.values()]
     step_loss, *saved = forward(*(t.to(device) for t in inputs))
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([step_loss, *saved])
@@ -235,7 +308,7 @@ def main() -> None:
     for name, grad in zip(params, grads[2:]):
         torch.testing.assert_close(grad.cpu(), reference_params[name].grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
     print(
-        f"loss {step_loss.item():.6f} and the gradients of all {len(params)} parameters on 4 XLA devices "
+        f"loss {step_loss.item():.6f} and the gradients of all {len(params)} parameters on {mesh.size} XLA devices "
         "match eager PyTorch"
     )
 

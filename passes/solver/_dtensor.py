@@ -10,6 +10,11 @@ Every torch internal the solver borrows from ``torch.distributed.tensor`` is her
   argument and result types.
 - ``gen_einsum_strategies``: the rule DTensor's matmul ops are built from, applied to an
   einsum kernel's equation.
+- ``torch.distributed.tensor._ops.utils.redistribute_cost``: what every rule prices each of
+  its strategies with against each placement an input may have (``generate_redistribute_costs``).
+  The solver prices redistributions itself and reads only the strategies' placements, so while
+  it enumerates them (``free_redistribute_costs``) the function returns 0: those rows are
+  candidates x strategies per input, most of the work on a 3-D mesh (hundreds of each).
 
 A rule needs a ``DeviceMesh``, which needs a process group: ``fake_device_mesh`` makes a
 fake one (no communication) when none is initialized, and tears it down afterwards.
@@ -54,6 +59,23 @@ def fake_device_mesh(mesh: Mesh) -> Iterator[Any]:
     finally:
         if started:
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def free_redistribute_costs() -> Iterator[None]:
+    """DTensor's rules skip pricing their strategies (see the module docstring) until exit."""
+    from torch.distributed.tensor._ops import utils
+
+    original = utils.redistribute_cost
+    utils.redistribute_cost = _no_cost
+    try:
+        yield
+    finally:
+        utils.redistribute_cost = original
+
+
+def _no_cost(current_spec: Any, target_spec: Any) -> float:
+    return 0.0
 
 
 def to_dtensor(placements: Placements) -> tuple:
@@ -106,6 +128,10 @@ class StrategyRules:
 
     def has_rule(self, op: Any) -> bool:
         return self.rule_of(op) is not None
+
+    def is_single_dim(self, op: Any) -> bool:
+        """Whether ``op``'s rule is written for one mesh axis (expanded over the mesh)."""
+        return self.rule_of(op) in self._single_dim
 
     def _spec(self, meta: Any, placements: Placements) -> Any:
         from torch.distributed.tensor._dtensor_spec import DTensorSpec

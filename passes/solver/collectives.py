@@ -12,6 +12,7 @@ from collections import Counter
 from typing import Any, Sequence
 
 from hops.specs import Mesh, Partial, Replicate, Shard
+from passes.solver.cost import redistribution_steps
 from passes.solver.graph import materialized
 from passes.solver.solve import PlacementSolution, required_placement
 
@@ -23,7 +24,7 @@ COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 def redistribution_collectives(
     source: Sequence[Any], target: Sequence[Any], mesh: Mesh, *, device_type: str | None = None
 ) -> list[str]:
-    """The collectives (one per mesh axis whose placement changes by communication) that turn a
+    """The collectives (one per step of ``redistribution_steps`` that communicates) that turn a
     value laid out as ``source`` into ``target``: what ``CostModel.redistribute_seconds`` prices.
 
     ``device_type="cpu"``: ``Shard(i) -> Shard(j)`` is an ``all_gather``, because DTensor runs it
@@ -31,8 +32,8 @@ def redistribution_collectives(
     ``Shard -> Partial`` is an ``all_gather`` (to ``Replicate``, then the pending sum kept locally).
     """
     kinds = []
-    for size, before, after in zip(mesh.shape, source, target):
-        if before == after or size == 1 or isinstance(before, Replicate):
+    for axis, before, after in redistribution_steps(source, target):
+        if mesh.shape[axis] == 1 or isinstance(before, Replicate):
             continue
         if isinstance(before, Shard):
             if isinstance(after, Shard) and device_type != "cpu":

@@ -11,13 +11,16 @@ alpha-beta model: a collective over an axis of ``n`` devices costs the axis's
 - ``Partial -> Shard`` (reduce-scatter), ``Shard(i) -> Shard(j)`` (all-to-all): ``(n - 1) / n * local_bytes``;
 - ``Replicate -> Shard`` / ``Replicate -> Partial``: local, a copy of the result at ``memory_bandwidth``.
 
-Axes that shrink the local tensor are redistributed first. Presets hold public peak numbers
+The axes change in the order DTensor plans (``redistribution_steps``): from the last axis to the
+first, then what is left from the first to the last; a shard nested in another axis's shard of
+the same dim is gathered before it (one more collective on meshes of 2 or more axes). Presets hold public peak numbers
 of common devices; every field can be overridden (``CostModel.preset("h100", link_bandwidth=(50e9, 450e9))``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import string
 from typing import Any, Sequence
@@ -26,7 +29,7 @@ import torch
 
 from hops.specs import Mesh, Partial, Replicate, Shard
 
-__all__ = ["CostModel", "PRESETS"]
+__all__ = ["CostModel", "PRESETS", "redistribution_steps"]
 
 
 def _per_axis(value: float | Sequence[float], mesh: Mesh, name: str) -> tuple[float, ...]:
@@ -66,6 +69,10 @@ class CostModel:
                 raise ValueError(f"CostModel({field}=...) must be a number >= 0 or a tuple of them, got {value!r}")
             if field == "link_bandwidth" and any(v == 0 for v in values):
                 raise ValueError(f"CostModel(link_bandwidth=...) must be positive, got {value!r}")
+        for field in ("link_bandwidth", "link_latency"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)):
+                object.__setattr__(self, field, tuple(value))  # hashable: costs are cached per model
         if not isinstance(self.optimizer_state_bytes, (int, float)) or self.optimizer_state_bytes < 0:
             raise ValueError(f"CostModel(optimizer_state_bytes=...) must be >= 0, got {self.optimizer_state_bytes!r}")
 
@@ -101,46 +108,77 @@ class CostModel:
         self, shape: Sequence[int], itemsize: int, source: Sequence[Any] | None, target: Sequence[Any] | None, mesh: Mesh
     ) -> float:
         """Time to turn a tensor laid out as ``source`` into ``target``."""
-        if source is None or target is None or tuple(source) == tuple(target):
+        if source is None or target is None:
             return 0.0
-        bandwidth = _per_axis(self.link_bandwidth, mesh, "link_bandwidth")
-        latency = _per_axis(self.link_latency, mesh, "link_latency")
-        current = list(source)
+        source, target = tuple(source), tuple(target)
+        if source == target:
+            return 0.0
+        bandwidth, latency = _links(self, mesh)
+        # Bytes per device as the steps go: the whole value over the ways its dims are split.
+        local = math.prod(shape) * itemsize / _ways(source, mesh.shape)
         total = 0.0
-        for axis in sorted(range(mesh.ndim), key=lambda a: (_growth(source[a], target[a]), a)):
-            before, after = current[axis], target[axis]
-            if before == after:
-                continue
+        for axis, before, after, ratio in _steps(source, target, mesh.shape):
             n = mesh.shape[axis]
-            local = _local_bytes(shape, itemsize, current, mesh)
             sent = _bytes_sent(before, after, n, local)
-            current[axis] = after
+            local *= ratio
             if sent is None:
                 # Local: copy out this device's slice (R -> S) or zero a copy (R -> P).
                 if n > 1:
-                    total += _local_bytes(shape, itemsize, current, mesh) / self.memory_bandwidth
+                    total += local / self.memory_bandwidth
                 continue
             total += latency[axis] + sent / bandwidth[axis]
         return total
 
 
-def _growth(before: Any, after: Any) -> int:
-    """Order of redistribution: shrinking steps (0), size-preserving (1), growing (2)."""
-    if before == after:
-        return 1
-    if isinstance(after, Shard) and not isinstance(before, Shard):
-        return 0
-    if isinstance(after, Shard):
-        return 1
-    return 2
+@functools.lru_cache(maxsize=None)
+def _links(model: CostModel, mesh: Mesh) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    return _per_axis(model.link_bandwidth, mesh, "link_bandwidth"), _per_axis(model.link_latency, mesh, "link_latency")
 
 
-def _local_bytes(shape: Sequence[int], itemsize: int, placements: Sequence[Any], mesh: Mesh) -> float:
-    ways = 1
-    for size, p in zip(mesh.shape, placements):
-        if isinstance(p, Shard):
-            ways *= size
-    return math.prod(shape) * itemsize / ways
+def _ways(placements: Sequence[Any], sizes: Sequence[int]) -> int:
+    return math.prod(n for n, p in zip(sizes, placements) if isinstance(p, Shard))
+
+
+@functools.lru_cache(maxsize=None)
+def _steps(source: tuple, target: tuple, sizes: tuple[int, ...]) -> tuple[tuple[int, Any, Any, float], ...]:
+    """``redistribution_steps``, each with the factor by which it changes the local bytes
+    (shape-independent, so shared by every value laid out alike)."""
+    out, current = [], list(source)
+    for axis, before, after in redistribution_steps(source, target):
+        old = _ways(current, sizes)
+        current[axis] = after
+        out.append((axis, before, after, old / _ways(current, sizes)))
+    return tuple(out)
+
+
+def redistribution_steps(source: Sequence[Any], target: Sequence[Any]) -> list[tuple[int, Any, Any]]:
+    """The per-axis changes ``(axis, before, after)`` that turn ``source`` into ``target``, in
+    order, as DTensor plans them on a mesh of any rank (its default, left-to-right shard order):
+
+    1. axes from the last to the first: each goes to its target, except that an axis whose target
+       is ``Shard(d)`` while the axes before it shard dim ``d`` differently than in the target is
+       first made ``Replicate`` (its shard is nested in another: ``(S(1), S(0), S(1))`` to
+       ``(R, S(0), S(1))`` gathers the last axis and the first, then slices the last again);
+    2. axes from the first to the last: what still differs goes to its target.
+    """
+    current, target = list(source), list(target)
+    steps = []
+    if any(isinstance(p, Shard) for p in current):
+        for axis in reversed(range(len(current))):
+            goal = target[axis]
+            if isinstance(goal, Shard):
+                before = [i for i in range(axis) if current[i] == goal]
+                after = [i for i in range(axis) if target[i] == goal]
+                if before != after:
+                    goal = Replicate()
+            if current[axis] != goal:
+                steps.append((axis, current[axis], goal))
+                current[axis] = goal
+    for axis, goal in enumerate(target):
+        if current[axis] != goal:
+            steps.append((axis, current[axis], goal))
+            current[axis] = goal
+    return steps
 
 
 def _bytes_sent(before: Any, after: Any, n: int, local: float) -> float | None:

@@ -566,7 +566,10 @@ class _Builder:
                 target, args, kwargs, lambda arg: candidate_lists[arg.value], out_meta
             )
 
-        signature = (target, _signature(args), _signature(kwargs), tuple(candidate_lists[v] for v in inputs))
+        # A rule written for one mesh axis is not shown the inputs' candidates (see
+        # ``StrategyRules.op_strategies``): its strategies depend on shapes and arguments only.
+        seen = None if self.rules.is_single_dim(target) else tuple(candidate_lists[v] for v in inputs)
+        signature = (target, _signature(args), _signature(kwargs), seen)
         return self._from_specs(node, inputs, compute, signature)
 
     def _schema_arg(self, value: Any) -> Any:
@@ -692,7 +695,7 @@ def placement_graph(gm: Any, mesh: Mesh, *, example_inputs: Sequence[Any] | None
     if not isinstance(mesh, Mesh):
         raise TypeError(f"placement_graph(mesh=...) must be a hops.Mesh, got {type(mesh).__name__}")
     program = as_program(gm, "placement_graph")
-    with _dtensor.fake_device_mesh(mesh) as device_mesh:
+    with _dtensor.fake_device_mesh(mesh) as device_mesh, _dtensor.free_redistribute_costs():
         return _build(program, mesh, example_inputs, _dtensor.StrategyRules(mesh, device_mesh))
 
 

@@ -10,7 +10,8 @@ Exact reductions before the ILP (each keeps the optimum):
 - factors with a one-option side become option costs; factors between the same two choices merge;
 - options indistinguishable to every factor and to memory keep only the cheapest;
 - a choice with at most two neighbours and no memory term is eliminated (a chain link's
-  min-plus product, a leaf's minimum), so chains and trees shrink to their branch points.
+  min-plus product, a leaf's minimum), so chains and trees shrink to their branch points; a
+  link is kept when its product would have more entries than the two factors it replaces.
 
 The rest is an integer program: a binary per option, one option per choice; per factor a
 continuous variable per (row, column) of its table whose row and column sums equal the
@@ -205,11 +206,22 @@ class _Reducer:
                     continue
                 self.merge_parallel(choice)
                 neighbours = self._neighbours(choice)
-                if len(neighbours) > 2:
+                if len(neighbours) > 2 or (len(neighbours) == 2 and self._link_grows(choice, neighbours)):
                     continue
                 touched = self._eliminate_one(choice, neighbours)
                 next_queue.extend(touched)
             queue = next_queue
+
+    def _link_grows(self, choice: int, neighbours: dict[int, list[int]]) -> bool:
+        """Whether eliminating the link ``choice`` makes a factor with more live (row, column)
+        pairs than the two it replaces (a few options between two many-option neighbours, as
+        a view between two values on a 3-D mesh): the integer program would grow."""
+        own = int(self.alive[choice].sum())
+        sizes = []
+        for fids in neighbours.values():
+            factor = self._oriented(fids[0], choice)
+            sizes.append(len(np.unique(factor.cols[self.alive[factor.b]])))
+        return sizes[0] * sizes[1] > own * (sizes[0] + sizes[1])
 
     def _eliminate_one(self, choice: int, neighbours: dict[int, list[int]]) -> list[int]:
         live = np.flatnonzero(self.alive[choice])

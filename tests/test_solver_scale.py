@@ -1,0 +1,251 @@
+"""The solver on a model built on the meta device (nothing materialized), and on a 3-D mesh end
+to end: solved, applied, variables constant in depth, lowered to DTensor on a fake process group
+of 8 ranks (the collectives it issues are the ones the solution predicts)."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from snapshot import aot_trace
+from torch._subclasses.fake_tensor import FakeTensor
+
+import hops
+import passes
+from hops import Mesh, Partial, Replicate, Shard
+from passes.solver import CostModel
+
+CUBE = Mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+GRID = Mesh((2, 2), ("data", "model"))
+# Compute slow next to the links: the plan shards and redistributes at test sizes.
+SLOW_COMPUTE = CostModel(peak_flops=1e9, memory_bandwidth=1e12, link_bandwidth=1e12, link_latency=0.0)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+
+def layers(x, ws, w_out):
+    """A stack of tanh layers run by a scan, then a projection and a mean square."""
+    h, _ = hops.scan(lambda h, w: (torch.tanh(h @ w), None), x, ws)
+    return (h @ w_out).square().mean()
+
+
+def placeholders(gm):
+    return list(gm.graph.find_nodes(op="placeholder"))
+
+
+# --------------------------------------------------------------------------- the meta device
+
+
+def test_a_model_on_the_meta_device_is_solved_and_applied_without_materializing_it():
+    # 4 layers of 65536 x 65536 float32: 64 GiB of weights, more than this machine holds.
+    dim = 2**16
+    with torch.device("meta"):
+        args = [torch.empty(16, dim), torch.empty(4, dim, dim, requires_grad=True), torch.empty(dim, 16, requires_grad=True)]
+    assert sum(a.numel() * a.element_size() for a in args) > 64 * 2**30
+    forward, backward, _ = aot_trace(layers, *args)
+    solution = passes.solve_placements((forward, backward), GRID)
+    passes.apply_placements((forward, backward), solution)
+    passes.check_placements(forward)
+    passes.check_placements(backward)
+    assert solution.stats["status"] == "optimal"
+    # Replicated weights would need 64 GiB + gradients + Adam state per device: the plan shards them.
+    assert solution.placements["forward/primals_2"] != (Replicate(), Replicate())
+    # Every value the solver and apply saw is a fake tensor of the meta device: none was made.
+    for gm in (forward, backward):
+        for node in gm.graph.nodes:
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                assert isinstance(value, FakeTensor) and value.device.type == "meta", node.format_node()
+
+
+def test_deleted_metadata_is_recomputed_from_meta_example_inputs():
+    from snapshot import delete_meta
+
+    with torch.device("meta"):
+        args = [torch.empty(8, 16), torch.empty(3, 16, 16, requires_grad=True), torch.empty(16, 4, requires_grad=True)]
+    forward, backward, _ = aot_trace(layers, *args)
+    expected = passes.solve_placements((forward, backward), GRID, cost_model=SLOW_COMPUTE)
+    for gm in (forward, backward):
+        delete_meta(gm)
+    with pytest.raises(passes.PassError, match="example_inputs"):
+        passes.solve_placements((forward, backward), GRID, cost_model=SLOW_COMPUTE)
+    solution = passes.solve_placements((forward, backward), GRID, cost_model=SLOW_COMPUTE, example_inputs=args)
+    assert solution.placements == expected.placements
+    assert solution.cost == pytest.approx(expected.cost)
+
+
+def test_the_example_traces_a_meta_model_as_fake_tensors_on_the_host():
+    import auto_shard
+
+    config = auto_shard.Config(layers=2)
+    loss = auto_shard.make_loss(config, GRID)
+    with torch.device("meta"):
+        inputs = auto_shard.example_inputs(config)
+    assert all(t.device.type == "meta" for t in (inputs[0], inputs[1], *inputs[2].values(), *inputs[3].values()))
+    forward, backward = auto_shard.trace_training_step(loss, *inputs)
+    # Traced as if on the CPU (the graphs' constants are made there), and never with real values.
+    for node in placeholders(forward):
+        assert isinstance(node.meta["val"], FakeTensor) and node.meta["val"].device.type == "cpu"
+    # The same graphs as a trace of real inputs.
+    real_forward, _ = auto_shard.trace_training_step(loss, *auto_shard.example_inputs(config))
+    assert forward.code == real_forward.code
+
+
+# --------------------------------------------------------------------------- a 3-D mesh
+
+
+@pytest.fixture(scope="module")
+def cube():
+    """The layers model (6 layers) solved on the 2x2x2 mesh and applied; its inputs."""
+    torch.manual_seed(0)
+    args = [torch.randn(8, 16), torch.randn(6, 16, 16) / 4, torch.randn(16, 8) / 4]
+    traced = aot_trace(layers, args[0], *(a.clone().requires_grad_() for a in args[1:]))
+    forward, backward, _ = traced
+    solution = passes.solve_placements((forward, backward), CUBE, cost_model=SLOW_COMPUTE)
+    passes.apply_placements((forward, backward), solution)
+    return dict(forward=forward, backward=backward, solution=solution, args=args)
+
+
+def test_every_value_is_placed_on_all_three_axes(cube):
+    solution = cube["solution"]
+    assert solution.stats["status"] == "optimal"
+    kinds = (Shard, Replicate, Partial)
+    assert solution.placements and all(
+        len(p) == 3 and all(isinstance(x, kinds) for x in p) for p in solution.placements.values()
+    )
+    # The plan uses the third axis: some value is laid out differently on it than replicated.
+    assert any(not isinstance(p[2], Replicate) for p in solution.placements.values())
+    # Applied: the annotations state 3-D layouts and check.
+    passes.check_placements(cube["forward"])
+    passes.check_placements(cube["backward"])
+    stated = [
+        node.args[1] for node in cube["forward"].graph.nodes if node.target is hops.sharding_annotation.sharding_annotation_hop
+    ]
+    assert stated and all(spec.mesh == CUBE and len(spec.placements) == 3 for spec in stated)
+
+
+def test_variables_are_constant_in_depth_on_a_3d_mesh(cube):
+    args = [torch.randn(8, 16), torch.randn(2, 16, 16, requires_grad=True), torch.randn(16, 8, requires_grad=True)]
+    forward, backward, _ = aot_trace(layers, *args)
+    shallow = passes.solve_placements((forward, backward), CUBE, cost_model=SLOW_COMPUTE)
+    deep = cube["solution"]
+    assert shallow.stats["variables"] == deep.stats["variables"]
+    assert shallow.stats["constraints"] == deep.stats["constraints"]
+    assert deep.cost > 2 * shallow.cost  # 6 layers against 2: the body's costs count per step
+
+
+def test_the_3d_plan_runs_on_dtensor_and_issues_the_predicted_collectives(cube):
+    """Lowered for a 2x2x2 DeviceMesh on a fake process group of 8 ranks: it runs, every
+    gradient comes out laid out as its parameter was solved, and ``CommDebugMode`` counts the
+    collectives ``solution.collectives`` predicts (a fake group moves no data, so values are not
+    compared here; tests/test_dtensor.py runs real ranks)."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import ones as dtensor_ones
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from passes.dtensor import collective_counts
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialized in the test process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=CUBE.size)
+    try:
+        device_mesh = CUBE.to_device_mesh()
+        forward, backward, solution = cube["forward"], cube["backward"], cube["solution"]
+        passes.lower_to_dtensor(forward, device_mesh)
+        passes.lower_to_dtensor(backward, device_mesh)
+        names = [node.name for node in placeholders(forward)]
+        inputs = [
+            distribute_tensor(a, device_mesh, [p.to_dtensor() for p in solution.placements[f"forward/{name}"]])
+            for a, name in zip(cube["args"], names)
+        ]
+        with CommDebugMode() as forward_comms, torch.no_grad():
+            loss, *saved = forward(*inputs)
+        whole = [Replicate().to_dtensor()] * 3
+        with CommDebugMode() as backward_comms, torch.no_grad():
+            grads = backward(*saved, dtensor_ones((), device_mesh=device_mesh, placements=whole))
+        for grad, name, arg in zip(grads[1:], names[1:], cube["args"][1:]):
+            assert grad.shape == arg.shape
+            assert tuple(grad.placements) == tuple(p.to_dtensor() for p in solution.placements[f"forward/{name}"])
+        assert collective_counts(forward_comms) == solution.collectives("forward", device_type="cpu")
+        assert collective_counts(backward_comms) == solution.collectives("backward", device_type="cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_example_offers_the_region_one_layout_per_axis_of_the_heads_size():
+    import auto_shard
+
+    config = auto_shard.Config(batch=16, heads=8)
+    S0, S2 = Shard(0), Shard(2)
+    assert auto_shard.attention_placements(config, GRID) == [(S0, S2), (S2, S0)]
+    assert auto_shard.attention_placements(config, Mesh((2, 2, 2), ("a", "b", "c"))) == [
+        (S0, S0, S2), (S0, S2, S0), (S2, S0, S0)
+    ]
+    # A size-1 axis is not the heads' axis: the last axis of more than one device is.
+    assert auto_shard.attention_placements(config, Mesh((2, 2, 1), ("a", "b", "c"))) == [(S0, S2, S0), (S2, S0, S0)]
+    assert auto_shard.attention_placements(config, Mesh((4, 2), ("a", "b"))) == [(S0, S2)]
+    with pytest.raises(ValueError, match="batch 16 and heads 8 split evenly over no layout"):
+        auto_shard.attention_placements(config, Mesh((32, 2), ("a", "b")))
+    assert auto_shard.parse_mesh("4x4x4") == Mesh((4, 4, 4), ("data", "fsdp", "tensor"))
+    assert auto_shard.parse_mesh("2x2", "batch,model") == Mesh((2, 2), ("batch", "model"))
+    with pytest.raises(ValueError, match="--mesh must be sizes joined by 'x'"):
+        auto_shard.parse_mesh("2by2")
+
+
+# --------------------------------------------------------------------------- redistributions
+
+
+@pytest.fixture(scope="module")
+def device_meshes():
+    """DeviceMeshes of 8 ranks shaped (8,), (2, 4) and (2, 2, 2) on a fake process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialized in the test process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        meshes = [Mesh((8,), ("a",)), Mesh((2, 4), ("a", "b")), CUBE]
+        yield {mesh: mesh.to_device_mesh() for mesh in meshes}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_redistribution_steps_are_the_ones_dtensor_plans(device_meshes):
+    """On meshes of rank 1 to 3, for any two layouts of a rank-3 tensor, the steps the cost model
+    prices and the collectives it predicts are DTensor's own plan, step for step."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    from passes.solver import _dtensor
+    from passes.solver.collectives import redistribution_collectives
+    from passes.solver.cost import redistribution_steps
+
+    source_options = [Replicate(), Shard(0), Shard(1), Shard(2), Partial()]
+    target_options = [Replicate(), Shard(0), Shard(1), Shard(2)]
+    shape = (8, 8, 8)
+    meta = _dtensor.tensor_meta(shape, torch.float32)
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.sampled_from(sorted(device_meshes, key=lambda m: m.ndim)), st.data())
+    def check(mesh, data):
+        source = tuple(data.draw(st.sampled_from(source_options)) for _ in mesh.shape)
+        target = tuple(data.draw(st.sampled_from(target_options)) for _ in mesh.shape)
+        device_mesh = device_meshes[mesh]
+        infos = _gen_transform_infos(
+            DTensorSpec(device_mesh, _dtensor.to_dtensor(source), tensor_meta=meta),
+            DTensorSpec(device_mesh, _dtensor.to_dtensor(target), tensor_meta=meta),
+        )
+        planned = [
+            (info.mesh_dim, *(_dtensor.from_dtensor((p,), len(shape))[0] for p in info.src_dst_placements))
+            for info in infos
+        ]
+        # torch 2.9 lists the one axis of a 1-D mesh even when it does not change.
+        planned = [step for step in planned if step[1] != step[2]]
+        assert redistribution_steps(source, target) == planned, (mesh, source, target)
+        communicating = [(a, b) for _, a, b in planned if not isinstance(a, Replicate)]
+        assert len(redistribution_collectives(source, target, mesh)) == len(communicating)
+
+    check()
