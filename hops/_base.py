@@ -54,7 +54,7 @@ from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for th
 )
 from hops._targets import load_device_rules
 
-__all__ = ["BodyHOP", "FlatBody", "HopFunction", "call_body_hop", "flat_body", "needs_traced_autograd"]
+__all__ = ["BodyHOP", "DeviceMismatchError", "FlatBody", "HopFunction", "call_body_hop", "check_one_device", "flat_body", "needs_traced_autograd"]
 
 
 class FlatBody:
@@ -379,6 +379,35 @@ def _refuse_untraced_closure(closed: Sequence[torch.Tensor], operands: Sequence[
             )
 
 
+class DeviceMismatchError(ValueError):
+    """The operands of a body HOP are on different devices."""
+
+
+def check_one_device(operands: Sequence[Any], what: str, names: Callable[[int], str]) -> None:
+    """Every tensor operand is on one device, as one step of the body needs them (else torch
+    fails deep inside the body, or a fake-tensor run with a device-propagation error). A 0-d
+    CPU tensor goes with any device, as in torch's ops (a Python number in a scan's init
+    becomes one)."""
+    first = None
+    for i, value in enumerate(operands):
+        if not isinstance(value, torch.Tensor) or (value.dim() == 0 and value.device.type == "cpu"):
+            continue
+        if first is None:
+            first = i
+        elif value.device != operands[first].device:
+            raise DeviceMismatchError(
+                f"{what}: {names(first)} is on {operands[first].device} but {names(i)} is on {value.device}; "
+                "every tensor must be on one device"
+            )
+
+
+def argument_names(args: Sequence[Any], kwargs: dict) -> list[str]:
+    """A name per leaf of ``tree_flatten((args, kwargs))`` by its key path: ``args[1]``,
+    ``args[0]['w']``, ``kwargs['mask']``."""
+    paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    return [("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(tuple(path[1:])) for path, _ in paths]
+
+
 def call_body_hop(
     hop: "BodyHOP",
     body: Callable,
@@ -388,16 +417,20 @@ def call_body_hop(
     what: str,
     input_names: Callable[[int], str],
     user_function: Any,
+    device_names: Callable[[int], str] | None = None,
 ) -> Any:
-    """Call ``hop`` the way a public function does: inspect the body once (refusing writes
-    into what it does not own), and where a tracer or XLA needs them as inputs, lift the
-    tensors it closes over. Under Dynamo, which lifts and checks bodies itself, just call it.
-    The results come in the structure the body returns."""
+    """Call ``hop`` the way a public function does: refuse operands on different devices,
+    inspect the body once (refusing writes into what it does not own), and where a tracer
+    or XLA needs them as inputs, lift the tensors it closes over. Under Dynamo, which lifts
+    and checks bodies itself, just call it. ``device_names(i)`` names operand ``i`` in a
+    device error (default ``input_names``). The results come in the structure the body
+    returns."""
     if torch.compiler.is_dynamo_compiling():
         return hop(body, *operands, spec)
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
     hop.check(body, operands, spec)
+    check_one_device(operands, what, device_names or input_names)
     traced = needs_traced_autograd(operands)
     def inspect() -> Any:
         with disable_proxy_modes_tracing():

@@ -35,7 +35,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _layout
-from hops._base import BodyHOP, call_body_hop, set_trace_key
+from hops._base import BodyHOP, argument_names, call_body_hop, set_trace_key
 from hops._body import version_counter
 from hops._subgraph import body_name, named, rename_inner_function
 from hops.specs import (
@@ -407,6 +407,7 @@ def local_map(
             what=f"local_map({name})",
             input_names=lambda i: f"leaf {tensor_positions[i]}",
             user_function=func,
+            device_names=lambda i: argument_names(args, kwargs)[tensor_positions[i]],
         )
         return outputs if structured else plan.restructure(outputs, body)
 
