@@ -2,7 +2,8 @@
 
 ``hops.scan(fn, init, xs)`` with ``fn(carry, x) -> (new_carry, y)`` returns
 ``(final_carry, ys)``: xs are sliced along dim 0, ys stacked along dim 0; carries, xs and ys
-are pytrees of tensors (Python numbers become 0-d tensors). One node is emitted::
+are pytrees of tensors (Python numbers become 0-d tensors). torch's ``dim=`` is a movedim of
+xs and ys around the call: the node and every lowering scan dim 0. One node is emitted::
 
     hops_scan(body, *init, *xs, *additional, hops.ScanSpec(num_carry, num_xs, ...))
 

@@ -462,3 +462,35 @@ def test_named_scope_and_local_map_operands_on_two_devices_are_refused():
     )
     with pytest.raises(ValueError, match=r"args\[0\] is on cpu but args\[1\] is on meta"):
         region(torch.zeros(3), torch.zeros(3, device="meta"))
+
+
+def test_symbolic_length_whose_backward_stacks_nothing():
+    """The backward scan of a step that saves nothing and has no y cotangent still needs the
+    (symbolic) length: it gets an xs of empty slices for it."""
+
+    def program(init, w, xs):
+        return hops.scan(lambda c, x: (c + w * 2, None), init, xs)[0]
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(program, backend="aot_eager", dynamic=True, fullgraph=True)
+    for n in (3, 5):
+        init, w = torch.randn(2, requires_grad=True), torch.randn(2, requires_grad=True)
+        xs = torch.randn(n, 2)
+        got = torch.autograd.grad(compiled(init, w, xs).sum(), (init, w))
+        torch.testing.assert_close(got, (torch.ones(2), torch.full((2,), 2.0 * n)))
+    counting = torch.compile(program, backend=counter, dynamic=True, fullgraph=True)
+    for n in (3, 5):
+        counting(torch.randn(2), torch.randn(2), torch.randn(n, 2))
+    assert counter.frame_count == 1
+
+
+def test_zero_length_under_torch_func():
+    w = torch.randn(3)
+
+    def loss(init, xs, w):
+        carry, ys = hops.scan(lambda c, x: (c * w + x, (c * w).sum(0, keepdim=True)), init, xs)
+        return carry.sum() + ys.sum()
+
+    grads = torch.func.grad(loss, argnums=(0, 1, 2))(torch.randn(3), torch.randn(0, 3), w)
+    torch.testing.assert_close(grads, (torch.ones(3), torch.zeros(0, 3), torch.zeros(3)))
