@@ -67,9 +67,10 @@ class ZeroLengthProgram:
 
             def step(carry, x):
                 # A tensor made in the step from a literal: a constant of a traced body.
-                for k, kind in enumerate(self.closures):
-                    if kind == "constant":
-                        closed[k] = torch.tensor([0.5, 1.0, 1.5], dtype=torch.float64)
+                read = [
+                    torch.tensor([0.5, 1.0, 1.5], dtype=torch.float64) if kind == "constant" else w
+                    for kind, w in zip(self.closures, closed)
+                ]
                 x_leaves = [] if x is None else (list(x) if isinstance(x, tuple) else [x])
                 new = []
                 for c, (x_uses, w_uses) in zip(carry, self.uses):
@@ -77,7 +78,7 @@ class ZeroLengthProgram:
                     for j in x_uses:
                         value = value + x_leaves[j]
                     for k in w_uses:
-                        value = value * closed[k]
+                        value = value * read[k]
                     new.append(value)
                 if self.y == "none":
                     return new, None
@@ -308,6 +309,43 @@ def test_dim_scans_along_it_and_stacks_ys_along_it(dim):
         assert ys.shape == xs.shape
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=3), min_size=1, max_size=2),
+    data=st.data(),
+    reverse=st.booleans(),
+)
+def test_dim_is_a_loop_over_select_along_it(shapes, data, reverse):
+    """Random xs pytrees and dims (negative ones resolved against the first leaf): values
+    and gradients equal a Python loop over ``select(dim, i)`` with ys stacked along dim."""
+    rank = len(shapes[0])
+    dim = data.draw(st.integers(-rank, rank - 1))
+    resolved = dim % rank
+    length = data.draw(st.integers(1, 3))
+    # Every leaf has the resolved dim, with the same length along it.
+    leaf_shapes = [s[:resolved] + [length] + s[resolved + 1 :] if len(s) > resolved else s + [1] * (resolved - len(s)) + [length] for s in shapes]
+    xs = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in leaf_shapes]
+
+    def step(c, x):
+        total = sum(leaf.sum() for leaf in x)
+        return c * 0.5 + total, [leaf * c for leaf in x]
+
+    init = torch.randn((), dtype=torch.float64, requires_grad=True)
+    carry, ys = hops.scan(step, init, xs, dim=dim, reverse=reverse)
+    expected_carry, expected_ys = init, [[] for _ in xs]
+    order = range(length - 1, -1, -1) if reverse else range(length)
+    for i in order:
+        expected_carry, y = step(expected_carry, [x.select(resolved, i) for x in xs])
+        for j, leaf in enumerate(y):
+            expected_ys[j].insert(0, leaf) if reverse else expected_ys[j].append(leaf)
+    stacked = [torch.stack(y) for y in expected_ys]
+    expected = [torch.movedim(y, 0, resolved) if resolved < y.dim() else y for y in stacked]
+    torch.testing.assert_close((carry, ys), (expected_carry, expected))
+    got = torch.autograd.grad(carry + sum(y.sum() for y in ys), [init, *xs])
+    want = torch.autograd.grad(expected_carry + sum(y.sum() for y in expected), [init, *xs])
+    torch.testing.assert_close(got, want)
+
+
 def test_dim_stacks_a_lower_rank_y_along_dim_0_as_torch_does():
     xs = torch.randn(2, 5, 3)
     carry, ys = hops.scan(lambda c, x: (c + x, x.sum()), torch.zeros(2, 5), xs, dim=2)
@@ -341,7 +379,8 @@ def test_dim_under_torch_compile_and_torch_scan():
     torch.testing.assert_close(compiled(init, xs), expected)
     from torch._higher_order_ops.scan import scan as torch_scan
 
-    if "dim" in torch_scan.__code__.co_varnames:
+    # torch's scan stacks ys along dim since 2.13 (2.9's stacked them along dim 0).
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13):
         torch.testing.assert_close(hops.scan(_step, init, xs, dim=1), torch_scan(_step, init, xs, dim=1))
 
 
