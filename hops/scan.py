@@ -201,10 +201,10 @@ def _check_step(name: str, outputs: Sequence[Any], carry: Sequence[Any], leaf_na
     return tuple(outputs)
 
 
-def _check_xs(where: str, xs: Sequence[torch.Tensor], names: Sequence[str] = (), dim: int = 0) -> None:
+def _check_xs(where: str, xs: Sequence[torch.Tensor], dim: int = 0) -> None:
     """Every xs leaf (already moved so that it is scanned along dim 0) has a dim 0, and all
-    have the same length. ``names`` name the leaves, ``dim`` the user's scan dim."""
-    names = list(names) or [f"xs leaf {i}" for i in range(len(xs))]
+    have the same length. ``dim`` is the user's scan dim, for the message."""
+    names = [f"xs leaf {i}" for i in range(len(xs))]
     for x, what in zip(xs, names):
         if x.dim() == 0:
             raise ValueError(f"{where}: {what} is a 0-d tensor; xs are sliced along dim {dim}")
@@ -288,10 +288,10 @@ def scan(
     (an object's attributes) is traced on every call, and so is every step with
     ``is_fn_pure=False``.
 
-    Errors name the leaf by its key path (``xs leaf ['a']``): a carry changing shape, dtype
-    or structure (``TypeError``, as in JAX), xs of different lengths, a ``dim`` a leaf does
-    not have, tensors on different devices, non-tensor outputs, a step writing into its
-    inputs or a tensor it closes over.
+    Errors name the leaf (by key path, ``xs leaf ['a']``, for a ``dim`` a leaf does not
+    have and for tensors on different devices, ``hops.DeviceMismatchError``): a carry
+    changing shape, dtype or structure (``TypeError``, as in JAX), xs of different lengths,
+    non-tensor outputs, a step writing into its inputs or a tensor it closes over.
     """
     name = body_name(fn)
     if callable(length):
@@ -374,10 +374,12 @@ def scan(
         device_names=lambda i: path_names[i],
     )
     # The results have the step's structure: (carry, ys), or (carry,) for a step without y.
-    carry, ys = result[0], (result[1] if len(result) == 2 else None)
-    if dim != 0:
-        ys = pytree.tree_map(lambda y: torch.movedim(y, 0, dim) if dim < y.dim() else y, ys)
-    return carry, ys
+    # (Returned as they come: Dynamo names graph values after the locals holding them.)
+    if dim == 0:
+        return result[0], (result[1] if len(result) == 2 else None)
+    return result[0], (
+        pytree.tree_map(lambda y: torch.movedim(y, 0, dim) if dim < y.dim() else y, result[1]) if len(result) == 2 else None
+    )
 
 
 def _leaf_name(what: str, path: Any) -> str:
