@@ -379,8 +379,9 @@ def _refuse_untraced_closure(closed: Sequence[torch.Tensor], operands: Sequence[
             )
 
 
-class DeviceMismatchError(ValueError):
-    """The operands of a body HOP are on different devices."""
+class DeviceMismatchError(ValueError, RuntimeError):
+    """The operands of a body HOP are on different devices. A ``ValueError``, and a
+    ``RuntimeError`` as torch's own device-mismatch errors are."""
 
 
 def check_one_device(operands: Sequence[Any], what: str, names: Callable[[int], str]) -> None:

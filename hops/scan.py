@@ -224,6 +224,11 @@ class ScanArgumentError(TypeError, ValueError):
     as torch_xla's scan raises."""
 
 
+class ScanDimError(ValueError, IndexError):
+    """A ``dim`` an xs leaf does not have: a ``ValueError``, and an ``IndexError`` as torch
+    raises for a dim out of range."""
+
+
 def _as_tensor_leaf(value: Any, what: str, like: torch.Tensor | None = None) -> torch.Tensor:
     """A Python number as a 0-d tensor (``like``'s dtype and device when given, else torch's
     default for it; ``_promote_weak_init`` may then change an init's); a tensor as itself."""
@@ -397,13 +402,13 @@ def _resolve_dim(dim: Any, xs_leaves: Sequence[torch.Tensor], xs_names: Sequence
         return 0
     if not xs_leaves:
         if dim != -1:
-            raise ValueError(f"scan({name}): dim={dim} but there are no xs to scan along it; ys stack along dim 0")
+            raise ScanDimError(f"scan({name}): dim={dim} but there are no xs to scan along it; ys stack along dim 0")
         return 0
     rank = xs_leaves[0].dim()
     resolved = dim + rank if dim < 0 else dim
     for x, what in zip(xs_leaves, xs_names):
         if not 0 <= resolved < x.dim():
-            raise ValueError(
+            raise ScanDimError(
                 f"scan({name}): dim={dim} but {what} has shape {tuple(x.shape)} ({x.dim()} dims); "
                 f"xs are scanned along dim, which every xs leaf needs"
             )
