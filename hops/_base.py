@@ -389,15 +389,15 @@ def check_one_device(operands: Sequence[Any], what: str, names: Callable[[int], 
     fails deep inside the body, or a fake-tensor run with a device-propagation error). A 0-d
     CPU tensor goes with any device, as in torch's ops (a Python number in a scan's init
     becomes one)."""
-    first = None
-    for i, value in enumerate(operands):
-        if not isinstance(value, torch.Tensor) or (value.dim() == 0 and value.device.type == "cpu"):
-            continue
-        if first is None:
-            first = i
-        elif value.device != operands[first].device:
+    # Read without torch-function modes: an enclosing body's inspection records the tensors
+    # a body reads (in first-read order, which orders its lifted inputs); this is no read.
+    with torch._C.DisableTorchFunction():
+        devices = [(i, value.device, value.dim()) for i, value in enumerate(operands) if isinstance(value, torch.Tensor)]
+    devices = [(i, device) for i, device, rank in devices if not (rank == 0 and device.type == "cpu")]
+    for i, device in devices[1:]:
+        if device != devices[0][1]:
             raise DeviceMismatchError(
-                f"{what}: {names(first)} is on {operands[first].device} but {names(i)} is on {value.device}; "
+                f"{what}: {names(devices[0][0])} is on {devices[0][1]} but {names(i)} is on {device}; "
                 "every tensor must be on one device"
             )
 

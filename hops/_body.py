@@ -203,12 +203,24 @@ class _ClosureMode(TorchFunctionMode):
 _ACTIVE: list[_ClosureMode] = []
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    inner = t.elem if isinstance(t, FunctionalTensor) else t
+    return isinstance(inner, FakeTensor)
+
+
 class _SwapOutsideTensors(_ClosureMode):
     """Swaps tensors a body reads from outside its inputs for fake copies, and records them."""
 
-    def __init__(self, mode: Any, known: Sequence[torch.Tensor], refuse_collectives: str | None = None) -> None:
+    def __init__(
+        self, mode: Any, known: Sequence[torch.Tensor], refuse_collectives: str | None = None, only_real: bool = False
+    ) -> None:
         super().__init__()
         self.mode = mode
+        # Swap only tensors that are not fake (the rest the fake run takes as they are).
+        self.only_real = only_real
         self.refuse_collectives = refuse_collectives
         self.alive: list[torch.Tensor] = list(known)  # keeps ids unique while inspecting
         self.known = {id(t) for t in known}
@@ -218,6 +230,8 @@ class _SwapOutsideTensors(_ClosureMode):
 
     def map(self, t: torch.Tensor) -> torch.Tensor:
         if id(t) in self.known or _is_stand_in(t):
+            return t
+        if self.only_real and _is_fake(t):
             return t
         entry = self.outside.get(id(t))
         if entry is None:
@@ -331,8 +345,8 @@ def run_on_stand_ins(
     body: Callable, inputs: Sequence[Any], *, dependencies: bool = False, needs_grad: Sequence[bool] = ()
 ) -> StandInRun:
     """Run ``body(*inputs)`` once on fake stand-ins, for its outputs' metadata: its inputs and
-    every tensor it reads from its closure are fake copies (a fake-tensor run cannot take the
-    caller's real tensors), so it touches no caller tensor. Nothing is checked here (see
+    every real tensor it reads from its closure (or a graph's constants) are fake copies (a
+    fake-tensor run cannot take real tensors). Nothing is checked here (see
     ``inspect_body``). With ``dependencies`` (grad enabled), also which inputs and closure
     tensors requiring grad (input ``i`` also where ``needs_grad[i]``) a differentiable output
     depends on (``StandInRun``)."""
@@ -345,7 +359,10 @@ def run_on_stand_ins(
                 with mode:
                     stand_ins[i] = value.requires_grad_(True).clone()
         _STAND_INS.update((id(v), v) for v in stand_ins if isinstance(v, torch.Tensor))
-        swap = _SwapOutsideTensors(mode, [v for v in stand_ins if isinstance(v, torch.Tensor)])
+        # Only real tensors are swapped: a fake one (of the trace a body was lifted in) is
+        # read as it is, so a lifted body's substitutions and nested bodies see what they
+        # would see in the trace.
+        swap = _SwapOutsideTensors(mode, [v for v in stand_ins if isinstance(v, torch.Tensor)], only_real=True)
         with mode, swap:
             outputs = body(*stand_ins)
         read = [entry[3] for entry in swap.outside.values()]
