@@ -58,8 +58,8 @@ from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for th
 from hops._targets import load_device_rules
 
 __all__ = [
-    "BodyHOP", "FlatBody", "HopFunction", "OptionBodies", "call_body_hop", "flat_body", "map_options", "needs_traced_autograd",
-    "option_body",
+    "BodyHOP", "DeviceMismatchError", "FlatBody", "HopFunction", "OptionBodies", "call_body_hop", "check_one_device",
+    "flat_body", "map_options", "needs_traced_autograd", "option_body",
 ]
 
 
@@ -520,6 +520,36 @@ def _is_call_description(value: Any) -> bool:
     return type(value) is tuple and len(value) == 4 and value[0] == CALL_DESCRIPTION
 
 
+class DeviceMismatchError(ValueError, RuntimeError):
+    """The operands of a body HOP are on different devices. A ``ValueError``, and a
+    ``RuntimeError`` as torch's own device-mismatch errors are."""
+
+
+def check_one_device(operands: Sequence[Any], what: str, names: Callable[[int], str]) -> None:
+    """Every tensor operand is on one device, as one step of the body needs them (else torch
+    fails deep inside the body, or a fake-tensor run with a device-propagation error). A 0-d
+    CPU tensor goes with any device, as in torch's ops (a Python number in a scan's init
+    becomes one)."""
+    # Read without torch-function modes: an enclosing body's inspection records the tensors
+    # a body reads (in first-read order, which orders its lifted inputs); this is no read.
+    with torch._C.DisableTorchFunction():
+        devices = [(i, value.device, value.dim()) for i, value in enumerate(operands) if isinstance(value, torch.Tensor)]
+    devices = [(i, device) for i, device, rank in devices if not (rank == 0 and device.type == "cpu")]
+    for i, device in devices[1:]:
+        if device != devices[0][1]:
+            raise DeviceMismatchError(
+                f"{what}: {names(devices[0][0])} is on {devices[0][1]} but {names(i)} is on {device}; "
+                "every tensor must be on one device"
+            )
+
+
+def argument_names(args: Sequence[Any], kwargs: dict) -> list[str]:
+    """A name per leaf of ``tree_flatten((args, kwargs))`` by its key path: ``args[1]``,
+    ``args[0]['w']``, ``kwargs['mask']``."""
+    paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    return [("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(tuple(path[1:])) for path, _ in paths]
+
+
 def call_body_hop(
     hop: "BodyHOP",
     body: Callable,
@@ -529,11 +559,14 @@ def call_body_hop(
     what: str,
     input_names: Callable[[int], str],
     user_function: Any,
+    device_names: Callable[[int], str] | None = None,
 ) -> Any:
-    """Call ``hop`` the way a public function does: inspect the body once (refusing writes
-    into what it does not own), and where a tracer or XLA needs them as inputs, lift the
-    tensors it closes over. Under Dynamo, which lifts and checks bodies itself, just call it.
-    The results come in the structure the body returns."""
+    """Call ``hop`` the way a public function does: refuse operands on different devices,
+    inspect the body once (refusing writes into what it does not own), and where a tracer
+    or XLA needs them as inputs, lift the tensors it closes over. Under Dynamo, which lifts
+    and checks bodies itself, just call it. ``device_names(i)`` names operand ``i`` in a
+    device error (default ``input_names``). The results come in the structure the body
+    returns."""
     if torch.compiler.is_dynamo_compiling():
         from hops._dynamo import call_description
 
@@ -543,6 +576,7 @@ def call_body_hop(
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
     hop.check(body, operands, spec)
+    check_one_device(operands, what, device_names or input_names)
     traced = needs_traced_autograd(operands)
     def inspect() -> Any:
         with disable_proxy_modes_tracing():

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from hops import _compat
 from hops._subgraph import body_name, named
 
-__all__ = ["BodyInfo", "inspect_body", "lift_closure", "stand_in", "describe_tensor", "fake_run_context"]
+__all__ = ["BodyInfo", "StandInRun", "inspect_body", "run_on_stand_ins", "lift_closure", "stand_in", "describe_tensor", "fake_run_context"]
 
 
 class BodyMutationError(ValueError):
@@ -203,12 +203,24 @@ class _ClosureMode(TorchFunctionMode):
 _ACTIVE: list[_ClosureMode] = []
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    inner = t.elem if isinstance(t, FunctionalTensor) else t
+    return isinstance(inner, FakeTensor)
+
+
 class _SwapOutsideTensors(_ClosureMode):
     """Swaps tensors a body reads from outside its inputs for fake copies, and records them."""
 
-    def __init__(self, mode: Any, known: Sequence[torch.Tensor], refuse_collectives: str | None = None) -> None:
+    def __init__(
+        self, mode: Any, known: Sequence[torch.Tensor], refuse_collectives: str | None = None, only_real: bool = False
+    ) -> None:
         super().__init__()
         self.mode = mode
+        # Swap only tensors that are not fake (the rest the fake run takes as they are).
+        self.only_real = only_real
         self.refuse_collectives = refuse_collectives
         self.alive: list[torch.Tensor] = list(known)  # keeps ids unique while inspecting
         self.known = {id(t) for t in known}
@@ -218,6 +230,8 @@ class _SwapOutsideTensors(_ClosureMode):
 
     def map(self, t: torch.Tensor) -> torch.Tensor:
         if id(t) in self.known or _is_stand_in(t):
+            return t
+        if self.only_real and _is_fake(t):
             return t
         entry = self.outside.get(id(t))
         if entry is None:
@@ -309,6 +323,67 @@ def inspect_body(
                     "in, e.g. as a carry, and return its new value)"
                 )
     return BodyInfo([e[0] for e in swap.outside.values()], outputs, True, [e[3] for e in swap.outside.values()])
+
+
+@dataclasses.dataclass
+class StandInRun:
+    """The result of ``run_on_stand_ins``.
+
+    ``outputs``: the body's fake outputs, as it returned them. ``read``: the tensors it read
+    from outside its inputs, as its code reads them (the caller's objects), in first-read
+    order. With ``dependencies``: ``input_used[i]`` / ``read_used[j]`` say whether a
+    differentiable output depends on input ``i`` / ``read[j]`` (both need grad for that).
+    """
+
+    outputs: Any
+    read: list[torch.Tensor]
+    input_used: list[bool] = dataclasses.field(default_factory=list)
+    read_used: list[bool] = dataclasses.field(default_factory=list)
+
+
+def run_on_stand_ins(
+    body: Callable, inputs: Sequence[Any], *, dependencies: bool = False, needs_grad: Sequence[bool] = ()
+) -> StandInRun:
+    """Run ``body(*inputs)`` once on fake stand-ins, for its outputs' metadata: its inputs and
+    every real tensor it reads from its closure (or a graph's constants) are fake copies (a
+    fake-tensor run cannot take real tensors). Nothing is checked here (see
+    ``inspect_body``). With ``dependencies`` (grad enabled), also which inputs and closure
+    tensors requiring grad (input ``i`` also where ``needs_grad[i]``) a differentiable output
+    depends on (``StandInRun``)."""
+    mode = inspection_mode(inputs)
+    with fake_run_context(), (torch.enable_grad() if dependencies else contextlib.nullcontext()):
+        stand_ins = [stand_in(v, mode) if isinstance(v, torch.Tensor) else v for v in inputs]
+        for i, need in enumerate(needs_grad):
+            value = stand_ins[i]
+            if dependencies and need and not value.requires_grad and (value.is_floating_point() or value.is_complex()):
+                with mode:
+                    stand_ins[i] = value.requires_grad_(True).clone()
+        _STAND_INS.update((id(v), v) for v in stand_ins if isinstance(v, torch.Tensor))
+        # Only real tensors are swapped: a fake one (of the trace a body was lifted in) is
+        # read as it is, so a lifted body's substitutions and nested bodies see what they
+        # would see in the trace.
+        swap = _SwapOutsideTensors(mode, [v for v in stand_ins if isinstance(v, torch.Tensor)], only_real=True)
+        with mode, swap:
+            outputs = body(*stand_ins)
+        read = [entry[3] for entry in swap.outside.values()]
+        if not dependencies:
+            return StandInRun(outputs, read)
+        copies = [entry[1] for entry in swap.outside.values()]
+        candidates = [*stand_ins, *copies]
+        wanted = [i for i, v in enumerate(candidates) if isinstance(v, torch.Tensor) and v.requires_grad]
+        differentiable = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        used = [False] * len(candidates)
+        if wanted and differentiable:
+            with mode:
+                grads = torch.autograd.grad(
+                    differentiable,
+                    [candidates[i] for i in wanted],
+                    grad_outputs=[torch.ones_like(o) for o in differentiable],
+                    allow_unused=True,
+                )
+            for i, grad in zip(wanted, grads):
+                used[i] = grad is not None
+    return StandInRun(outputs, read, used[: len(stand_ins)], used[len(stand_ins) :])
 
 
 def describe_tensor(tensor: torch.Tensor, fn: Any) -> str:

@@ -179,14 +179,11 @@ def trace_connected_joint(
 
 
 def body_output_examples(body: Callable, inputs: Sequence[Any]) -> list[Any]:
-    """Fake stand-ins of ``body``'s flat outputs on ``inputs`` (its ops run on fake copies)."""
-    from hops._body import fake_run_context, inspection_mode, stand_in
+    """Fake stand-ins of ``body``'s flat outputs on ``inputs`` (its ops run on fake copies,
+    of its inputs and of the tensors it reads from its closure alike)."""
+    from hops._body import run_on_stand_ins
 
-    mode = inspection_mode(inputs)
-    with fake_run_context():
-        stand_ins = [stand_in(v, mode) if isinstance(v, torch.Tensor) else v for v in inputs]
-        with mode:
-            return pytree.tree_leaves(body(*stand_ins))
+    return pytree.tree_leaves(run_on_stand_ins(body, inputs).outputs)
 
 
 # --------------------------------------------------------------------------- the split

@@ -41,6 +41,7 @@ from hops._base import (
     BodyHOP,
     OptionBodies,
     RegionPlan,
+    argument_names,
     cached_plan,
     call_body_hop,
     option_body,
@@ -644,6 +645,7 @@ def local_map(
             what=f"local_map({name})",
             input_names=lambda i: f"leaf {tensor_positions[i]}",
             user_function=func,
+            device_names=lambda i: argument_names(args, kwargs)[tensor_positions[i]],
         )
         return outputs if structured else plan.restructure(outputs, body)
 

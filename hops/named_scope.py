@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor
-from hops._base import BodyHOP, call_body_hop, fresh_outputs, set_trace_key
+from hops._base import BodyHOP, argument_names, call_body_hop, fresh_outputs, set_trace_key
 from hops._body import version_counter
 from hops._subgraph import body_name, rename_inner_function
 from hops.specs import _FxLiteral, register_spec_type
@@ -146,6 +146,7 @@ def named_scope(name: str) -> _ScopeDecorator:
                 what=f"hops.named_scope({name!r}) {body_name(fn)}",
                 input_names=lambda i: f"argument leaf {tensor_positions[i]}",
                 user_function=fn,
+                device_names=lambda i: argument_names(args, kwargs)[tensor_positions[i]],
             )
 
         return call

@@ -2,7 +2,8 @@
 
 ``hops.scan(fn, init, xs)`` with ``fn(carry, x) -> (new_carry, y)`` returns
 ``(final_carry, ys)``: xs are sliced along dim 0, ys stacked along dim 0; carries, xs and ys
-are pytrees of tensors (Python numbers become 0-d tensors). One node is emitted::
+are pytrees of tensors (Python numbers become 0-d tensors). torch's ``dim=`` is a movedim of
+xs and ys around the call: the node and every lowering scan dim 0. One node is emitted::
 
     hops_scan(body, *init, *xs, *additional, hops.ScanSpec(num_carry, num_xs, ...))
 
@@ -38,6 +39,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor
 from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, flat_body, fresh_outputs, plan_body, set_trace_key
+from hops._body import run_on_stand_ins
 from hops._joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
 from hops._subgraph import body_name, inline_graph, named, rename_inner_function
 from hops.specs import _FxLiteral, register_spec_type
@@ -202,15 +204,17 @@ def _check_step(name: str, outputs: Sequence[Any], carry: Sequence[Any], leaf_na
     return tuple(outputs)
 
 
-def _check_xs(where: str, xs: Sequence[torch.Tensor]) -> None:
-    """Every xs leaf has a dim 0, and all have the same length."""
-    for i, x in enumerate(xs):
+def _check_xs(where: str, xs: Sequence[torch.Tensor], dim: int = 0) -> None:
+    """Every xs leaf (already moved so that it is scanned along dim 0) has a dim 0, and all
+    have the same length. ``dim`` is the user's scan dim, for the message."""
+    names = [f"xs leaf {i}" for i in range(len(xs))]
+    for x, what in zip(xs, names):
         if x.dim() == 0:
-            raise ValueError(f"{where}: xs leaf {i} is a 0-d tensor; xs are sliced along dim 0")
+            raise ValueError(f"{where}: {what} is a 0-d tensor; xs are sliced along dim {dim}")
         if x.shape[0] != xs[0].shape[0]:
             raise ValueError(
-                f"{where}: xs leaf {i} has length {x.shape[0]} but xs leaf 0 has {xs[0].shape[0]}; "
-                "every xs leaf is sliced along dim 0 and needs the same length"
+                f"{where}: {what} has length {x.shape[0]} but {names[0]} has {xs[0].shape[0]} along dim {dim}; "
+                f"every xs leaf is sliced along dim {dim} and needs the same length"
             )
 
 
@@ -221,6 +225,11 @@ class ScanArgumentError(TypeError, ValueError):
     """A bad argument to ``hops.scan`` (a step that is not callable, an xs leaf that is not
     a tensor). Both a ``TypeError``, as torch and JAX raise for these, and a ``ValueError``,
     as torch_xla's scan raises."""
+
+
+class ScanDimError(ValueError, IndexError):
+    """A ``dim`` an xs leaf does not have: a ``ValueError``, and an ``IndexError`` as torch
+    raises for a dim out of range."""
 
 
 def _as_tensor_leaf(value: Any, what: str, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -243,6 +252,7 @@ def scan(
     reverse: bool = False,
     unroll: int | bool = 1,
     *,
+    dim: int = 0,
     additional_inputs: Sequence[torch.Tensor] = (),
     remat: bool = False,
     partition_fn: Callable | None = None,
@@ -251,7 +261,22 @@ def scan(
     """``jax.lax.scan``: ``fn(carry, x, *additional_inputs) -> (new_carry, y)`` over dim 0 of ``xs``.
 
     Returns ``(final_carry, ys)`` with ys stacked along dim 0 in slice order (also when
-    ``reverse``). ``xs=None`` needs ``length`` and gives ``x=None``; ``y=None`` gives no ys.
+    ``reverse``). ``dim`` (torch's scan) scans xs along ``dim`` instead (negative counts
+    from the first xs leaf's last dim; every xs leaf needs it) and stacks each y leaf along
+    ``dim`` where the stacked leaf has it (along dim 0 otherwise, as torch's scan does).
+    ``y=None`` gives no ys.
+
+    xs with no tensor leaves: ``xs=None`` needs ``length`` and gives ``x=None`` (JAX and
+    torch agree). An empty container (``()``, ``[]``, ``{}``) without ``length`` returns
+    ``(init, [])`` without calling ``fn``, as torch's scan does (JAX refuses it); with
+    ``length`` the step gets ``x=None``, as in torch (``jax.lax.scan`` would pass the empty
+    container itself; a JAX step ignoring ``x`` is unaffected).
+
+    A scan of length 0 returns its init and empty ys shaped as one step would give them (the
+    step runs on fake tensors only); backward gives zero gradients (xs's shape for xs) to
+    what one step's outputs depend on. ``length`` may be a symbolic size (``torch.compile``
+    with ``dynamic=True`` of a function taking it as an int): one graph serves every length.
+
     Python numbers in ``init`` or returned as carry or y become 0-d tensors. A number in
     ``init`` takes the dtype one step gives it when the step sees the number itself (as JAX's
     weak types do: ``scan(f, 0, int8_xs)`` with ``c + x`` carries int8); a number returned as
@@ -271,9 +296,10 @@ def scan(
     (an object's attributes) is traced on every call, and so is every step with
     ``is_fn_pure=False``.
 
-    Errors name the leaf: a carry changing shape, dtype or structure (``TypeError``, as in
-    JAX), xs of different lengths, non-tensor outputs, a step writing into its inputs or a
-    tensor it closes over.
+    Errors name the leaf (by key path, ``xs leaf ['a']``, for a ``dim`` a leaf does not
+    have and for tensors on different devices, ``hops.DeviceMismatchError``): a carry
+    changing shape, dtype or structure (``TypeError``, as in JAX), xs of different lengths,
+    non-tensor outputs, a step writing into its inputs or a tensor it closes over.
     """
     fn = _compat.compiled_function_inside(fn)  # a torch.compile'd step, in compiled code
     name = body_name(fn)
@@ -283,26 +309,47 @@ def scan(
     remat = remat or _remat_of(partition_fn, name)
     if not callable(fn):
         raise ScanArgumentError(f"scan(fn=...) must be callable, got {type(fn).__name__}")
-    raw_init, carry_treespec = pytree.tree_flatten(init)
+    init_paths, carry_treespec = pytree.tree_flatten_with_path(init)
+    raw_init = [leaf for _, leaf in init_paths]
+    init_names = [_leaf_name("init", path) for path, _ in init_paths]
     init_leaves = [_as_tensor_leaf(leaf, f"scan({name}): init leaf {i}") for i, leaf in enumerate(raw_init)]
-    # No xs (``None``, as in jax.lax.scan with ``length``): the body gets ``x=None``.
-    xs_leaves, xs_treespec = ([], None) if xs is None else pytree.tree_flatten(xs)
+    xs_paths, xs_treespec = ([], None) if xs is None else pytree.tree_flatten_with_path(xs)
+    xs_leaves = [leaf for _, leaf in xs_paths]
+    xs_names = [_leaf_name("xs", path) for path, _ in xs_paths]
     additional = list(additional_inputs)
+    additional_names = [f"additional_inputs[{i}]" for i in range(len(additional))]
     for what, leaves in (("xs", xs_leaves), ("additional_inputs", additional)):
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
                 raise ScanArgumentError(f"scan({name}): {what} leaf {i} is a {type(leaf).__name__}, not a tensor")
-    _check_xs(f"scan({name})", xs_leaves)
-    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
+    if length is not None and (
+        isinstance(length, bool) or not isinstance(length, (int, torch.SymInt)) or (isinstance(length, int) and length < 0)
+    ):
         raise TypeError(f"scan({name}): length must be an int >= 0, got {length!r}")
+    if not xs_leaves and xs is not None and length is None:
+        # torch's scan(fn, init, []): nothing to scan over and no length: no step runs.
+        return init, []
+    dim = _resolve_dim(dim, xs_leaves, xs_names, name)
+    if dim != 0:
+        # Scanning along ``dim`` is scanning the xs moved to dim 0: the node and every
+        # lowering see dim 0 only.
+        xs_leaves = [torch.movedim(x, dim, 0) for x in xs_leaves]
+    _check_xs(f"scan({name})", xs_leaves, dim=dim)
     static_length = length
     if xs_leaves and isinstance(xs_leaves[0].shape[0], int):
         # Under Dynamo a symbolic size passes too; its rule makes ScanSpec.length None then.
         static_length = xs_leaves[0].shape[0]
     if xs_leaves and length is not None and length != xs_leaves[0].shape[0]:
-        raise ValueError(f"scan({name}): length={length} but xs have length {xs_leaves[0].shape[0]}")
+        raise ValueError(f"scan({name}): length={length} but xs have length {xs_leaves[0].shape[0]} along dim {dim}")
     if not xs_leaves and length is None:
         raise ValueError(f"scan({name}): no xs to scan over and no length: pass length=")
+    if not xs_leaves:
+        xs_treespec = None  # the step gets x=None
+        if torch.compiler.is_dynamo_compiling() or isinstance(length, torch.SymInt):
+            # A length that may be symbolic (Dynamo shows a symbolic int as an int) cannot be
+            # a spec constant: it is the length of an xs of empty slices the step never sees.
+            xs_leaves = [torch.empty((length, 0), device=_device_of([*init_leaves, *additional]))]
+            static_length = None
     if unroll is True:
         unroll = max(static_length or 1, 1)
     elif unroll is False:
@@ -316,13 +363,15 @@ def scan(
     # Under Dynamo the code-object rename cannot be traced; hops/_dynamo.py names the
     # subgraph after the step's closure variable fn instead.
     make_step = _make_step if torch.compiler.is_dynamo_compiling() else _named_step_factories(name)
-    step = make_step(fn, carry_treespec, xs_treespec, init_leaves, name)
-    set_trace_key(step, fn, carry_treespec, xs_treespec, len(additional), across_calls=bool(is_fn_pure))
+    step = make_step(fn, carry_treespec, xs_treespec, len(xs_leaves), init_leaves, name)
+    set_trace_key(step, fn, carry_treespec, xs_treespec, len(xs_leaves), len(additional), across_calls=bool(is_fn_pure))
     leaf_names = [
         *(f"carry leaf {i}" for i in range(len(init_leaves))),
         *(f"xs leaf {i}" for i in range(len(xs_leaves))),
         *(f"additional input {i}" for i in range(len(additional))),
     ]
+    # Device errors name leaves by key path (a phantom xs, made on init's device, has none).
+    path_names = [*init_names, *(xs_names or ["xs"] * len(xs_leaves)), *additional_names]
     result = call_body_hop(
         scan_hop,
         step,
@@ -331,9 +380,47 @@ def scan(
         what=f"scan({name})",
         input_names=lambda i: leaf_names[i] if i < len(leaf_names) else f"input {i}",
         user_function=fn,
+        device_names=lambda i: path_names[i],
     )
     # The results have the step's structure: (carry, ys), or (carry,) for a step without y.
-    return result[0], (result[1] if len(result) == 2 else None)
+    # (Returned as they come: Dynamo names graph values after the locals holding them.)
+    if dim == 0:
+        return result[0], (result[1] if len(result) == 2 else None)
+    return result[0], (
+        pytree.tree_map(lambda y: torch.movedim(y, 0, dim) if dim < y.dim() else y, result[1]) if len(result) == 2 else None
+    )
+
+
+def _leaf_name(what: str, path: Any) -> str:
+    """``xs leaf ['a']``: a leaf of the argument ``what`` named by its key path (``[0]``,
+    its only leaf, for a single tensor)."""
+    return f"{what} leaf {pytree.keystr(path) if path else '[0]'}"
+
+
+def _resolve_dim(dim: Any, xs_leaves: Sequence[torch.Tensor], xs_names: Sequence[str], name: str) -> int:
+    """``dim`` as a dim >= 0 of every xs leaf (negative counts from the first leaf's last
+    dim, as torch's scan does). With no xs, only dim 0 (or -1) means anything."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"scan({name}): dim must be an int, got {dim!r}")
+    if dim == 0:
+        return 0
+    if not xs_leaves:
+        if dim != -1:
+            raise ScanDimError(f"scan({name}): dim={dim} but there are no xs to scan along it; ys stack along dim 0")
+        return 0
+    rank = xs_leaves[0].dim()
+    resolved = dim + rank if dim < 0 else dim
+    for x, what in zip(xs_leaves, xs_names):
+        if not 0 <= resolved < x.dim():
+            raise ScanDimError(
+                f"scan({name}): dim={dim} but {what} has shape {tuple(x.shape)} ({x.dim()} dims); "
+                f"xs are scanned along dim, which every xs leaf needs"
+            )
+    return resolved
+
+
+def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 def _promote_weak_init(
@@ -358,7 +445,7 @@ def _promote_weak_init(
 
     from hops._body import inspect_body
 
-    step = _make_step(fn, carry_treespec, xs_treespec, init_leaves, name)
+    step = _make_step(fn, carry_treespec, xs_treespec, spec.num_xs, init_leaves, name)
 
     def probe(*leaves: Any) -> list[Any]:
         # The step on the numbers themselves where init has them.
@@ -403,11 +490,12 @@ def _named_step_factories(name: str) -> Callable:
     return rename_inner_function(_make_step, "step", name)
 
 
-def _make_step(fn: Callable, carry_treespec: Any, xs_treespec: Any, init_leaves: Sequence[Any], name: str) -> Callable:
+def _make_step(fn: Callable, carry_treespec: Any, xs_treespec: Any, num_xs: int, init_leaves: Sequence[Any], name: str) -> Callable:
     """The scan body: ``fn`` on flat leaves, returning ``(new_carry, y)`` (``(new_carry,)``
-    for ``y=None``) with Python numbers made tensors and the carry's structure checked."""
+    for ``y=None``) with Python numbers made tensors and the carry's structure checked.
+    ``xs_treespec=None``: ``fn`` gets ``x=None`` (the ``num_xs`` xs leaves, if any, only
+    count the steps)."""
     num_carry = carry_treespec.num_leaves
-    num_xs = 0 if xs_treespec is None else xs_treespec.num_leaves
     carry_like = [(leaf.dtype, leaf.device) for leaf in init_leaves]
 
     def step(*leaves: Any) -> tuple[Any, Any]:
@@ -464,12 +552,50 @@ def _run_steps(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> tuple[t
         outputs = _check_step(name, outputs, carry)
         carry, ys_per_step[i] = list(outputs[: spec.num_carry]), outputs[spec.num_carry :]
     if length == 0:
-        # No step ran: ys' shapes come from the body's metadata.
-        template = _check_step(name, body_output_examples(flat, (*carry, *_slice_examples(xs), *additional)), carry)
-        ys = [torch.empty((0, *y.shape), dtype=y.dtype, device=xs[0].device if xs else y.device) for y in template[spec.num_carry :]]
-    else:
-        ys = [torch.stack([step[j] for step in ys_per_step]) for j in range(len(ys_per_step[0]))]
+        return fresh_outputs(_zero_steps(flat, name, carry, xs, additional), inputs)
+    ys = [torch.stack([step[j] for step in ys_per_step]) for j in range(len(ys_per_step[0]))]
     return fresh_outputs((*carry, *ys), inputs)
+
+
+def _zero_steps(flat: Callable, name: str, carry: list[Any], xs: list[Any], additional: list[Any]) -> tuple:
+    """A scan of length 0: the init as final carry, and empty ys shaped as one step gives
+    them (learned by running the step on fake stand-ins, closure included).
+
+    Its gradients are a sum over no steps: zeros (of xs's shape for an xs leaf) for every xs
+    leaf, additional input and closed-over tensor that one step's differentiable outputs
+    depend on, as torch's scan gives (None for one they do not, as for any length). Autograd
+    gets them by an exact zero added to one output: ``t.reshape(-1)[:0].sum()`` is 0 for any
+    values (nan and inf included) and has gradient zeros, negated to -0.0, which added to
+    any number (-0.0 included) gives that number."""
+    grad = torch.is_grad_enabled()
+    probe = run_on_stand_ins(
+        flat,
+        (*carry, *_slice_examples(xs), *additional),
+        dependencies=grad,
+        needs_grad=[False] * len(carry) + [x.requires_grad for x in xs],  # (a slice of no xs is a new tensor)
+    )
+    template = _check_step(name, pytree.tree_leaves(probe.outputs), carry)
+    ys = [torch.empty((0, *y.shape), dtype=y.dtype, device=xs[0].device if xs else y.device) for y in template[len(carry) :]]
+    outputs = [*carry, *ys]
+    if grad:
+        used = [*probe.input_used[len(carry) :], *probe.read_used]
+        sources = [t for t, u in zip([*xs, *additional, *probe.read], used) if u]
+        # The output carrying the zeros: a differentiable y if any (it has no elements),
+        # else a differentiable carry.
+        target = next(
+            (i for i in [*range(len(carry), len(outputs)), *range(len(carry))] if is_differentiable(outputs[i])),
+            None,
+        )
+        if sources and target is not None:
+            zero = functools.reduce(torch.add, [_exact_zero(t) for t in sources])  # (sum() would start at +0)
+            outputs[target] = outputs[target] + zero.to(outputs[target].real.dtype)
+    return tuple(outputs)
+
+
+def _exact_zero(t: torch.Tensor) -> torch.Tensor:
+    """-0.0 computed from ``t``, whose gradient is zeros like ``t`` (see ``_zero_steps``)."""
+    zero = t.reshape(-1)[:0].sum()
+    return -(zero.real if zero.is_complex() else zero)
 
 
 @scan_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
@@ -593,12 +719,14 @@ class _ScanPlan(AutogradPlan):
         values = [
             graph.placeholder(f"{kind}_{i}")
             for kind, count in zip(
-                ("carry_grad", "additional_grad", "residual", "x", "y_grad", "additional"),
-                (*counts, len(self.additional_used)),
+                ("carry_grad", "additional_grad", "residual", "x", "y_grad", "step", "additional"),
+                (*counts, int(self.counts_steps), len(self.additional_used)),
             )
             for i in range(count)
         ]
-        carry_grads, additional_grads, residuals, x_values, y_grads, additional_values = _take(values, *counts)
+        carry_grads, additional_grads, residuals, x_values, y_grads, _, additional_values = _take(
+            values, *counts, int(self.counts_steps)
+        )
         # The primals the backward reads are the xs it reads, then the additional inputs (in
         # ``split.primals_in_backward`` order).
         grads = inline_graph(graph, split.backward, [*x_values, *additional_values, *residuals, *carry_grads, *y_grads])
@@ -606,6 +734,13 @@ class _ScanPlan(AutogradPlan):
         summed = [graph.call_function(torch.ops.aten.add.Tensor, (a, g)) for a, g in zip(additional_grads, step_additional_grads)]
         graph.output((*new_carry_grads, *summed, *x_grads))
         return plan_body(named(fx.GraphModule(split.backward, graph, f"{self.name}_bwd"), f"{self.name}_bwd"))
+
+    @functools.cached_property
+    def counts_steps(self) -> bool:
+        """Whether the backward scan takes an xs of empty slices only for its length: it
+        stacks nothing (no residual, xs or y cotangent) and the length is symbolic."""
+        num_y_cotangents = sum(differentiable for *_, differentiable in self.y_like)
+        return self.spec.length is None and self.split.num_residuals + len(self.xs_used) + num_y_cotangents == 0
 
     def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
         spec, split = self.spec, self.split
@@ -628,6 +763,8 @@ class _ScanPlan(AutogradPlan):
         # The additional inputs' gradients are summed over the steps in the backward's carry.
         zeros = [like.new_zeros(a[0], dtype=a[1]) for a, need in zip(self.additional_like, self.additional_grad) if need]
         backward_xs = [*stacked, *xs_used, *y_cotangents]
+        if self.counts_steps:
+            backward_xs.append(like.new_empty((self.length, 0)))
         backward_spec = ScanSpec(num_carry_grads + len(zeros), len(backward_xs), spec.length, not spec.reverse, False, spec.unroll)
         results = scan_hop(self.backward_body, *carry_cotangents, *zeros, *backward_xs, *additional_used, backward_spec)
         carry_grads, additional_grads, xs_grads = _take(results, num_carry_grads, len(zeros))
