@@ -397,6 +397,12 @@ def typed_error_break(tx: Any, typed: BaseException) -> None:
         raise
 
 
+class TracingRefusal(NotImplementedError):
+    """A call this package cannot trace under Dynamo but runs eagerly: raised from its Python
+    while Dynamo traces it, it keeps Dynamo's handling (without ``fullgraph`` the frame runs
+    eagerly, where nothing refuses it), unlike the typed errors eager raises too."""
+
+
 def frame_error(error: BaseException) -> BaseException | None:
     """The error to raise instead of ``error``, which ended a Dynamo frame compile: the typed
     error a graph break carries (``typed_error_break``), or the exception this package's
@@ -410,6 +416,8 @@ def frame_error(error: BaseException) -> BaseException | None:
     if uncaught is None:
         return None
     exception_type, exception_args, filename = uncaught
+    if isinstance(exception_type, type) and issubclass(exception_type, TracingRefusal):
+        return None
     if os.path.dirname(os.path.abspath(filename)) != _PACKAGE_DIRECTORY:
         return None  # the user's own code raised it: Dynamo's report stands
     try:

@@ -396,7 +396,7 @@ def _refuse_other_local_shapes_under_dynamo(name: str, tensors: Sequence[Any], s
             if mine is None or not isinstance(t, torch.Tensor):
                 continue
             if _layout.local_shape(t.shape, mine, spec.mesh, f"input {i}") != _layout.local_shape(t.shape, active, spec.mesh, f"input {i}"):
-                raise NotImplementedError(
+                raise _dynamo.TracingRefusal(
                     f"local_map({name}): under torch.compile, alternative {k} gives the body other local shapes "
                     f"than the active placements (input {i}); Dynamo traces the body once, so such alternatives "
                     "are traced with make_fx / torch.export / AOTAutograd (one body per alternative), or run eagerly"
