@@ -305,6 +305,8 @@ def test_one_tensor_in_several_roles_is_several_inputs_on_every_frontend(chain, 
     for name, program, reference in aliasing_programs(chain, sorted(roles)):
         what = f"{name} {sorted(roles)} {chain}"
         expected, expected_grads = gradients(reference, x, w)
+        # A chain of squares over a scan's steps can overflow: NaN compares unequal to itself.
+        assume(all(torch.isfinite(t).all() for t in torch.utils._pytree.tree_leaves((expected, expected_grads))))
         got, got_grads = gradients(program, x, w)
         torch.testing.assert_close(got, expected, msg=f"eager {what}")
         torch.testing.assert_close(got_grads, expected_grads, msg=f"eager gradients {what}")
