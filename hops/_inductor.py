@@ -174,10 +174,7 @@ def _splice(node: fx.Node, traced: fx.GraphModule, inputs: list[fx.Node]) -> Non
             raise RuntimeError(f"{node.format_node()}: its tuple result is used whole: {list(node.users)}")
     else:
         node.replace_all_uses_with(outputs)
-    body = node.args[0] if node.args else None
-    graph.erase_node(node)
-    if isinstance(body, fx.Node) and body.op == "get_attr" and not body.users:
-        graph.erase_node(body)
+    graph.erase_node(node)  # its bodies' get_attr nodes, now unused, go with lower_hops' dead-code pass
 
 
 def lower_hops(graph: fx.Graph) -> bool:
