@@ -36,7 +36,7 @@ def _constant_or_proxy(tx: Any, arg: Any, hop_name: str, position: Any) -> Any:
     if isinstance(arg, TensorVariable):
         return arg.as_proxy()
     try:
-        return arg.as_python_constant()
+        return _python_constant(arg)
     except NotImplementedError:
         pass
     # Dynamo models our frozen spec dataclasses as user objects that still hold the value.
@@ -57,6 +57,21 @@ def _constant_or_proxy(tx: Any, arg: Any, hop_name: str, position: Any) -> Any:
 _PRIMITIVES = (int, float, bool, str, type(None))
 
 
+def _python_constant(arg: Any) -> Any:
+    """``arg``'s Python value. A symbolic number is specialized (guarded on its value): a
+    spec holds constants, and Dynamo turns an int that changed between calls (a closure
+    cell, a global, an argument) into a symbol under automatic dynamic shapes. A number only
+    known at run time (data-dependent) is not a constant (NotImplementedError)."""
+    from torch._dynamo.variables.tensor import SymNodeVariable
+
+    if isinstance(arg, SymNodeVariable):
+        try:
+            return arg.evaluate_expr()
+        except Exception as error:  # data-dependent: Dynamo's UserError, or the guard's own error
+            raise NotImplementedError(str(error)) from error
+    return arg.as_python_constant()
+
+
 def _rebuild_in_trace(tx: Any, arg: Any) -> Any:
     from torch._dynamo.variables.lists import BaseListVariable
     from torch._dynamo.variables.tensor import SymNodeVariable
@@ -73,7 +88,7 @@ def _rebuild_in_trace(tx: Any, arg: Any) -> Any:
                 values[f] = None
         return value_type(**{f: None if v is None else _rebuild_in_trace(tx, v) for f, v in values.items()})
     try:
-        return arg.as_python_constant()
+        return _python_constant(arg)
     except NotImplementedError:
         _compat.dynamo_graph_break(
             gb_type="hops: a spec field that is not a constant",
