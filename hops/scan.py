@@ -57,7 +57,9 @@ class ScanSpec(_FxLiteral):
     ``reverse`` runs the steps from the last slice to the first (ys stay in slice order);
     ``remat`` makes the backward recompute each step instead of saving its residuals;
     ``unroll`` is how many steps one loop iteration runs where the scan lowers to a loop
-    (values do not depend on it, as in ``jax.lax.scan``).
+    (values do not depend on it, as in ``jax.lax.scan``); ``None`` leaves it to the
+    lowering (one step on XLA; inductor runs a step with little work several times per
+    iteration, see ``_inductor_unroll``).
     """
 
     none_when_symbolic: ClassVar[tuple[str, ...]] = ("length",)  # see hops/_dynamo.py
@@ -67,7 +69,7 @@ class ScanSpec(_FxLiteral):
     length: int | None = None
     reverse: bool = False
     remat: bool = False
-    unroll: int = 1
+    unroll: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_carry", "num_xs"):
@@ -79,13 +81,13 @@ class ScanSpec(_FxLiteral):
         for name in ("reverse", "remat"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ScanSpec({name}) must be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.unroll, bool) or not isinstance(self.unroll, int) or self.unroll < 1:
-            raise TypeError(f"ScanSpec(unroll) must be an int >= 1, got {self.unroll!r}")
+        if self.unroll is not None and (isinstance(self.unroll, bool) or not isinstance(self.unroll, int) or self.unroll < 1):
+            raise TypeError(f"ScanSpec(unroll) must be an int >= 1 or None, got {self.unroll!r}")
 
     def __repr__(self) -> str:
         extra = "".join(
             f", {name}={getattr(self, name)!r}"
-            for name, default in (("length", None), ("reverse", False), ("remat", False), ("unroll", 1))
+            for name, default in (("length", None), ("reverse", False), ("remat", False), ("unroll", None))
             if getattr(self, name) != default
         )
         return f"hops.ScanSpec({self.num_carry}, {self.num_xs}{extra})"
@@ -250,7 +252,7 @@ def scan(
     xs: Any = None,
     length: Any = None,
     reverse: bool = False,
-    unroll: int | bool = 1,
+    unroll: int | bool | None = None,
     *,
     dim: int = 0,
     additional_inputs: Sequence[torch.Tensor] = (),
@@ -282,7 +284,9 @@ def scan(
     weak types do: ``scan(f, 0, int8_xs)`` with ``c + x`` carries int8); a number returned as
     carry keeps its init's dtype, one returned as y gets torch's default dtype.
     ``unroll`` runs that many steps per loop iteration where the scan lowers to a loop
-    (``True``: all of them), with the same values. ``remat`` recomputes each step in the
+    (``True``: all of them), with the same values; by default (``None``) the lowering
+    chooses (inductor runs a step with little work a few times per iteration, to amortize
+    the loop's per-iteration cost; XLA one). ``remat`` recomputes each step in the
     backward instead of saving its activations.
 
     torch_xla's ``scan(fn, init, xs, partition_fn, is_fn_pure)`` works too:
@@ -354,8 +358,8 @@ def scan(
         unroll = max(static_length or 1, 1)
     elif unroll is False:
         unroll = 1
-    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
-        raise TypeError(f"scan({name}): unroll must be an int >= 1 or a bool, got {unroll!r}")
+    if unroll is not None and (isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1):
+        raise TypeError(f"scan({name}): unroll must be an int >= 1, a bool or None, got {unroll!r}")
     spec = ScanSpec(len(init_leaves), len(xs_leaves), static_length, reverse, remat, unroll)
     weak = [i for i, leaf in enumerate(raw_init) if not isinstance(leaf, torch.Tensor)]
     if weak and not torch.compiler.is_dynamo_compiling():
@@ -794,11 +798,36 @@ _dynamo.register_subgraph_hop(scan_hop)
 # length that ``unroll`` does not divide runs the remaining steps after the loop. The
 # counter indexes the xs and the ys buffers as a tensor (``index_select`` / ``index_copy_``),
 # so no step reads a number out of a tensor.
+#
+# Inductor runs each iteration from its wrapper: the condition and body graphs are called,
+# their inputs checked, the condition read back to the host (a device sync on a GPU); on
+# CPU that is ~10 us, as much as a small step's math. A scan that leaves ``unroll`` to the
+# lowering (``None``) therefore runs a step with less work than ``_SMALL_STEP_FLOPS`` a few
+# times per iteration: the loop then costs what the unrolled program costs (measured by
+# benchmarks/inductor_scan.py) while its body is still one graph whatever the length. Only a
+# count of steps that divides the length is chosen, so no step is left for after the loop.
+
+_SMALL_STEP_FLOPS = {"cpu": 4e6}  # other devices (a sync per iteration): _SMALL_STEP_FLOPS_ACCELERATOR
+_SMALL_STEP_FLOPS_ACCELERATOR = 1e9
+_MAX_AUTO_UNROLL = 4
+
+
+def _inductor_unroll(flops: Any, length: Any, device: torch.device) -> int:
+    """Steps per loop iteration for a scan leaving ``unroll`` to inductor: the most (up to
+    ``_MAX_AUTO_UNROLL``) dividing ``length`` whose work stays under a small step's."""
+    if not isinstance(length, int) or not isinstance(flops, int):  # symbolic shapes: no guess
+        return 1
+    small = _SMALL_STEP_FLOPS.get(device.type, _SMALL_STEP_FLOPS_ACCELERATOR)
+    for steps in range(min(_MAX_AUTO_UNROLL, length), 1, -1):
+        if length % steps == 0 and steps * flops <= small:
+            return steps
+    return 1
 
 
 @_inductor.register_inductor_rule(scan_hop)
 def _inductor_rule(body: Callable, *inputs_and_spec: Any) -> tuple:
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+    from torch.utils.flop_counter import FlopCounterMode
 
     inputs, spec = scan_hop.split_args(inputs_and_spec)
     carry, xs, additional = _split(inputs, spec)
@@ -806,10 +835,15 @@ def _inductor_rule(body: Callable, *inputs_and_spec: Any) -> tuple:
     length = _length(xs, spec)
     step = _inductor.inlined(body)
     with disable_proxy_modes_tracing():
-        ys_like = step(*scan_hop.body_inputs(inputs, spec))[nc:]
+        with FlopCounterMode(display=False) as flop_counter:
+            ys_like = step(*scan_hop.body_inputs(inputs, spec))[nc:]
+        flops = flop_counter.get_total_flops()  # symbolic with dynamic shapes
     device = next(t.device for t in (*carry, *xs, *ys_like, *additional) if isinstance(t, torch.Tensor))
     ys = [torch.empty((length, *y.shape), dtype=y.dtype, device=device) for y in ys_like]
-    per_iteration = spec.unroll if isinstance(length, int) and spec.unroll <= max(length, 1) else 1
+    if spec.unroll is None:
+        per_iteration = _inductor_unroll(flops, length, device)
+    else:
+        per_iteration = spec.unroll if isinstance(length, int) and spec.unroll <= max(length, 1) else 1
     iterations = length // per_iteration
 
     def run_step(position: Any, carry: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], ys: Sequence[Any], in_place: bool) -> tuple:

@@ -17,6 +17,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hop_db import SAMPLES, forward_backward, fresh
 
 import hops
@@ -151,6 +153,64 @@ def test_a_scan_is_one_loop_whatever_its_length():
     # The forward and backward graphs inductor lowers have the same size for 2 and 9 steps:
     # the step is in the loop's body once.
     assert lowered_size(2) == lowered_size(9)
+
+
+def steps_per_iteration(gm):
+    """How many steps of ``scan_program``'s layer the while_loop body of ``gm`` runs (its
+    ``mm`` nodes; the layer has one)."""
+    (loop,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.while_loop]
+    body = getattr(gm, str(loop.args[1].target))
+    return sum(1 for n in body.graph.nodes if n.target is torch.ops.aten.mm.default)
+
+
+def lowered_forward(length, unroll, width=4):
+    def layer(h, w):
+        return h + torch.tanh(h @ w), h.sum(-1)
+
+    def program(h, ws):
+        return hops.scan(layer, h, ws, unroll=unroll)
+
+    g = torch.Generator().manual_seed(length)
+    h = torch.randn(3 if width == 4 else 32, width, generator=g, requires_grad=True)
+    ws = (torch.randn(length, width, width, generator=g) / width).requires_grad_()
+    torch._dynamo.reset()
+    with inductor_graphs() as (backend, received, lowered):
+        compiled = torch.compile(program, backend=backend, fullgraph=True)
+        got, got_grads = forward_backward(compiled, fresh([h, ws]))
+    expected, expected_grads = forward_backward(program, fresh([h, ws]))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4)
+    return lowered[0]
+
+
+def test_a_scan_leaving_unroll_to_inductor_runs_a_small_step_several_times_per_iteration():
+    # A step with little work costs as much as the loop's own per-iteration work in
+    # inductor's wrapper: run the most steps (up to 4) dividing the length per iteration.
+    assert steps_per_iteration(lowered_forward(8, None)) == 4
+    assert steps_per_iteration(lowered_forward(6, None)) == 3
+    assert steps_per_iteration(lowered_forward(7, None)) == 1  # no count divides 7: no remainder steps
+    assert steps_per_iteration(lowered_forward(8, 1)) == 1  # an explicit unroll is kept
+    # Whatever the length, the same loop: the body is one graph.
+    sizes = [sum(len(m.graph.nodes) for m in lowered_forward(length, None).modules() if isinstance(m, torch.fx.GraphModule)) for length in (16, 32)]
+    assert sizes[0] == sizes[1], sizes
+
+
+def test_a_step_with_real_work_runs_once_per_iteration():
+    # 2 * 32 * 384 * 384 = 9.4 MFLOP per step: more than a small step's.
+    assert steps_per_iteration(lowered_forward(4, None, width=384)) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(flops=st.integers(0, 10**8), length=st.integers(0, 200), device=st.sampled_from(["cpu", "cuda", "xpu"]))
+def test_the_steps_per_iteration_inductor_chooses(flops, length, device):
+    from hops.scan import _MAX_AUTO_UNROLL, _SMALL_STEP_FLOPS, _SMALL_STEP_FLOPS_ACCELERATOR, _inductor_unroll
+
+    steps = _inductor_unroll(flops, length, torch.device(device))
+    small = _SMALL_STEP_FLOPS.get(device, _SMALL_STEP_FLOPS_ACCELERATOR)
+    fits = [k for k in range(1, _MAX_AUTO_UNROLL + 1) if length % k == 0 and k <= length and (k == 1 or k * flops <= small)]
+    assert steps == max(fits, default=1)
+    assert _inductor_unroll(flops, None, torch.device(device)) == 1  # a symbolic length
+    assert _inductor_unroll(None, length, torch.device(device)) == 1  # symbolic work
 
 
 @pytest.mark.parametrize("length,unroll", [(7, 3), (6, 2), (1, 4), (0, 2)])

@@ -184,4 +184,4 @@ def run_scan_on_xla(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor
             f"scan({body_name(body)}): a local_map region in a scan on XLA tensors runs as a manual-sharding "
             "region, which needs SPMD: call torch_xla.runtime.use_spmd() first"
         )
-    return xla_while(step, carry, xs, additional, length=length, reverse=spec.reverse, unroll=spec.unroll)
+    return xla_while(step, carry, xs, additional, length=length, reverse=spec.reverse, unroll=spec.unroll or 1)

@@ -116,7 +116,7 @@ def run_scan(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor, ...]:
     carry, xs, additional = _split(inputs, spec)
     if not any(t.device.type == "xla" for t in inputs if isinstance(t, torch.Tensor)):
         return _run_steps(body, inputs, spec)
-    return xla_while(body, carry, xs, additional, length=_length(xs, spec), reverse=spec.reverse, unroll=spec.unroll)
+    return xla_while(body, carry, xs, additional, length=_length(xs, spec), reverse=spec.reverse, unroll=spec.unroll or 1)
 
 
 @register_rule(TARGET, scan_hop)
