@@ -12,7 +12,6 @@ import dataclasses
 
 import torch
 from functorch.compile import make_boxed_func
-from snapshot import TestCase, readable
 from torch._C import DispatchKey
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, make_fx
@@ -20,6 +19,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, make_fx
 from hops import _compat, _dynamo
 from hops._base import BodyHOP
 from hops.specs import _FxLiteral
+from tests.helpers.snapshot import TestCase, readable
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

@@ -8,12 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from snapshot import TestCase, aot_trace, hlo_text, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
 from hops.einsum import canonical_equation, einsum_kernel, einsum_linear_kernel
+from tests.helpers.snapshot import TestCase, aot_trace, hlo_text, readable
 
 
 class MLP(torch.nn.Module):

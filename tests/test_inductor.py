@@ -17,10 +17,10 @@ import copy
 
 import pytest
 import torch
-from hop_db import SAMPLES, forward_backward, fresh
 
 import hops
 from hops import Mesh, Replicate, Shard
+from tests.helpers.hop_db import SAMPLES, forward_backward, fresh
 
 
 def hop_targets(graphs):
@@ -268,7 +268,7 @@ def test_aot_autograd_with_inductor_decompositions_keeps_every_hop(sample):
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
 def test_export_with_inductor_decompositions_keeps_every_hop(sample):
-    from hop_db import Module
+    from tests.helpers.hop_db import Module
 
     exported = torch.export.export(Module(sample.program), tuple(t.detach() for t in sample.inputs()))
     plain = hop_targets([exported.graph_module])

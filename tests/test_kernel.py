@@ -5,12 +5,12 @@ import pickle
 
 import pytest
 import torch
-from snapshot import TestCase, aot_trace, hlo_text, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
 from hops import KernelParams, Mesh, Replicate, Shard, ShardingSpec
+from tests.helpers.snapshot import TestCase, aot_trace, hlo_text, readable
 
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
@@ -287,7 +287,7 @@ class TestBadCalls(TestCase):
 
         with self.assertRaisesRegex(
             ValueError,
-            r"hops.kernel: a kernel named 'scaled_tanh' is already defined \(by test_kernel.scaled_tanh\); "
+            r"hops.kernel: a kernel named 'scaled_tanh' is already defined \(by tests.test_kernel.scaled_tanh\); "
             r".*scaled_tanh needs another name: pass name=",
         ):
             hops.kernel(scaled_tanh, abstract=torch.empty_like)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from snapshot import TestCase, aot_trace, delete_meta, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 from hops import LocalMapSpec, Mesh, Partial, Replicate, Shard
+from tests.helpers.snapshot import TestCase, aot_trace, delete_meta, readable
 
 MESH = Mesh((2, 2), ("data", "model"))
 LINE = Mesh((2,), ("x",))

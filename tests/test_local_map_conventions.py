@@ -8,13 +8,13 @@ import importlib.util
 import pytest
 import torch
 import torch.distributed as dist
-from snapshot import TestCase
 from torch.distributed.tensor import Partial as TorchPartial
 from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor import Shard as TorchShard
 
 import hops
 from hops import Mesh, Partial, Replicate, Shard
+from tests.helpers.snapshot import TestCase
 
 MESH = Mesh((2, 2), ("data", "model"))
 LINE = Mesh((2,), ("x",))

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from snapshot import TestCase, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
 from hops import Mesh, Partial, Replicate, Shard, ShardingSpec
+from tests.helpers.snapshot import TestCase, readable
 
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = (Shard(0), Replicate())

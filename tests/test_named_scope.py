@@ -7,12 +7,12 @@ import re
 
 import pytest
 import torch
-from snapshot import TestCase, aot_trace, hlo_text, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
 from hops import ScopeSpec
+from tests.helpers.snapshot import TestCase, aot_trace, hlo_text, readable
 
 
 @hops.named_scope("attention")

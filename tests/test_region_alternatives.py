@@ -16,7 +16,6 @@ import torch
 import torch.fx as fx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from snapshot import TestCase, aot_trace, hlo_text, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -24,6 +23,7 @@ import passes
 from hops import LocalMapSpec, Mesh, RegionPlacements, Replicate, Shard
 from passes.solver import CostModel
 from passes.solver.solve import evaluate_placements
+from tests.helpers.snapshot import TestCase, aot_trace, hlo_text, readable
 
 LINE = Mesh.of(model=4)
 R, S0, S1 = Replicate(), Shard(0), Shard(1)

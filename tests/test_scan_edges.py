@@ -198,7 +198,7 @@ def _run_with_grads(program, frontend):
 
 def _check_zero_length(program, frontend):
     if frontend not in ("eager", "compile") and {"global", "buffer"} & set(program.closures):
-        return  # a real global in a fake-tensor trace is refused by design (see test_trust.py)
+        return  # a real global in a fake-tensor trace is refused by design (see test_no_silent_wrong_results.py)
     expected_carry, expected_ys, expected_grads = _expected(program)
     carry, ys, grads, init_grads = _run_with_grads(program, frontend)
     torch.testing.assert_close([c.detach() for c in carry], expected_carry)

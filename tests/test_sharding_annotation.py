@@ -1,13 +1,13 @@
 """sharding_annotation_hop: semantics, gradient layouts, errors, and Dynamo's guards.
 
-Every frontend's graph of an annotation is in ``hop_db.Annotation`` (``test_frontends.py``)."""
+Every frontend's graph of an annotation is in ``tests.helpers.hop_db.Annotation`` (``test_frontends.py``)."""
 
 import torch
-from snapshot import TestCase, readable, strip_detach
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 from hops import Mesh, Replicate, Shard, ShardingSpec
+from tests.helpers.snapshot import TestCase, readable, strip_detach
 
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))

@@ -4,11 +4,11 @@ import re
 
 import pytest
 import torch
-from snapshot import aot_trace, device, hlo_text
 
 import hops
 import passes
 from hops import Mesh, Replicate, Shard, ShardingSpec
+from tests.helpers.snapshot import aot_trace, device, hlo_text
 
 pytestmark = pytest.mark.xla
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from functorch.compile import aot_function, nop
-from snapshot import TestCase, aot_trace
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 from hops import Mesh, Replicate, Shard
+from tests.helpers.snapshot import TestCase, aot_trace
 
 LINE = Mesh((2,), ("a",))
 GRID = Mesh((2, 2), ("data", "model"))
