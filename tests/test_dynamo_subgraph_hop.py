@@ -32,7 +32,7 @@ class ToySpec(_FxLiteral):
 
 
 # Generated code prints the spec as ``ToySpec(...)``: bind the name there.
-_compat.register_fx_global("ToySpec", "from test_dynamo_subgraph_hop import ToySpec", ToySpec)
+_compat.register_fx_global("ToySpec", "from tests.test_dynamo_subgraph_hop import ToySpec", ToySpec)
 
 
 class ToyMap(BodyHOP):
