@@ -315,10 +315,11 @@ def scan(
     (an object's attributes) is traced on every call, and so is every step with
     ``is_fn_pure=False``.
 
-    Errors name the leaf (by key path, ``xs leaf ['a']``, for a ``dim`` a leaf does not
-    have and for tensors on different devices, ``hops.DeviceMismatchError``): a carry
-    changing shape, dtype or structure (``TypeError``, as in JAX), xs of different lengths,
-    non-tensor outputs, a step writing into its inputs or a tensor it closes over.
+    Errors start with ``scan(<fn's name>): `` and name the leaf by its key path in the
+    argument (``xs['a']``, ``init[1]``; tensors on different devices raise
+    ``hops.DeviceMismatchError``): a carry changing shape, dtype or structure (``TypeError``,
+    as in JAX), xs of different lengths, a ``dim`` an xs leaf does not have, non-tensor
+    outputs, a step writing into its inputs or a tensor it closes over.
     """
     fn = _compat.compiled_function_inside(fn)  # a torch.compile'd step, in compiled code
     name = body_name(fn)
