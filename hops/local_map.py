@@ -308,7 +308,15 @@ def _tensor_names(i: int) -> str:
     return f"tensors[{i}]"
 
 
-def _check_call(body: Any, tensors: Sequence[Any], spec: LocalMapSpec, names: Callable[[int], str] = _tensor_names) -> None:
+def _check_call(
+    body: Any,
+    tensors: Sequence[Any],
+    spec: LocalMapSpec,
+    names: Callable[[int], str] = _tensor_names,
+    entries: Callable[[int], str | None] = lambda i: None,
+) -> None:
+    """Refuse tensors the spec cannot lay out; ``names(i)`` names tensor ``i``, ``entries(i)``
+    the in_placements entry that lays it out (``in_placements[0]['w']``), if known."""
     where = hop_prefix(local_map_hop, body)
     if len(tensors) != len(spec.in_placements):
         raise ValueError(
@@ -325,7 +333,8 @@ def _check_call(body: Any, tensors: Sequence[Any], spec: LocalMapSpec, names: Ca
             continue
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what} must be a Tensor, got {type(tensor).__name__}")
-        _layout.local_shape(tensor.shape, placements, spec.mesh, what)
+        entry = entries(i)
+        _layout.local_shape(tensor.shape, placements, spec.mesh, f"{what} ({entry})" if entry else what)
         # Each alternative gets its own body, traced on its own local shapes: they may differ,
         # but must exist (an even split where the layout needs one).
         for k, option in enumerate(spec.alternatives):
@@ -494,6 +503,26 @@ def _per_leaf(placements: Any, args: tuple, leaves: list, where: str) -> list[An
     )
 
 
+def _per_leaf_names(placements: Any, args: tuple, leaves: list, where: str) -> list[str | None]:
+    """For each leaf ``_per_leaf`` gives placements, the key path of the entry they come
+    from (``in_placements[0]['w']``, or ``in_placements[0]`` broadcast over a whole
+    argument); None where no placements were given."""
+    if placements is None:
+        return [None] * len(leaves)
+    if isinstance(placements, tuple) and len(placements) == len(leaves) and all(_is_placements_leaf(p) for p in placements):
+        return [f"{where}[{i}]" for i in range(len(leaves))]
+    return _broadcast_names(placements, args, where)
+
+
+def _broadcast_names(prefix: Any, tree: Any, where: str) -> list[str]:
+    """``_broadcast``'s leaves named by the key path of the prefix entry each comes from."""
+    if _is_placements_leaf(prefix):
+        return [where] * len(pytree.tree_leaves(tree))
+    if isinstance(prefix, (tuple, list)):
+        return [n for i, (sub, t) in enumerate(zip(prefix, tree)) for n in _broadcast_names(sub, t, f"{where}[{i}]")]
+    return [n for k in tree for n in _broadcast_names(prefix[k], tree[k], f"{where}[{k!r}]")]
+
+
 _OPTION_FIELDS = ("in_placements", "out_placements", "in_grad_placements", "cost_hint")
 
 
@@ -646,9 +675,12 @@ def local_map(
         body = make_body(func, leaves, tensor_positions, args_treespec, plan, structured)
         set_trace_key(body, func, args_treespec, plan, [leaf for p, leaf in enumerate(leaves) if p not in tensor_positions])
         tensors = [leaves[p] for p in tensor_positions]
-        # Leaves are named by key path in the caller's arguments: args[0]['w'].
-        names = lambda i: argument_names(args, kwargs)[tensor_positions[i]]  # noqa: E731
-        _check_call(func, tensors, spec, names)
+        # Leaves are named by key path in the caller's arguments (args[0]['w']), and where a
+        # placement does not fit, also in in_placements (in_placements[0]['w']).
+        arg_names = argument_names(args, kwargs)
+        names = lambda i: arg_names[tensor_positions[i]]  # noqa: E731
+        entries = plan.input_entries(args, leaves[:num_arg_leaves]) + [None] * (len(leaves) - num_arg_leaves)
+        _check_call(func, tensors, spec, names, lambda i: entries[tensor_positions[i]])
         if structured:
             _refuse_other_local_shapes_under_dynamo(name, tensors, spec, names)
         else:
@@ -730,6 +762,10 @@ class _Placements:
             self.tensor_outputs,
             self.grads_spec(tensor_positions, per_leaf, grads_per_leaf, replicated),
         )
+
+    def input_entries(self, args: tuple, leaves: list) -> list[str | None]:
+        """For each argument leaf, the in_placements entry that lays it out, by key path."""
+        return _per_leaf_names(self.in_placements, args, leaves, "in_placements")
 
     def input_grads(self, args: tuple, leaves: list) -> list[Any]:
         return _per_leaf(self.in_grad_placements, args, leaves, f"local_map({self.name}): in_grad_placements")

@@ -66,14 +66,14 @@ BAD_PROGRAMS = [
         "local_map",
         lambda x: hops.local_map(lambda a: a + 1, mesh=MESH, in_placements=ROWS, out_placements=ROWS)(x[:7]),
         ValueError,
-        r"^local_map\(lambda\): args\[0\]: dim 0 has size 7, which does not split evenly over mesh axes \['data'\]",
+        r"^local_map\(lambda\): args\[0\] \(in_placements\[0\]\): dim 0 has size 7, which does not split evenly over mesh axes \['data'\]",
     ),
     (
         "uneven local_map shard of a dict leaf",
         "local_map",
         lambda x: hops.local_map(lambda a: a["w"] + 1, mesh=MESH, in_placements=({"w": ROWS[0]},), out_placements=ROWS)({"w": x[:7]}),
         ValueError,
-        r"^local_map\(lambda\): args\[0\]\['w'\]: dim 0 has size 7, which does not split evenly",
+        r"^local_map\(lambda\): args\[0\]\['w'\] \(in_placements\[0\]\['w'\]\): dim 0 has size 7, which does not split evenly",
     ),
     (
         "local_map body returning more outputs than out_placements",

@@ -574,7 +574,7 @@ class TestErrors(TestCase):
         f = hops.local_map(double, mesh=LINE, in_placements=((Shard(2),),), out_placements=(Shard(0),))
         with self.assertRaisesRegex(
             ValueError,
-            r"^local_map\(double\): args\[0\]: placement hops.Shard\(2\) on mesh axis 'x' shards dim 2, "
+            r"^local_map\(double\): args\[0\] \(in_placements\[0\]\): placement hops.Shard\(2\) on mesh axis 'x' shards dim 2, "
             r"but the tensor has rank 2",
         ):
             f(spread((4, 6)))
@@ -600,7 +600,7 @@ class TestErrors(TestCase):
         )
         with self.assertRaisesRegex(
             ValueError,
-            r"^local_map\(matmul\): args\[1\]: dim 1 has size 6, which does not split evenly over mesh axes "
+            r"^local_map\(matmul\): args\[1\] \(in_placements\[1\]\): dim 1 has size 6, which does not split evenly over mesh axes "
             r"\['data', 'model'\] \(4 ways\); local_map needs even shards",
         ):
             f(spread((4, 3)), spread((3, 6)))
