@@ -44,6 +44,7 @@ from torch._ops import HigherOrderOperator
 from hops import _compat
 from hops._body import BodyInfo, distinct_tensors, inspect_body, lift_closure
 from hops._code_key import CodeKey, code_key
+from hops._errors import call_prefix, hop_prefix, public_name
 from hops._joint import is_tracing
 from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for the HOP modules)
     body_name,
@@ -104,9 +105,9 @@ class OptionBodies:
 
     def __init__(self, bodies: Sequence[Callable], active: int) -> None:
         if not bodies or not all(callable(b) for b in bodies):
-            raise TypeError(f"a HOP's bodies must be a non-empty tuple of callables, got {bodies!r}")
+            raise TypeError(f"OptionBodies(bodies=...) must be a non-empty tuple of callables, got {bodies!r}")
         if not 0 <= active < len(bodies):
-            raise ValueError(f"the active option {active} is not one of the {len(bodies)} bodies")
+            raise ValueError(f"OptionBodies(active=...): option {active} is not one of the {len(bodies)} bodies")
         self.bodies = tuple(flat_body(b) for b in bodies)
         self.active = active
         self.__name__ = self.__qualname__ = body_name(self.bodies[active])
@@ -250,7 +251,7 @@ class BodyHOP(HigherOrderOperator):
 
     def option_failure(self, name: str, spec: Any, index: int, error: Exception) -> Exception:
         """The error for a body that fails under option ``index`` (it runs under the active one)."""
-        return ValueError(f"{self.__name__} {name}: option {index}: the body fails on it: {type(error).__name__}: {error}")
+        return ValueError(f"{call_prefix(public_name(self), name)}: option {index}: the body fails on it: {type(error).__name__}: {error}")
 
     def check_options(self, name: str, steps: Sequence[Sequence[Any]], operands: Sequence[Any], spec: Any) -> None:
         """Refuse options whose bodies' (fake) outputs ``steps`` give the HOP other results
@@ -282,7 +283,7 @@ class BodyHOP(HigherOrderOperator):
         if not args or not isinstance(args[-1], self.spec_type):
             got = type(args[-1]).__name__ if args else "nothing"
             raise TypeError(
-                f"{self.__name__}(body, *operands, spec): the last argument must be a "
+                f"{hop_prefix(self)}: the last argument of {self.__name__}(body, *operands, spec) must be a "
                 f"hops.{self.spec_type.__name__}, got {got}"
             )
         return list(args[:-1]), args[-1]
@@ -310,12 +311,12 @@ class BodyHOP(HigherOrderOperator):
         if isinstance(body, (tuple, list)):  # a node's bodies, one per option
             if len(body) != self.num_options(spec):
                 raise ValueError(
-                    f"{self.__name__}: {len(body)} bodies for a spec with {self.num_options(spec)} options; "
+                    f"{hop_prefix(self)}: {len(body)} bodies for a spec with {self.num_options(spec)} options; "
                     "give one body per option"
                 )
             body = OptionBodies(body, self.active_option(spec))
         if not callable(body):
-            raise TypeError(f"{self.__name__}: body must be callable, got {type(body).__name__}")
+            raise TypeError(f"{hop_prefix(self)}: body must be callable, got {type(body).__name__}")
         self.check(body, operands, spec)
         if isinstance(body, (FlatBody, OptionBodies)):
             # A rule calling the HOP again (or torch-function handling re-entering it): rules
@@ -378,7 +379,7 @@ class BodyHOP(HigherOrderOperator):
         mutated, _ = find_input_mutation_and_aliasing(graph)
         if mutated:
             raise ValueError(
-                f"{self.__name__} {body_name(body)}: the body writes into its input {mutated[0]} in place; "
+                f"{hop_prefix(self, body)}: the body writes into its input {mutated[0]} in place; "
                 "a body must be functional (compute a new tensor and return it instead)"
             )
 
@@ -397,7 +398,7 @@ class BodyHOP(HigherOrderOperator):
 
         operands, spec = self.split_args(args)
         name = body_name(body)
-        refuse_untracked_xla_operands(mode, operands, f"{self.__name__} {name}")
+        refuse_untracked_xla_operands(mode, operands, hop_prefix(self, body))
         count, active = self.num_options(spec), self.active_option(spec)
         graphs, steps = [], []
         for index in range(count):
@@ -432,7 +433,7 @@ class BodyHOP(HigherOrderOperator):
             values = [[tensor for _, tensor in lifted] for lifted in constants]
             if count > 1 and any(len(v) != len(values[active]) or not all(_same_constant(a, b) for a, b in zip(v, values[active])) for v in values):
                 raise NotImplementedError(
-                    f"{self.__name__} {name}: the body makes different tensor constants under different "
+                    f"{hop_prefix(self, body)}: the body makes different tensor constants under different "
                     "alternatives; pass them in as arguments"
                 )
             with mode:

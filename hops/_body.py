@@ -280,7 +280,7 @@ def inspect_body(
     """Run ``body(*inputs)`` once on fake stand-ins (see the module docstring).
 
     ``what`` names the body in errors (``"scan(step)"``); ``input_names(i)`` names input ``i``
-    (``"xs leaf 0"``); ``user_function`` is searched for the name of a closed-over tensor the
+    by key path (``"xs['w']"``); ``user_function`` is searched for the name of a closed-over tensor the
     body writes into. Raises ``BodyMutationError`` naming the tensor the body writes into, and
     ``ValueError`` for Python control flow on a tensor's value while tracing. With ``eager``, a
     body that reads a tensor's value as a Python number cannot be inspected on fakes: the

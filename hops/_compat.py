@@ -434,12 +434,14 @@ def dead_wrapper_rule(hop: Any) -> Any:
     import torch.utils._pytree as pytree
     from torch._C._functorch import unwrap_if_dead
 
+    from hops._errors import hop_prefix
+
     def rule(*args: Any, **kwargs: Any) -> Any:
         unwrapped = pytree.tree_map_only(torch.Tensor, unwrap_if_dead, (args, kwargs))
         before = pytree.tree_leaves((args, kwargs))
         if all(a is b for a, b in zip(before, pytree.tree_leaves(unwrapped))):
             raise RuntimeError(
-                f"{hop.__name__}: reached with a live torch.func tensor while torch.func dispatch is "
+                f"{hop_prefix(hop)}: {hop.__name__} reached with a live torch.func tensor while torch.func dispatch is "
                 "disabled; call it inside the transform"
             )
         args, kwargs = unwrapped

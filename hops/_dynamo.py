@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from hops import _compat
+from hops._errors import hop_prefix
 
 
 def _constant_or_proxy(tx: Any, arg: Any, hop_name: str, position: Any) -> Any:
@@ -231,7 +232,7 @@ def register_subgraph_hop(hop: Any) -> None:
         body_graph, lifted_freevars, treespec = _compat.dynamo_speculate_subgraph(tx, body, body_inputs, hop)
         body_gm = torch.fx.GraphModule(tx.output.nn_modules, body_graph)
         with tx.fake_mode:
-            outputs = _refuse_input_writes(body_gm, example_args, call)
+            outputs = _refuse_input_writes(body_gm, example_args, call, hop_prefix(hop, named))
             hop.check_outputs(named, outputs, fake_args, specs[-1])
             # The node's fake rule, here: what it refuses is raised unwrapped.
             hop.outputs_from_body(outputs, fake_args, specs[-1])
@@ -294,10 +295,11 @@ def _call_description(spec_args: Sequence[Any]) -> _CallDescription | None:
     return None
 
 
-def _refuse_input_writes(body_gm: torch.fx.GraphModule, example_args: Sequence[Any], call: Any) -> list:
+def _refuse_input_writes(body_gm: torch.fx.GraphModule, example_args: Sequence[Any], call: Any, what: str) -> list:
     """Run the traced body on fresh fakes (the body's own inputs, then what it closes over):
     its outputs; a write into one of its own inputs raises eager's ``BodyMutationError`` (the
-    body is traced allowing input writes so that this package, not Dynamo, names the input)."""
+    body is traced allowing input writes so that this package, not Dynamo, names the input).
+    ``what`` names the call where no public function described it (``scan(step)``)."""
     from hops._body import BodyMutationError
 
     placeholders = list(body_gm.graph.find_nodes(op="placeholder"))
@@ -313,8 +315,8 @@ def _refuse_input_writes(body_gm: torch.fx.GraphModule, example_args: Sequence[A
     outputs = body_gm(*inputs)
     for i, (value, version) in enumerate(zip(inputs[: len(example_args)], versions)):
         if isinstance(value, torch.Tensor) and value._version != version:
-            where = call.what if call is not None else "the body"
-            name = call.input_names[i] if call is not None and i < len(call.input_names) else str(i)
+            where = call.what if call is not None else what
+            name = call.input_names[i] if call is not None and i < len(call.input_names) else f"operands[{i}]"
             raise BodyMutationError(
                 f"{where}: the body writes into its input {name} in place; a body must be "
                 "functional (compute a new tensor and return it instead)"

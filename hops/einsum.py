@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
+from hops._errors import call_prefix
 from hops._subgraph import shares_storage as _shares_storage
 from hops.kernel import kernel
 
@@ -65,19 +66,20 @@ def canonical_equation(equation: Any, operands: Sequence[Any]) -> str:
     repeated subscript in one operand (diagonals), or an output subscript no input has.
     """
     if not isinstance(equation, str):
-        raise TypeError(f"hops.einsum(equation=...) must be a str, got {type(equation).__name__} {equation!r}")
+        raise TypeError(f"einsum: equation must be a str, got {type(equation).__name__} {equation!r}")
+    call = call_prefix("einsum", repr(equation))
     text = "".join(equation.split())
     if text.count("->") > 1:
-        raise ValueError(f"hops.einsum: equation {equation!r} has more than one '->'")
+        raise ValueError(f"{call}: the equation has more than one '->'")
     lhs, arrow, rhs = text.partition("->")
     inputs = lhs.split(",")
     if len(inputs) != len(operands):
         raise ValueError(
-            f"hops.einsum: equation {equation!r} has {len(inputs)} operand subscripts but "
+            f"{call}: the equation has {len(inputs)} operand subscripts but "
             f"{len(operands)} operands were given"
         )
     for i, (subscripts, operand) in enumerate(zip(inputs, operands)):
-        where = f"hops.einsum({equation!r}) operand {i}"
+        where = f"{call}: operands[{i}]"
         if not isinstance(operand, (torch.Tensor, torch.fx.Proxy)):
             raise TypeError(f"{where} must be a Tensor, got {type(operand).__name__}")
         tokens = _check_subscripts(subscripts, where)
@@ -89,12 +91,12 @@ def canonical_equation(equation: Any, operands: Sequence[Any]) -> str:
     input_letters = [t for s in inputs for t in _tokens(s) if t != ELLIPSIS]
     has_ellipsis = any(ELLIPSIS in s for s in inputs)
     if arrow:
-        output = _check_subscripts(rhs, f"hops.einsum({equation!r}) output")
+        output = _check_subscripts(rhs, f"{call}: the output")
         for token in output:
             if token == ELLIPSIS and not has_ellipsis:
-                raise ValueError(f"hops.einsum: equation {equation!r} has '...' in the output but in no input")
+                raise ValueError(f"{call}: the equation has '...' in the output but in no input")
             if token != ELLIPSIS and token not in input_letters:
-                raise ValueError(f"hops.einsum: output subscript {token!r} of {equation!r} is in no input")
+                raise ValueError(f"{call}: output subscript {token!r} is in no input")
     else:
         once = sorted(t for t in set(input_letters) if input_letters.count(t) == 1)
         rhs = (ELLIPSIS if has_ellipsis else "") + "".join(once)
@@ -112,7 +114,7 @@ def check_operands(equation: str, operands: Sequence[Any]) -> None:
         first, like = tensors[0]
         if operand.dtype != like.dtype:
             raise TypeError(
-                f"hops.einsum({equation!r}): operand {i} is {operand.dtype} but operand {first} is {like.dtype}; "
+                f"einsum({equation!r}): operands[{i}] is {operand.dtype} but operands[{first}] is {like.dtype}; "
                 "einsum operands must have one dtype (cast one with .to())"
             )
     inputs, _ = _split_equation(equation)
@@ -141,8 +143,8 @@ def check_operands(equation: str, operands: Sequence[Any]) -> None:
             if size != other_size and size != 1:
                 what = f"subscript {key!r}" if isinstance(key, str) else f"dim {key[1]} from the right under '...'"
                 raise ValueError(
-                    f"hops.einsum({equation!r}): {what} has size {other_size} in operand {other} but {size} in "
-                    f"operand {i} (dim {dim} of shape {tuple(operand.shape)}); sizes of one subscript must match "
+                    f"einsum({equation!r}): {what} has size {other_size} in operands[{other}] but {size} in "
+                    f"operands[{i}] (dim {dim} of shape {tuple(operand.shape)}); sizes of one subscript must match "
                     "(or be 1, broadcast)"
                 )
 
@@ -316,22 +318,22 @@ def einsum_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """
     for argument, value in (("x", x), ("weight", weight), ("bias", bias)):
         if not (value is None and argument == "bias") and not isinstance(value, (torch.Tensor, torch.fx.Proxy)):
-            raise TypeError(f"hops.einsum_linear({argument}=...) must be a Tensor, got {type(value).__name__}")
+            raise TypeError(f"einsum_linear: {argument} must be a Tensor, got {type(value).__name__}")
     if isinstance(weight, torch.Tensor) and weight.dim() != 2:
-        raise ValueError(f"hops.einsum_linear(weight=...) must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
+        raise ValueError(f"einsum_linear: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
     if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and (x.dim() == 0 or x.shape[-1] != weight.shape[1]):
         raise ValueError(
-            f"hops.einsum_linear: x has shape {tuple(x.shape)}, but weight {tuple(weight.shape)} takes "
+            f"einsum_linear: x has shape {tuple(x.shape)}, but weight {tuple(weight.shape)} takes "
             f"{weight.shape[1]} input features in the last dim"
         )
     for argument, value in (("weight", weight), ("bias", bias)):
         if isinstance(value, torch.Tensor) and isinstance(x, torch.Tensor) and value.dtype != x.dtype:
             raise TypeError(
-                f"hops.einsum_linear: x is {x.dtype} but {argument} is {value.dtype}; x, weight and bias must have one dtype"
+                f"einsum_linear: x is {x.dtype} but {argument} is {value.dtype}; x, weight and bias must have one dtype"
             )
     if isinstance(bias, torch.Tensor) and isinstance(weight, torch.Tensor) and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(
-            f"hops.einsum_linear(bias=...) must have shape ({weight.shape[0]},), got {tuple(bias.shape)}"
+            f"einsum_linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}"
         )
     if bias is None:
         return einsum_kernel(x, weight, equation=_LINEAR)
@@ -355,7 +357,7 @@ def patch_linear(module: torch.nn.Module) -> torch.nn.Module:
     ``m.__class__ = torch.nn.Linear``.
     """
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"hops.patch_linear(module=...) must be a torch.nn.Module, got {type(module).__name__}")
+        raise TypeError(f"patch_linear: module must be a torch.nn.Module, got {type(module).__name__}")
     for submodule in module.modules():
         if type(submodule) is torch.nn.Linear:
             submodule.__class__ = EinsumLinear

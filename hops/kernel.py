@@ -45,6 +45,7 @@ from torch.fx.experimental.proxy_tensor import (
 
 from hops import _compat, _dynamo, _inductor
 from hops._body import version_counter
+from hops._errors import call_prefix
 from hops._joint import is_tracing
 from hops._subgraph import fresh_outputs, refuse_untracked_xla_operands
 from hops._targets import load_device_rules
@@ -223,7 +224,8 @@ class Kernel(HigherOrderOperator):
                 )
 
     def describe(self) -> str:
-        return f"kernel {self.kernel_name}"
+        """``kernel(scaled_tanh)``: how errors about this kernel begin (``hops._errors``)."""
+        return call_prefix("kernel", self.kernel_name)
 
     @property
     def op(self) -> torch._ops.OpOverload:
@@ -254,7 +256,7 @@ class Kernel(HigherOrderOperator):
         wanted = [self.input_name(i) for i, need in enumerate(needs_input_grad) if need]
         if self.backward_rule is None:
             raise RuntimeError(
-                f"{self.describe()} has no backward, but a gradient is needed for {', '.join(wanted)}: "
+                f"{self.describe()}: no backward, but a gradient is needed for {', '.join(wanted)}: "
                 f"pass backward= to hops.kernel (called as backward(*inputs, *outputs, *grad_outputs, "
                 "**params), returning one gradient or None per tensor input)"
             )
@@ -340,29 +342,29 @@ def kernel(
     """
     if abstract is None:
         raise TypeError(
-            "hops.kernel(abstract=...) is required: a function of the kernel's arguments (fake "
+            "kernel: abstract= is required: a function of the kernel's arguments (fake "
             "tensors) that returns fake outputs of the right shapes and dtypes"
         )
     for argument, value in (("abstract", abstract), ("backward", backward), ("jvp", jvp), ("xla", xla)):
         if value is not None and not callable(value):
-            raise TypeError(f"hops.kernel({argument}=...) must be callable, got {type(value).__name__} {value!r}")
+            raise TypeError(f"kernel: {argument} must be callable, got {type(value).__name__} {value!r}")
     if name is not None and (not isinstance(name, str) or not name.isidentifier()):
-        raise ValueError(f"hops.kernel(name=...) must be a Python identifier, got {name!r}")
+        raise ValueError(f"kernel: name must be a Python identifier, got {name!r}")
 
     def define(fn: Callable) -> Kernel:
         if not callable(fn):
-            raise TypeError(f"hops.kernel must decorate a callable, got {type(fn).__name__}")
+            raise TypeError(f"kernel: hops.kernel must decorate a callable, got {type(fn).__name__}")
         kernel_name = name if name is not None else getattr(fn, "__name__", "")
         if not isinstance(kernel_name, str) or not kernel_name.isidentifier():
             raise ValueError(
-                f"hops.kernel: {_origin(fn)} has no usable name ({kernel_name!r}); pass name=... "
+                f"kernel: {_origin(fn)} has no usable name ({kernel_name!r}); pass name=... "
                 "(a Python identifier)"
             )
         existing = _compat.registered_hop(f"hops_kernel_{kernel_name}")
         if existing is not None and not (isinstance(existing, Kernel) and existing.origin == _origin(fn)):
             where = existing.origin if isinstance(existing, Kernel) else type(existing).__name__
             raise ValueError(
-                f"hops.kernel: a kernel named {kernel_name!r} is already defined (by {where}); "
+                f"kernel({kernel_name}): a kernel named {kernel_name!r} is already defined (by {where}); "
                 f"{_origin(fn)} needs another name: pass name=..."
             )
         defined = Kernel(fn, name=kernel_name, abstract=abstract, backward=backward, xla=xla, jvp=jvp)
@@ -424,7 +426,7 @@ def _eager(kernel_hop: Kernel, *tensors_and_params: Any):
     for i, (t, version) in enumerate(zip(tensors, versions)):
         if version_counter(t) != version:
             raise ValueError(
-                f"{kernel_hop.describe()} wrote into its input {kernel_hop.input_name(i)} in place; "
+                f"{kernel_hop.describe()}: the kernel wrote into its input {kernel_hop.input_name(i)} in place; "
                 "a kernel must be functional (return new tensors)"
             )
     outputs = _check_outputs(kernel_hop, outputs, "the kernel", tensors)
@@ -485,7 +487,7 @@ def _fake(kernel_hop: Kernel, mode: FakeTensorMode, *tensors_and_params: Any):
     for j, output in enumerate((outputs,) if isinstance(outputs, torch.Tensor) else outputs):
         if not isinstance(output, FakeTensor):
             raise TypeError(
-                f"{kernel_hop.describe()}: abstract returned a real tensor as output {j}; build "
+                f"{kernel_hop.describe()}: abstract returned a real tensor as output[{j}]; build "
                 "outputs from the (fake) inputs, e.g. x.new_empty(shape)"
             )
     return outputs
@@ -561,7 +563,7 @@ class _KernelFunction(torch.autograd.Function):
         kernel_hop = ctx.kernel_hop
         if kernel_hop.jvp_rule is None:
             raise NotImplementedError(
-                f"{kernel_hop.describe()} has no forward-mode derivative (forward AD, torch.func.jvp, "
+                f"{kernel_hop.describe()}: no forward-mode derivative (forward AD, torch.func.jvp, "
                 "jacfwd, linearize, hessian): give hops.kernel(jvp=...), or use reverse mode "
                 "(torch.func.grad, jacrev)"
             )

@@ -49,6 +49,7 @@ from hops._base import (
     set_trace_key,
 )
 from hops._body import version_counter
+from hops._errors import call_prefix, hop_prefix, leaf_names
 from hops._subgraph import body_name, named, rename_inner_function
 from hops.specs import (
     LocalMapSpec,
@@ -87,10 +88,10 @@ class LocalMap(BodyHOP):
         return tuple(_local_examples(tensors, spec))
 
     def outputs_from_body(self, outputs: Sequence[Any], tensors: Sequence[Any], spec: LocalMapSpec) -> tuple:
-        name = "local_map"
+        name = None
         _check_outputs(name, outputs, spec)
         shapes = [
-            _layout.global_shape(output.shape, placements, spec.mesh, f"local_map: output {j}")
+            _layout.global_shape(output.shape, placements, spec.mesh, f"local_map: output[{j}]")
             for j, (output, placements) in enumerate(zip(outputs, spec.out_placements))
         ]
         return tuple(output.new_empty(shape) for output, shape in zip(outputs, shapes))
@@ -195,7 +196,7 @@ class _AlternativesPlan(AutogradPlan):
         for k, plan in enumerate(self.plans):
             if (plan.needs_grad, plan.differentiable) != (first.needs_grad, first.differentiable):
                 raise ValueError(
-                    f"local_map {self.name}: alternative {k}'s body connects other inputs to its differentiable outputs "
+                    f"local_map({self.name}): alternative {k}'s body connects other inputs to its differentiable outputs "
                     f"than alternative {self.active}'s; every alternative must compute the same function"
                 )
         self.needs_grad = first.needs_grad
@@ -205,7 +206,7 @@ class _AlternativesPlan(AutogradPlan):
         if self.packed:
             if not all(isinstance(size, int) for signature in signatures for shape, _ in signature for size in shape):
                 raise NotImplementedError(
-                    f"local_map {self.name}: alternatives whose residuals differ in shape need static shapes to be "
+                    f"local_map({self.name}): alternatives whose residuals differ in shape need static shapes to be "
                     "differentiated while traced (their residuals are packed into buffers of the largest size)"
                 )
             self.dtypes = list(dict.fromkeys(dtype for signature in signatures for _, dtype in signature))
@@ -301,14 +302,29 @@ def _per_device(mesh: Mesh) -> tuple[Placement, ...]:
     return tuple(Shard(0) for _ in mesh.shape)
 
 
-def _check_call(body: Any, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
+def _tensor_names(i: int) -> str:
+    """The HOP's tensor operands named as the node holds them (the public ``local_map``
+    names them by key path in its arguments: ``args[0]['w']``)."""
+    return f"tensors[{i}]"
+
+
+def _check_call(
+    body: Any,
+    tensors: Sequence[Any],
+    spec: LocalMapSpec,
+    names: Callable[[int], str] = _tensor_names,
+    entries: Callable[[int], str | None] = lambda i: None,
+) -> None:
+    """Refuse tensors the spec cannot lay out; ``names(i)`` names tensor ``i``, ``entries(i)``
+    the in_placements entry that lays it out (``in_placements[0]['w']``), if known."""
+    where = hop_prefix(local_map_hop, body)
     if len(tensors) != len(spec.in_placements):
         raise ValueError(
-            f"local_map {body_name(body)}: {len(tensors)} tensor inputs but in_placements has "
+            f"{where}: {len(tensors)} tensor inputs but in_placements has "
             f"{len(spec.in_placements)} entries"
         )
     for i, (tensor, placements) in enumerate(zip(tensors, spec.in_placements)):
-        what = f"local_map {body_name(body)}: input {i}"
+        what = f"{where}: {names(i)}"
         if isinstance(tensor, torch.fx.Proxy):
             continue
         if placements is None:
@@ -317,7 +333,8 @@ def _check_call(body: Any, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
             continue
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what} must be a Tensor, got {type(tensor).__name__}")
-        _layout.local_shape(tensor.shape, placements, spec.mesh, what)
+        entry = entries(i)
+        _layout.local_shape(tensor.shape, placements, spec.mesh, f"{what} ({entry})" if entry else what)
         # Each alternative gets its own body, traced on its own local shapes: they may differ,
         # but must exist (an even split where the layout needs one).
         for k, option in enumerate(spec.alternatives):
@@ -336,11 +353,11 @@ def _check_option_outputs(name: str, steps: Sequence[Sequence[Any]], spec: Local
         option = spec.alternatives[k]
         if len(steps[k]) != len(option.out_placements):
             raise ValueError(
-                f"local_map {name}: alternative {k}'s body returns {len(steps[k])} tensors for "
+                f"local_map({name}): alternative {k}'s body returns {len(steps[k])} tensors for "
                 f"{len(option.out_placements)} out_placements"
             )
         return [
-            (tuple(_layout.global_shape(o.shape, p, spec.mesh, f"local_map {name}: output {j} (alternative {k})")), o.dtype)
+            (tuple(_layout.global_shape(o.shape, p, spec.mesh, f"local_map({name}): output[{j}] (alternative {k})")), o.dtype)
             for j, (o, p) in enumerate(zip(steps[k], option.out_placements))
         ]
 
@@ -350,13 +367,15 @@ def _check_option_outputs(name: str, steps: Sequence[Sequence[Any]], spec: Local
         for j, (mine, theirs) in enumerate(zip(got, expected)):
             if mine != theirs:
                 raise ValueError(
-                    f"local_map {name}: output {j}: alternative {k} ({spec.alternatives[k]!r}) makes it of global "
+                    f"local_map({name}): output[{j}]: alternative {k} ({spec.alternatives[k]!r}) makes it of global "
                     f"shape {mine[0]} and dtype {mine[1]}, the active alternative {active} {theirs[0]} and {theirs[1]}; "
                     "every alternative must give the same global shapes"
                 )
 
 
-def _check_alternatives_eagerly(name: str, body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
+def _check_alternatives_eagerly(
+    name: str, body: Callable, tensors: Sequence[Any], spec: LocalMapSpec, names: Callable[[int], str] = _tensor_names
+) -> None:
     """Run every alternative's body on fake local tensors (a tracer traces each anyway) and
     refuse one that fails on its local shapes or gives other global outputs. A body that
     cannot run on fake tensors (it reads tensor values in Python) is checked when traced."""
@@ -372,7 +391,7 @@ def _check_alternatives_eagerly(name: str, body: Callable, tensors: Sequence[Any
             examples = [
                 t if p is None or not isinstance(t, torch.Tensor)
                 else torch.empty(
-                    _layout.local_shape(t.shape, p, spec.mesh, f"local_map {name}: input {i} (alternative {k})"),
+                    _layout.local_shape(t.shape, p, spec.mesh, f"local_map({name}): {names(i)} (alternative {k})"),
                     dtype=t.dtype,
                     device=t.device,
                 )
@@ -387,7 +406,9 @@ def _check_alternatives_eagerly(name: str, body: Callable, tensors: Sequence[Any
     _check_option_outputs(name, steps, spec)
 
 
-def _refuse_other_local_shapes_under_dynamo(name: str, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
+def _refuse_other_local_shapes_under_dynamo(
+    name: str, tensors: Sequence[Any], spec: LocalMapSpec, names: Callable[[int], str] = _tensor_names
+) -> None:
     """Dynamo traces a region's body once, on the active alternative's local shapes (its
     shapes, and values derived from them, become constants of that graph): an alternative
     with other local shapes would run that graph on shapes it was not traced for."""
@@ -395,17 +416,18 @@ def _refuse_other_local_shapes_under_dynamo(name: str, tensors: Sequence[Any], s
         for i, (t, mine, active) in enumerate(zip(tensors, option.in_placements, spec.in_placements)):
             if mine is None or not isinstance(t, torch.Tensor):
                 continue
-            if _layout.local_shape(t.shape, mine, spec.mesh, f"input {i}") != _layout.local_shape(t.shape, active, spec.mesh, f"input {i}"):
+            what = f"local_map({name}): {names(i)}"
+            if _layout.local_shape(t.shape, mine, spec.mesh, what) != _layout.local_shape(t.shape, active, spec.mesh, what):
                 raise _dynamo.TracingRefusal(
                     f"local_map({name}): under torch.compile, alternative {k} gives the body other local shapes "
-                    f"than the active placements (input {i}); Dynamo traces the body once, so such alternatives "
+                    f"than the active placements ({names(i)}); Dynamo traces the body once, so such alternatives "
                     "are traced with make_fx / torch.export / AOTAutograd (one body per alternative), or run eagerly"
                 )
 
 
 def _alternative_failure(name: str, spec: LocalMapSpec, index: int, error: Exception) -> ValueError:
     return ValueError(
-        f"local_map {name}: alternative {index} ({spec.alternatives[index]!r}): the body fails on that "
+        f"local_map({name}): alternative {index} ({spec.alternatives[index]!r}): the body fails on that "
         f"alternative's local shapes: {type(error).__name__}: {error}"
     )
 
@@ -481,6 +503,26 @@ def _per_leaf(placements: Any, args: tuple, leaves: list, where: str) -> list[An
     )
 
 
+def _per_leaf_names(placements: Any, args: tuple, leaves: list, where: str) -> list[str | None]:
+    """For each leaf ``_per_leaf`` gives placements, the key path of the entry they come
+    from (``in_placements[0]['w']``, or ``in_placements[0]`` broadcast over a whole
+    argument); None where no placements were given."""
+    if placements is None:
+        return [None] * len(leaves)
+    if isinstance(placements, tuple) and len(placements) == len(leaves) and all(_is_placements_leaf(p) for p in placements):
+        return [f"{where}[{i}]" for i in range(len(leaves))]
+    return _broadcast_names(placements, args, where)
+
+
+def _broadcast_names(prefix: Any, tree: Any, where: str) -> list[str]:
+    """``_broadcast``'s leaves named by the key path of the prefix entry each comes from."""
+    if _is_placements_leaf(prefix):
+        return [where] * len(pytree.tree_leaves(tree))
+    if isinstance(prefix, (tuple, list)):
+        return [n for i, (sub, t) in enumerate(zip(prefix, tree)) for n in _broadcast_names(sub, t, f"{where}[{i}]")]
+    return [n for k in tree for n in _broadcast_names(prefix[k], tree[k], f"{where}[{k!r}]")]
+
+
 _OPTION_FIELDS = ("in_placements", "out_placements", "in_grad_placements", "cost_hint")
 
 
@@ -505,7 +547,7 @@ def _alternatives(name: str, alternatives: Any) -> list[dict[str, Any]]:
         # Text ("S(0)R, RR") is one entry per flattened input, as RegionPlacements reads it.
         options.append(
             {
-                field: parse_groups(option[field], f"local_map({name}) alternative {k} {field}")
+                field: parse_groups(option[field], f"local_map({name}): alternative {k} {field}")
                 if isinstance(option.get(field), str)
                 else option.get(field)
                 for field in _OPTION_FIELDS
@@ -584,7 +626,7 @@ def local_map(
         )
     name = body_name(func)
     if not callable(func):
-        raise TypeError(f"local_map(func=...) must be callable, got {type(func).__name__}")
+        raise TypeError(f"local_map: func must be callable, got {type(func).__name__}")
     fixed_mesh = _mesh_of(mesh, device_mesh, name)
     options = _alternatives(name, alternatives)
     plans: dict[Mesh, list[_Placements]] = {}
@@ -633,19 +675,25 @@ def local_map(
         body = make_body(func, leaves, tensor_positions, args_treespec, plan, structured)
         set_trace_key(body, func, args_treespec, plan, [leaf for p, leaf in enumerate(leaves) if p not in tensor_positions])
         tensors = [leaves[p] for p in tensor_positions]
+        # Leaves are named by key path in the caller's arguments (args[0]['w']), and where a
+        # placement does not fit, also in in_placements (in_placements[0]['w']).
+        arg_names = argument_names(args, kwargs)
+        names = lambda i: arg_names[tensor_positions[i]]  # noqa: E731
+        entries = plan.input_entries(args, leaves[:num_arg_leaves]) + [None] * (len(leaves) - num_arg_leaves)
+        _check_call(func, tensors, spec, names, lambda i: entries[tensor_positions[i]])
         if structured:
-            _refuse_other_local_shapes_under_dynamo(name, tensors, spec)
+            _refuse_other_local_shapes_under_dynamo(name, tensors, spec, names)
         else:
-            _check_alternatives_eagerly(name, body, tensors, spec)
+            _check_alternatives_eagerly(name, body, tensors, spec, names)
         outputs = call_body_hop(
             local_map_hop,
             body,
             tensors,
             spec,
             what=f"local_map({name})",
-            input_names=lambda i: f"leaf {tensor_positions[i]}",
+            input_names=names,
             user_function=func,
-            device_names=lambda i: argument_names(args, kwargs)[tensor_positions[i]],
+            device_names=names,
         )
         return outputs if structured else plan.restructure(outputs, body)
 
@@ -668,9 +716,9 @@ class _Placements:
                 f"local_map({name}): in_grad_placements has {len(in_grad_placements)} entries but in_placements has "
                 f"{len(in_placements)}: give one per input, as in_placements does"
             )
-        self.in_placements = None if in_placements is None else _normalize(tuple(in_placements), mesh, f"local_map({name}) in_placements")
+        self.in_placements = None if in_placements is None else _normalize(tuple(in_placements), mesh, f"local_map({name}): in_placements")
         self.in_grad_placements = (
-            None if in_grad_placements is None else _normalize(tuple(in_grad_placements), mesh, f"local_map({name}) in_grad_placements")
+            None if in_grad_placements is None else _normalize(tuple(in_grad_placements), mesh, f"local_map({name}): in_grad_placements")
         )
         if out_placements is None:
             # torch's local_map: None is one output wrapped with no placements, i.e. replicated
@@ -679,10 +727,10 @@ class _Placements:
         if _is_placements(out_placements):
             # One output's placements given alone: [Shard(0)] or (Shard(0), Replicate()).
             self.out_tree = None
-            self.out_flat: list[Any] = [placements_tuple(out_placements, mesh, f"local_map({name}) out_placements")]
+            self.out_flat: list[Any] = [placements_tuple(out_placements, mesh, f"local_map({name}): out_placements")]
             self.single = True
         else:
-            normalized = _normalize(out_placements, mesh, f"local_map({name}) out_placements")
+            normalized = _normalize(out_placements, mesh, f"local_map({name}): out_placements")
             self.single = False
             if isinstance(normalized, tuple) and all(_is_placements_leaf(p) for p in normalized):
                 # torch's form: one entry per flattened output.
@@ -695,7 +743,7 @@ class _Placements:
             raise LocalMapArgumentError(f"local_map({name}): out_placements gives placements for no tensor output")
 
     def inputs(self, args: tuple, leaves: list) -> list[Any]:
-        return _per_leaf(self.in_placements, args, leaves, f"local_map({self.name}) in_placements")
+        return _per_leaf(self.in_placements, args, leaves, f"local_map({self.name}): in_placements")
 
     def spec(self, args: tuple, leaves: list, num_arg_leaves: int, tensor_positions: list[int]) -> LocalMapSpec:
         """The region's spec for a call with these flattened arguments."""
@@ -704,8 +752,8 @@ class _Placements:
         for position, (leaf, placements) in enumerate(zip(leaves, per_leaf)):
             if not isinstance(leaf, torch.Tensor) and placements is not None:
                 raise LocalMapTypeError(
-                    f"local_map({self.name}): in_placements gives placements for input leaf {position}, which is "
-                    f"a {type(leaf).__name__}, not a tensor; use None for non-tensor inputs"
+                    f"local_map({self.name}): in_placements gives placements for {leaf_names('args', args)[position]}, "
+                    f"which is a {type(leaf).__name__}, not a tensor; use None for non-tensor inputs"
                 )
         replicated = tuple(Replicate() for _ in self.mesh.shape)
         return LocalMapSpec(
@@ -715,8 +763,12 @@ class _Placements:
             self.grads_spec(tensor_positions, per_leaf, grads_per_leaf, replicated),
         )
 
+    def input_entries(self, args: tuple, leaves: list) -> list[str | None]:
+        """For each argument leaf, the in_placements entry that lays it out, by key path."""
+        return _per_leaf_names(self.in_placements, args, leaves, "in_placements")
+
     def input_grads(self, args: tuple, leaves: list) -> list[Any]:
-        return _per_leaf(self.in_grad_placements, args, leaves, f"local_map({self.name}) in_grad_placements")
+        return _per_leaf(self.in_grad_placements, args, leaves, f"local_map({self.name}): in_grad_placements")
 
     def grads_spec(self, positions: list[int], per_leaf: list, grads_per_leaf: list, replicated: tuple) -> Any:
         if self.in_grad_placements is None:
@@ -742,18 +794,28 @@ class _Placements:
         )
         if leaves is None or len(leaves) != len(self.out_flat):
             raise LocalMapArgumentError(
-                f"local_map({self.name}) returned {described}, which does not match out_placements: "
+                f"local_map({self.name}): returned {described}, which does not match out_placements: "
                 f"{len(self.out_flat)} placements for {'?' if leaves is None else len(leaves)} outputs"
             )
         for i, (leaf, placements) in enumerate(zip(leaves, self.out_flat)):
             if isinstance(leaf, torch.Tensor) and placements is None:
-                raise LocalMapArgumentError(f"local_map({self.name}): output {i} is a tensor but its out_placements entry is None")
+                raise LocalMapArgumentError(
+                    f"local_map({self.name}): {self.output_name(i, result)} is a tensor but its out_placements entry is None"
+                )
             if not isinstance(leaf, torch.Tensor) and placements is not None:
                 raise LocalMapTypeError(
-                    f"local_map({self.name}) returned {described}, which does not match out_placements: output {i} is "
-                    f"a {type(leaf).__name__}, which takes None placements"
+                    f"local_map({self.name}): returned {described}, which does not match out_placements: "
+                    f"{self.output_name(i, result)} is a {type(leaf).__name__}, which takes None placements"
                 )
         return leaves
+
+    def output_name(self, i: int, result: Any) -> str:
+        """The ``i``-th output leaf (in out_placements order) named by its key path in the
+        body's result: ``output['a']``, ``output[1]``; ``output`` for a single tensor."""
+        if self.single and isinstance(result, torch.Tensor):
+            return "output"
+        tree = result if self.out_tree is None else pytree.tree_unflatten(list(range(len(self.out_flat))), self.out_tree)
+        return leaf_names("output", tree)[i]
 
     def structure(self, leaves: list[Any], result: Any) -> Any:
         """``leaves`` (in out_placements order) in the structure the caller gets."""
@@ -853,16 +915,18 @@ def _make_body(
 # --------------------------------------------------------------------------- eager
 
 
-def _check_outputs(name: str, outputs: Sequence[Any], spec: LocalMapSpec) -> tuple[torch.Tensor, ...]:
+def _check_outputs(name: str | None, outputs: Sequence[Any], spec: LocalMapSpec) -> tuple[torch.Tensor, ...]:
+    """The body's flat tensor outputs fit out_placements (named as the node's: ``output[j]``)."""
+    where = call_prefix("local_map", name)
     if len(outputs) != len(spec.out_placements):
         raise TypeError(
-            f"local_map {name}: the body must return {len(spec.out_placements)} tensors "
+            f"{where}: the body must return {len(spec.out_placements)} tensors "
             f"(one per out_placements entry), got {len(outputs)}"
         )
     for j, (output, placements) in enumerate(zip(outputs, spec.out_placements)):
         if not isinstance(output, torch.Tensor):
-            raise TypeError(f"local_map {name}: output {j} is a {type(output).__name__}, not a tensor")
-        _layout.check_rank(output.dim(), placements, spec.mesh, f"local_map {name}: output {j}")
+            raise TypeError(f"{where}: output[{j}] is a {type(output).__name__}, not a tensor")
+        _layout.check_rank(output.dim(), placements, spec.mesh, f"{where}: output[{j}]")
     return tuple(outputs)
 
 
@@ -900,7 +964,7 @@ class _Distribute(torch.autograd.Function):
         }
         # Derived lazily: an input whose gradient is never asked for needs no layout for it.
         grad_placements = ctx.spec.grad_placement(ctx.index)
-        grad = _layout.assemble(pieces, grad_placements, mesh, f"the gradient of {ctx.what}")
+        grad = _layout.assemble(pieces, grad_placements, mesh, f"{ctx.what}.grad")
         return None, None, None, grad
 
     @staticmethod
@@ -916,7 +980,7 @@ def simulate(body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> tupl
     name = body_name(body)
     if _compat.differentiating_over_functionalize():
         raise NotImplementedError(
-            f"local_map {name}: torch.func cannot differentiate a local_map region under "
+            f"local_map({name}): torch.func cannot differentiate a local_map region under "
             "torch.func.functionalize (torch has no functionalize rule for the autograd Functions "
             "that assemble its gradients); functionalize inside the gradient (grad(functionalize(f))), "
             "or trace with make_fx / torch.compile, which functionalize themselves"
@@ -927,7 +991,7 @@ def simulate(body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> tupl
         if placements is None:
             per_input.append([t] * len(coordinates))
         else:
-            per_input.append(_Distribute.apply(spec, i, f"local_map {name} input {i}", t))
+            per_input.append(_Distribute.apply(spec, i, f"local_map({name}): tensors[{i}]", t))
     pieces: list[dict[tuple[int, ...], torch.Tensor]] = [{} for _ in spec.out_placements]
     for d, coordinate in enumerate(coordinates):
         local = [pieces_of_input[d] for pieces_of_input in per_input]
@@ -936,11 +1000,11 @@ def simulate(body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> tupl
         outputs = _check_outputs(name, pytree.tree_leaves(body(*local)), spec)
         for i, (t, version) in enumerate(zip(local_tensors, versions)):
             if version_counter(t) != version:
-                raise ValueError(f"{name} writes into its input {i} in place; a region body must be functional")
+                raise ValueError(f"local_map({name}): the body writes into its input tensors[{i}] in place; a region body must be functional")
         for j, output in enumerate(outputs):
             pieces[j][coordinate] = output
     return tuple(
-        _assemble_output(p, placements, spec, f"local_map {name}: output {j}")
+        _assemble_output(p, placements, spec, f"local_map({name}): output[{j}]")
         for j, (p, placements) in enumerate(zip(pieces, spec.out_placements))
     )
 

@@ -39,6 +39,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hops import _compat, _dynamo, _inductor
 from hops._base import BodyHOP, argument_names, call_body_hop, fresh_outputs, set_trace_key
 from hops._body import version_counter
+from hops._errors import call_prefix, hop_prefix
 from hops._subgraph import body_name, rename_inner_function
 from hops.specs import _FxLiteral, register_spec_type
 
@@ -87,15 +88,15 @@ class NamedScope(BodyHOP):
         for i, value in enumerate(inputs):
             if not isinstance(value, (torch.Tensor, int, torch.SymInt)):
                 raise TypeError(
-                    f"named scope {spec.name!r} ({body_name(body)}): input {i} must be a Tensor (or an int), "
-                    f"got {type(value).__name__}"
+                    f"{hop_prefix(self, body)}: inputs[{i}] must be a Tensor (or an int), got {type(value).__name__} "
+                    f"(scope {spec.name!r})"
                 )
 
     def body_inputs(self, inputs: Sequence[Any], spec: ScopeSpec) -> tuple:
         return tuple(inputs)
 
     def outputs_from_body(self, outputs: Sequence[Any], inputs: Sequence[Any], spec: ScopeSpec) -> tuple:
-        _check_outputs(spec, outputs)
+        _check_outputs(None, spec, outputs)
         return tuple(o.new_empty_strided(o.size(), o.stride()) for o in outputs)
 
     def run(self, body: Callable, inputs: Sequence[Any], spec: ScopeSpec) -> tuple:
@@ -124,11 +125,14 @@ def named_scope(name: str) -> _ScopeDecorator:
     ``TypeError``/``ValueError`` for a name that is not a non-empty str, a non-callable, or a
     function returning anything else.
     """
-    spec = ScopeSpec(name)
+    try:
+        spec = ScopeSpec(name)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"named_scope: {error}") from None
 
     def decorate(fn: Callable) -> Callable:
         if not callable(fn):
-            raise TypeError(f"hops.named_scope({name!r}) must wrap a callable, got {type(fn).__name__} {fn!r}")
+            raise TypeError(f"named_scope: hops.named_scope({name!r}) must wrap a callable, got {type(fn).__name__} {fn!r}")
         make_body = rename_inner_function(_make_body, "body", body_name(fn))
 
         @functools.wraps(fn)
@@ -143,8 +147,9 @@ def named_scope(name: str) -> _ScopeDecorator:
                 body,
                 tensors,
                 spec,
-                what=f"hops.named_scope({name!r}) {body_name(fn)}",
-                input_names=lambda i: f"argument leaf {tensor_positions[i]}",
+                what=hop_prefix(named_scope_hop, fn),
+                # Leaves are named by key path in the caller's arguments: args[0]['w'].
+                input_names=lambda i: argument_names(args, kwargs)[tensor_positions[i]],
                 user_function=fn,
                 device_names=lambda i: argument_names(args, kwargs)[tensor_positions[i]],
             )
@@ -166,7 +171,7 @@ class _ScopeDecorator:
 
     def __enter__(self) -> None:
         raise TypeError(
-            f"hops.named_scope({self.name!r}) is a decorator, not a context manager: a scope is a "
+            f"named_scope: hops.named_scope({self.name!r}) is a decorator, not a context manager: a scope is a "
             f"region of the graph with inputs and outputs, so put the code in a function and write "
             f"@hops.named_scope({self.name!r}) above it, or call hops.named_scope({self.name!r})(fn)(*args)"
         )
@@ -187,9 +192,8 @@ def _make_body(fn: Callable, leaves: list[Any], tensor_positions: list[int], tre
         result = fn(*args, **kwargs)
         if not pytree.tree_leaves(result) or not all(isinstance(r, torch.Tensor) for r in pytree.tree_leaves(result)):
             raise TypeError(
-                f"hops.named_scope({spec.name!r}): {body_name(fn)} returned "
-                f"{pytree.tree_map(lambda r: type(r).__name__, result)}, expected a Tensor or a "
-                "pytree of Tensors"
+                f"{hop_prefix(named_scope_hop, fn)}: returned {pytree.tree_map(lambda r: type(r).__name__, result)}, "
+                f"expected a Tensor or a pytree of Tensors (scope {spec.name!r})"
             )
         return result
 
@@ -199,11 +203,11 @@ def _make_body(fn: Callable, leaves: list[Any], tensor_positions: list[int], tre
 # --------------------------------------------------------------------------- eager
 
 
-def _check_outputs(spec: ScopeSpec, outputs: Sequence[Any]) -> None:
+def _check_outputs(name: str | None, spec: ScopeSpec, outputs: Sequence[Any]) -> None:
     if not outputs or not all(isinstance(o, torch.Tensor) for o in outputs):
         raise TypeError(
-            f"named scope {spec.name!r}: the body returned {[type(o).__name__ for o in outputs]}, "
-            "expected one or more Tensors"
+            f"{call_prefix('named_scope', name)}: the body returned {[type(o).__name__ for o in outputs]}, "
+            f"expected one or more Tensors (scope {spec.name!r})"
         )
 
 
@@ -235,11 +239,11 @@ def _run_region(body: Callable, inputs: Sequence[Any], spec: ScopeSpec) -> tuple
     tensors = [(i, t) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)]
     versions = [version_counter(t) for _, t in tensors]
     outputs = pytree.tree_leaves(run_in_scope(body, inputs, spec))
-    _check_outputs(spec, outputs)
+    _check_outputs(name, spec, outputs)
     for (i, t), version in zip(tensors, versions):
         if version_counter(t) != version:
             raise ValueError(
-                f"{name} writes into its input {i} in place; a named scope's body must be functional"
+                f"named_scope({name}): the body writes into its input inputs[{i}] in place; a named scope's body must be functional"
             )
     return fresh_outputs(outputs, [t for _, t in tensors])
 

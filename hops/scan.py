@@ -40,6 +40,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hops import _compat, _dynamo, _inductor
 from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, flat_body, fresh_outputs, plan_body, set_trace_key
 from hops._body import run_on_stand_ins
+from hops._errors import call_prefix, hop_prefix, leaf_name
 from hops._joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
 from hops._subgraph import body_name, inline_graph, named, rename_inner_function
 from hops.specs import _FxLiteral, register_spec_type
@@ -75,14 +76,14 @@ class ScanSpec(_FxLiteral):
         for name in ("num_carry", "num_xs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise TypeError(f"ScanSpec({name}) must be an int >= 0, got {value!r}")
+                raise TypeError(f"ScanSpec({name}=...) must be an int >= 0, got {value!r}")
         if self.length is not None and (isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 0):
-            raise TypeError(f"ScanSpec(length) must be an int >= 0 or None, got {self.length!r}")
+            raise TypeError(f"ScanSpec(length=...) must be an int >= 0 or None, got {self.length!r}")
         for name in ("reverse", "remat"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"ScanSpec({name}) must be a bool, got {getattr(self, name)!r}")
+                raise TypeError(f"ScanSpec({name}=...) must be a bool, got {getattr(self, name)!r}")
         if self.unroll is not None and (isinstance(self.unroll, bool) or not isinstance(self.unroll, int) or self.unroll < 1):
-            raise TypeError(f"ScanSpec(unroll) must be an int >= 1 or None, got {self.unroll!r}")
+            raise TypeError(f"ScanSpec(unroll=...) must be an int >= 1 or None, got {self.unroll!r}")
 
     def __repr__(self) -> str:
         extra = "".join(
@@ -117,7 +118,7 @@ class Scan(BodyHOP):
 
     def outputs_from_body(self, outputs: Sequence[Any], inputs: Sequence[Any], spec: ScanSpec) -> tuple:
         carry, xs, _ = _split(inputs, spec)
-        step = _check_step("scan", outputs, carry)
+        step = _check_step(None, outputs, carry)
         length = _length(xs, spec)
         return (
             *(c.new_empty_strided(c.size(), c.stride()) for c in carry),
@@ -148,28 +149,39 @@ def _length(xs: Sequence[torch.Tensor], spec: ScanSpec) -> Any:
     return xs[0].shape[0] if xs else spec.length
 
 
+def _operand_names(spec: ScanSpec, count: int) -> list[str]:
+    """The HOP's flat operands named as the node holds them: ``init[i]``, ``xs[i]``,
+    ``additional_inputs[i]`` (the public ``scan`` names them by key path instead)."""
+    return [
+        *(f"init[{i}]" for i in range(spec.num_carry)),
+        *(f"xs[{i}]" for i in range(spec.num_xs)),
+        *(f"additional_inputs[{i}]" for i in range(count - spec.num_carry - spec.num_xs)),
+    ]
+
+
 def _check_inputs(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> None:
-    name = body_name(body)
+    where = hop_prefix(scan_hop, body)
     if len(inputs) < spec.num_carry + spec.num_xs:
         raise ValueError(
-            f"scan {name}: {len(inputs)} inputs but the spec counts {spec.num_carry} carries and {spec.num_xs} xs"
+            f"{where}: {len(inputs)} inputs but the spec counts {spec.num_carry} carries and {spec.num_xs} xs"
         )
+    names = _operand_names(spec, len(inputs))
     carry, xs, _ = _split(inputs, spec)
     for i, value in enumerate([*carry, *xs]):
         if not isinstance(value, (torch.Tensor, torch.fx.Proxy)):
-            raise TypeError(f"scan {name}: input {i} must be a tensor, got {type(value).__name__}")
-    devices = [value.device.type for value in inputs if isinstance(value, torch.Tensor)]
-    if "xla" in devices and any(device != "xla" for device in devices):
+            raise TypeError(f"{where}: {names[i]} must be a tensor, got {type(value).__name__}")
+    devices = [(i, value.device.type) for i, value in enumerate(inputs) if isinstance(value, torch.Tensor)]
+    if "xla" in [device for _, device in devices] and any(device != "xla" for _, device in devices):
         # One While runs the scan on XLA: every input must be an operand of it.
-        i = next(i for i, device in enumerate(devices) if device != "xla")
-        raise ValueError(f"scan {name}: input {i} is a {devices[i]} tensor; a scan on XLA tensors needs every input on the XLA device")
+        i, device = next((i, device) for i, device in devices if device != "xla")
+        raise ValueError(f"{where}: {names[i]} is a {device} tensor; a scan on XLA tensors needs every input on the XLA device")
     if not xs and spec.length is None:
-        raise ValueError(f"scan {name}: no xs to scan over and no length: pass length=")
+        raise ValueError(f"{where}: no xs to scan over and no length: pass length=")
     if any(isinstance(x, torch.fx.Proxy) for x in xs):
         return
-    _check_xs(f"scan {name}", xs)
+    _check_xs(where, xs, names=names[spec.num_carry : spec.num_carry + spec.num_xs])
     if xs and spec.length is not None and spec.length != xs[0].shape[0]:
-        raise ValueError(f"scan {name}: length={spec.length} but the xs have length {xs[0].shape[0]}")
+        raise ValueError(f"{where}: length={spec.length} but the xs have length {xs[0].shape[0]}")
 
 
 def _slice_examples(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -187,29 +199,36 @@ def _slice_examples(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     ]
 
 
-def _check_step(name: str, outputs: Sequence[Any], carry: Sequence[Any], leaf_names: Sequence[str] | None = None) -> tuple:
+def _check_step(name: str | None, outputs: Sequence[Any], carry: Sequence[Any]) -> tuple:
     """The step returned tensors, and each new carry matches its init (a ``TypeError``, as
-    ``jax.lax.scan`` raises for a carry whose type changes)."""
+    ``jax.lax.scan`` raises for a carry whose type changes). Flat: leaves are named as the
+    node holds them (``init[i]``); the public ``scan``'s step checks its carry first, by key
+    path."""
+    where = call_prefix("scan", name)
     if len(outputs) < len(carry):
-        raise TypeError(f"scan {name}: the body returned {len(outputs)} leaves for {len(carry)} carries")
+        raise TypeError(f"{where}: the body returned {len(outputs)} leaves for {len(carry)} carries")
     for i, value in enumerate(outputs):
         if not isinstance(value, torch.Tensor):
-            what = f"carry leaf {i}" if i < len(carry) else f"y leaf {i - len(carry)}"
-            raise TypeError(f"scan {name}: the body returned {type(value).__name__} for {what}; the body must return tensors")
+            what = f"the carry at init[{i}]" if i < len(carry) else f"y[{i - len(carry)}]"
+            raise TypeError(f"{where}: the body returned {type(value).__name__} for {what}; the body must return tensors")
     for i, (new, old) in enumerate(zip(outputs, carry)):
         if new.shape != old.shape or new.dtype != old.dtype:
-            leaf = leaf_names[i] if leaf_names else f"carry leaf {i}"
-            raise TypeError(
-                f"scan {name}: {leaf} changes from {tuple(old.shape)} {old.dtype} to {tuple(new.shape)} "
-                f"{new.dtype} in one step; a carry must keep its shape and dtype"
-            )
+            raise TypeError(_carry_change(where, f"init[{i}]", old, new))
     return tuple(outputs)
 
 
-def _check_xs(where: str, xs: Sequence[torch.Tensor], dim: int = 0) -> None:
+def _carry_change(where: str, leaf: str, old: torch.Tensor, new: torch.Tensor) -> str:
+    return (
+        f"{where}: the carry at {leaf} changes from {tuple(old.shape)} {old.dtype} to {tuple(new.shape)} "
+        f"{new.dtype} in one step; a carry must keep its shape and dtype"
+    )
+
+
+def _check_xs(where: str, xs: Sequence[torch.Tensor], dim: int = 0, names: Sequence[str] | None = None) -> None:
     """Every xs leaf (already moved so that it is scanned along dim 0) has a dim 0, and all
-    have the same length. ``dim`` is the user's scan dim, for the message."""
-    names = [f"xs leaf {i}" for i in range(len(xs))]
+    have the same length. ``dim`` is the user's scan dim, ``names`` name the leaves (by key
+    path; ``xs[i]`` by default), for the message."""
+    names = list(names) if names else [f"xs[{i}]" for i in range(len(xs))]
     for x, what in zip(xs, names):
         if x.dim() == 0:
             raise ValueError(f"{where}: {what} is a 0-d tensor; xs are sliced along dim {dim}")
@@ -300,10 +319,11 @@ def scan(
     (an object's attributes) is traced on every call, and so is every step with
     ``is_fn_pure=False``.
 
-    Errors name the leaf (by key path, ``xs leaf ['a']``, for a ``dim`` a leaf does not
-    have and for tensors on different devices, ``hops.DeviceMismatchError``): a carry
-    changing shape, dtype or structure (``TypeError``, as in JAX), xs of different lengths,
-    non-tensor outputs, a step writing into its inputs or a tensor it closes over.
+    Errors start with ``scan(<fn's name>): `` and name the leaf by its key path in the
+    argument (``xs['a']``, ``init[1]``; tensors on different devices raise
+    ``hops.DeviceMismatchError``): a carry changing shape, dtype or structure (``TypeError``,
+    as in JAX), xs of different lengths, a ``dim`` an xs leaf does not have, non-tensor
+    outputs, a step writing into its inputs or a tensor it closes over.
     """
     fn = _compat.compiled_function_inside(fn)  # a torch.compile'd step, in compiled code
     name = body_name(fn)
@@ -312,20 +332,20 @@ def scan(
         partition_fn, is_fn_pure, length, reverse = length, reverse, None, False
     remat = remat or _remat_of(partition_fn, name)
     if not callable(fn):
-        raise ScanArgumentError(f"scan(fn=...) must be callable, got {type(fn).__name__}")
+        raise ScanArgumentError(f"scan: fn must be callable, got {type(fn).__name__}")
     init_paths, carry_treespec = pytree.tree_flatten_with_path(init)
     raw_init = [leaf for _, leaf in init_paths]
-    init_names = [_leaf_name("init", path) for path, _ in init_paths]
-    init_leaves = [_as_tensor_leaf(leaf, f"scan({name}): init leaf {i}") for i, leaf in enumerate(raw_init)]
+    init_names = [leaf_name("init", path) for path, _ in init_paths]
+    init_leaves = [_as_tensor_leaf(leaf, f"scan({name}): {init_names[i]}") for i, leaf in enumerate(raw_init)]
     xs_paths, xs_treespec = ([], None) if xs is None else pytree.tree_flatten_with_path(xs)
     xs_leaves = [leaf for _, leaf in xs_paths]
-    xs_names = [_leaf_name("xs", path) for path, _ in xs_paths]
+    xs_names = [leaf_name("xs", path) for path, _ in xs_paths]
     additional = list(additional_inputs)
     additional_names = [f"additional_inputs[{i}]" for i in range(len(additional))]
-    for what, leaves in (("xs", xs_leaves), ("additional_inputs", additional)):
+    for names, leaves in ((xs_names, xs_leaves), (additional_names, additional)):
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
-                raise ScanArgumentError(f"scan({name}): {what} leaf {i} is a {type(leaf).__name__}, not a tensor")
+                raise ScanArgumentError(f"scan({name}): {names[i]} is a {type(leaf).__name__}, not a tensor")
     if length is not None and (
         isinstance(length, bool) or not isinstance(length, (int, torch.SymInt)) or (isinstance(length, int) and length < 0)
     ):
@@ -338,7 +358,7 @@ def scan(
         # Scanning along ``dim`` is scanning the xs moved to dim 0: the node and every
         # lowering see dim 0 only.
         xs_leaves = [torch.movedim(x, dim, 0) for x in xs_leaves]
-    _check_xs(f"scan({name})", xs_leaves, dim=dim)
+    _check_xs(f"scan({name})", xs_leaves, dim=dim, names=xs_names)
     static_length = length
     if xs_leaves and isinstance(xs_leaves[0].shape[0], int):
         # Under Dynamo a symbolic size passes too; its rule makes ScanSpec.length None then.
@@ -367,14 +387,9 @@ def scan(
     # Under Dynamo the code-object rename cannot be traced; hops/_dynamo.py names the
     # subgraph after the step's closure variable fn instead.
     make_step = _make_step if torch.compiler.is_dynamo_compiling() else _named_step_factories(name)
-    step = make_step(fn, carry_treespec, xs_treespec, len(xs_leaves), init_leaves, name)
+    step = make_step(fn, carry_treespec, xs_treespec, len(xs_leaves), init_leaves, name, init_names)
     set_trace_key(step, fn, carry_treespec, xs_treespec, len(xs_leaves), len(additional), across_calls=bool(is_fn_pure))
-    leaf_names = [
-        *(f"carry leaf {i}" for i in range(len(init_leaves))),
-        *(f"xs leaf {i}" for i in range(len(xs_leaves))),
-        *(f"additional input {i}" for i in range(len(additional))),
-    ]
-    # Device errors name leaves by key path (a phantom xs, made on init's device, has none).
+    # Leaves are named by key path (a phantom xs, made on init's device, is "xs").
     path_names = [*init_names, *(xs_names or ["xs"] * len(xs_leaves)), *additional_names]
     result = call_body_hop(
         scan_hop,
@@ -382,7 +397,7 @@ def scan(
         [*init_leaves, *xs_leaves, *additional],
         spec,
         what=f"scan({name})",
-        input_names=lambda i: leaf_names[i] if i < len(leaf_names) else f"input {i}",
+        input_names=lambda i: path_names[i] if i < len(path_names) else f"input {i}",
         user_function=fn,
         device_names=lambda i: path_names[i],
     )
@@ -393,12 +408,6 @@ def scan(
     return result[0], (
         pytree.tree_map(lambda y: torch.movedim(y, 0, dim) if dim < y.dim() else y, result[1]) if len(result) == 2 else None
     )
-
-
-def _leaf_name(what: str, path: Any) -> str:
-    """``xs leaf ['a']``: a leaf of the argument ``what`` named by its key path (``[0]``,
-    its only leaf, for a single tensor)."""
-    return f"{what} leaf {pytree.keystr(path) if path else '[0]'}"
 
 
 def _resolve_dim(dim: Any, xs_leaves: Sequence[torch.Tensor], xs_names: Sequence[str], name: str) -> int:
@@ -494,9 +503,18 @@ def _named_step_factories(name: str) -> Callable:
     return rename_inner_function(_make_step, "step", name)
 
 
-def _make_step(fn: Callable, carry_treespec: Any, xs_treespec: Any, num_xs: int, init_leaves: Sequence[Any], name: str) -> Callable:
+def _make_step(
+    fn: Callable,
+    carry_treespec: Any,
+    xs_treespec: Any,
+    num_xs: int,
+    init_leaves: Sequence[Any],
+    name: str,
+    init_names: Sequence[str] | None = None,
+) -> Callable:
     """The scan body: ``fn`` on flat leaves, returning ``(new_carry, y)`` (``(new_carry,)``
-    for ``y=None``) with Python numbers made tensors and the carry's structure checked.
+    for ``y=None``) with Python numbers made tensors and the carry's structure checked (and,
+    given ``init_names``, each carry leaf's shape and dtype, naming it by key path).
     ``xs_treespec=None``: ``fn`` gets ``x=None`` (the ``num_xs`` xs leaves, if any, only
     count the steps)."""
     num_carry = carry_treespec.num_leaves
@@ -518,10 +536,22 @@ def _make_step(fn: Callable, carry_treespec: Any, xs_treespec: Any, num_xs: int,
             leaf if isinstance(leaf, torch.Tensor) else torch.tensor(leaf, dtype=dtype, device=device)
             for leaf, (dtype, device) in zip(carry_leaves, carry_like)
         ]
+        if init_names is not None:
+            # The check the HOP makes on the flat outputs too; here the leaf has its key path.
+            for carry_name, new, old in zip(init_names, carry_leaves, leaves[:num_carry]):
+                if isinstance(old, torch.Tensor) and (new.shape != old.shape or new.dtype != old.dtype):
+                    raise TypeError(_carry_change(f"scan({name})", carry_name, old, new))
         new_carry = pytree.tree_unflatten(carry_leaves, carry_treespec)
         if y is None:  # no ys, as in jax.lax.scan
             return (new_carry,)
-        y = pytree.tree_map(lambda leaf: _as_tensor_leaf(leaf, f"scan({name}): a y leaf"), y)
+        if not all(isinstance(leaf, (torch.Tensor, bool, int, float, complex)) for leaf in pytree.tree_leaves(y)):
+            path, leaf = next(
+                (path, leaf)
+                for path, leaf in pytree.tree_flatten_with_path(y)[0]
+                if not isinstance(leaf, (torch.Tensor, bool, int, float, complex))
+            )
+            _as_tensor_leaf(leaf, f"scan({name}): {leaf_name('y', path)}")
+        y = pytree.tree_map(lambda leaf: _as_tensor_leaf(leaf, f"scan({name}): y"), y)
         return new_carry, y
 
     return step

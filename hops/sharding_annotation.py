@@ -49,14 +49,14 @@ class ShardingAnnotation(HigherOrderOperator):
             _check_spec(spec, ndim=None)
             return x.tracer.create_proxy("call_function", self, (x, spec), {})
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"annotate_sharding(x=...) must be a Tensor, got {type(x).__name__}")
+            raise TypeError(f"annotate_sharding: x must be a Tensor, got {type(x).__name__}")
         _check_spec(spec, ndim=x.dim())
         if _compat.is_legacy_batched(x):
             # No rule can be registered for torch's legacy vmap: the eager value, the identity.
             return x.clone()
         load_device_rules((x,))
         # Negative Shard dims (DTensor's Shard(-1)) resolved here: nodes hold dims >= 0.
-        return super().__call__(x, spec.for_rank(x.dim(), "annotate_sharding(spec=...)"))
+        return super().__call__(x, spec.for_rank(x.dim(), "annotate_sharding: spec"))
 
     @staticmethod
     def node_args(x: Any, spec: Any) -> tuple[Any, ...]:
@@ -81,12 +81,12 @@ def annotate_sharding(
     for name, value in (("spec", spec), ("grad_spec", grad_spec)):
         if not (value is None and name == "grad_spec") and not isinstance(value, ShardingSpec):
             raise TypeError(
-                f"annotate_sharding({name}=...) must be a hops.ShardingSpec, got {type(value).__name__} {value!r}"
+                f"annotate_sharding: {name} must be a hops.ShardingSpec, got {type(value).__name__} {value!r}"
             )
     if grad_spec is not None:
         if grad_spec.mesh != spec.mesh:
             raise ValueError(
-                f"annotate_sharding(grad_spec=...) is on {grad_spec.mesh!r} but spec on {spec.mesh!r}: "
+                f"annotate_sharding: grad_spec is on {grad_spec.mesh!r} but spec on {spec.mesh!r}: "
                 "a value and its gradient are laid out on one mesh"
             )
         if grad_spec.placements != spec.placements:
@@ -98,11 +98,11 @@ def annotate_sharding(
 
 def _check_spec(spec: Any, ndim: int | None) -> None:
     if not isinstance(spec, ShardingSpec):
-        raise TypeError(f"annotate_sharding(spec=...) must be a hops.ShardingSpec, got {type(spec).__name__} {spec!r}")
+        raise TypeError(f"annotate_sharding: spec must be a hops.ShardingSpec, got {type(spec).__name__} {spec!r}")
     if ndim is not None:
-        spec.check_tensor(ndim, "annotate_sharding(spec=...)")
+        spec.check_tensor(ndim, "annotate_sharding: spec")
         if spec.grad_placements is not None:
-            spec.grad.check_tensor(ndim, "annotate_sharding(grad_spec=...)")
+            spec.grad.check_tensor(ndim, "annotate_sharding: grad_spec")
 
 
 # --------------------------------------------------------------------------- eager

@@ -751,7 +751,7 @@ class LocalMapSpec(_FxLiteral):
             if values is None:
                 return None
             return tuple(
-                g if g is None or r is None else resolve_dims(g, r, f"local_map {name}[{i}]", self.mesh)
+                g if g is None or r is None else resolve_dims(g, r, f"local_map: {name}[{i}]", self.mesh)
                 for i, (g, r) in enumerate(zip(values, ranks))
             )
 

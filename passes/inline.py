@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from hops._errors import hop_prefix
 from hops._layout import device_coordinates, replicated
 from hops.einsum import einsum_kernel, einsum_linear_kernel
 from hops.kernel import Kernel, KernelParams
@@ -33,7 +34,6 @@ from hops.specs import LocalMapSpec, Partial, Shard, ShardingSpec
 from passes._infra import (
     HopRulePass,
     PassError,
-    body_attr,
     body_module,
     copy_body_into,
     leaf_call,
@@ -148,7 +148,7 @@ def expand_region(node: fx.Node) -> None:
             pieces[j][coordinate] = output
     with graph.inserting_before(node):
         assembled = [
-            _assemble(graph, p, placements, spec, f"local_map {body_attr(node).target}: output {j}")
+            _assemble(graph, p, placements, spec, f"{hop_prefix(local_map_hop, body)}: output[{j}]")
             for j, (p, placements) in enumerate(zip(pieces, spec.out_placements))
         ]
     replace_tuple_output(node, assembled)

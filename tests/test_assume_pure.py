@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hop_db import SAMPLES, forward_backward, fresh
-from snapshot import device
 
 import hops
 from hops import Mesh, Replicate, Shard, ShardingSpec
 from hops._graph_function import GraphFunction
 from hops.assume_pure import ImpureFunctionError
+from tests.helpers.hop_db import SAMPLES, forward_backward, fresh
+from tests.helpers.snapshot import device
 
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))

@@ -6,13 +6,13 @@ import functools
 
 import pytest
 import torch
-from hop_db import SAMPLES
-from snapshot import TestCase
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import hops
 from hops import Mesh, Replicate, Shard
+from tests.helpers.hop_db import SAMPLES
+from tests.helpers.snapshot import TestCase
 
 LINE = Mesh((2,), ("a",))
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hop_db import SAMPLES, forward_backward, fresh
 
 import hops
 from hops import Mesh, Replicate, Shard, ShardingSpec
+from tests.helpers.hop_db import SAMPLES, forward_backward, fresh
 
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))

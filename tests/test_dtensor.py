@@ -1,7 +1,7 @@
 """Target ``"dtensor"`` (``passes.lower_to_dtensor``) on real processes.
 
 Four worker processes (gloo on loopback) are spawned once for this module and run every
-scenario of ``tests/dtensor_scenarios.py``; each test asserts one scenario's result on every
+scenario of ``tests/helpers/dtensor_scenarios.py``; each test asserts one scenario's result on every
 rank: its numbers equal single-device eager (checked in the worker), its collectives
 (``CommDebugMode``) are exactly those the placements call for (for solved plans: those the
 solution predicts), its gradients have the layouts the specs state. The examples are traced
@@ -22,13 +22,13 @@ from collections import Counter
 
 import pytest
 import torch
-from snapshot import delete_meta
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
 from hops import Mesh, Replicate, Shard, ShardingSpec, _compat
 from passes.solver.collectives import redistribution_collectives
+from tests.helpers.snapshot import delete_meta
 
 dist = pytest.importorskip("torch.distributed", reason="torch.distributed is not available in this torch build")
 if not dist.is_available() or not dist.is_gloo_available():
@@ -57,7 +57,7 @@ def results(tmp_path_factory):
 
     While the ranks run the first scenarios, this process makes the examples' plans (tracing,
     solving) once for all of them (``dtensor_scenarios.write_plans``)."""
-    import dtensor_scenarios
+    from tests.helpers import dtensor_scenarios
 
     outdir = tmp_path_factory.mktemp("dtensor")
     env = {k: v for k, v in os.environ.items() if k not in XLA_ENV and not k.startswith("XLA_")}
@@ -70,7 +70,7 @@ def results(tmp_path_factory):
     for rank in range(WORLD_SIZE):
         log = open(outdir / f"rank{rank}.log", "w")
         worker_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-        command = [sys.executable, os.path.join(HERE, "dtensor_scenarios.py"), str(outdir)]
+        command = [sys.executable, os.path.join(HERE, "helpers", "dtensor_scenarios.py"), str(outdir)]
         workers.append((subprocess.Popen(command, env=worker_env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + TIMEOUT_SECONDS
     try:
@@ -96,7 +96,7 @@ def results(tmp_path_factory):
 def scenario(results, name):
     """The scenario's report on rank 0, after checking that it ran without error on every rank
     and reported the same on every rank (skipped where this torch's DTensor cannot run it)."""
-    import dtensor_scenarios
+    from tests.helpers import dtensor_scenarios
 
     if name in dtensor_scenarios.UNSUPPORTED:
         pytest.skip(dtensor_scenarios.UNSUPPORTED[name])
@@ -271,7 +271,7 @@ def doubled(x):
 
 
 def test_every_hop_has_a_dtensor_rule():
-    from test_targets import package_hops
+    from tests.test_targets import package_hops
 
     for hop in package_hops():
         assert passes.rule_for("dtensor", hop) is not None, hop.__name__
@@ -320,8 +320,8 @@ def test_a_region_inside_a_region_body_is_refused(fake_mesh):
 
 
 def test_lowering_without_meta_gives_the_same_code(fake_mesh):
-    from hop_db import SAMPLES
-    from snapshot import aot_trace
+    from tests.helpers.hop_db import SAMPLES
+    from tests.helpers.snapshot import aot_trace
 
     for sample in SAMPLES:
         inputs = [t.requires_grad_() if t.is_floating_point() else t for t in sample.inputs(0)]

@@ -12,7 +12,6 @@ import dataclasses
 
 import torch
 from functorch.compile import make_boxed_func
-from snapshot import TestCase, readable
 from torch._C import DispatchKey
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, make_fx
@@ -20,6 +19,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, make_fx
 from hops import _compat, _dynamo
 from hops._base import BodyHOP
 from hops.specs import _FxLiteral
+from tests.helpers.snapshot import TestCase, readable
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -32,7 +32,7 @@ class ToySpec(_FxLiteral):
 
 
 # Generated code prints the spec as ``ToySpec(...)``: bind the name there.
-_compat.register_fx_global("ToySpec", "from test_dynamo_subgraph_hop import ToySpec", ToySpec)
+_compat.register_fx_global("ToySpec", "from tests.test_dynamo_subgraph_hop import ToySpec", ToySpec)
 
 
 class ToyMap(BodyHOP):

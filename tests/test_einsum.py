@@ -8,12 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from snapshot import TestCase, aot_trace, hlo_text, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
 from hops.einsum import canonical_equation, einsum_kernel, einsum_linear_kernel
+from tests.helpers.snapshot import TestCase, aot_trace, hlo_text, readable
 
 
 class MLP(torch.nn.Module):
@@ -125,32 +125,32 @@ class TestSemantics(TestCase):
 class TestBadCalls(TestCase):
     def test_bad_equations_and_operands_are_refused_naming_them(self):
         a, b = torch.randn(3, 4), torch.randn(4, 5)
-        with self.assertRaisesRegex(TypeError, r"hops.einsum\(equation=...\) must be a str, got list"):
+        with self.assertRaisesRegex(TypeError, r"^einsum: equation must be a str, got list"):
             hops.einsum([0, 1], a)
-        with self.assertRaisesRegex(ValueError, r"equation 'ij,jk->ik' has 2 operand subscripts but 1 operands were given"):
+        with self.assertRaisesRegex(ValueError, r"^einsum\('ij,jk->ik'\): the equation has 2 operand subscripts but 1 operands were given"):
             hops.einsum("ij,jk->ik", a)
-        with self.assertRaisesRegex(ValueError, r"hops.einsum\('ijk,jk->ik'\) operand 0 has rank 2, but its subscripts 'ijk' name 3 dims"):
+        with self.assertRaisesRegex(ValueError, r"^einsum\('ijk,jk->ik'\): operands\[0\] has rank 2, but its subscripts 'ijk' name 3 dims"):
             hops.einsum("ijk,jk->ik", a, b)
-        with self.assertRaisesRegex(ValueError, r"operand 0: 'ii' repeats 'i' \(a diagonal\)"):
+        with self.assertRaisesRegex(ValueError, r"operands\[0\]: 'ii' repeats 'i' \(a diagonal\)"):
             hops.einsum("ii->i", torch.randn(3, 3))
-        with self.assertRaisesRegex(ValueError, r"output subscript 'z' of 'ij,jk->iz' is in no input"):
+        with self.assertRaisesRegex(ValueError, r"^einsum\('ij,jk->iz'\): output subscript 'z' is in no input"):
             hops.einsum("ij,jk->iz", a, b)
-        with self.assertRaisesRegex(ValueError, r"operand 0: 'i1' has '1'; subscripts are letters"):
+        with self.assertRaisesRegex(ValueError, r"operands\[0\]: 'i1' has '1'; subscripts are letters"):
             hops.einsum("i1->i", a)
-        with self.assertRaisesRegex(TypeError, r"hops.einsum\('ij->i'\) operand 0 must be a Tensor, got float"):
+        with self.assertRaisesRegex(TypeError, r"^einsum\('ij->i'\): operands\[0\] must be a Tensor, got float"):
             hops.einsum("ij->i", 1.0)
 
     def test_mismatched_sizes_and_dtypes_are_refused_naming_operand_and_subscript(self):
         a = torch.randn(3, 4)
         with self.assertRaisesRegex(
-            ValueError, r"hops.einsum\('ij,jk->ik'\): subscript 'j' has size 4 in operand 0 but 5 in operand 1 \(dim 0 of shape \(5, 6\)\)"
+            ValueError, r"^einsum\('ij,jk->ik'\): subscript 'j' has size 4 in operands\[0\] but 5 in operands\[1\] \(dim 0 of shape \(5, 6\)\)"
         ):
             hops.einsum("ij,jk->ik", a, torch.randn(5, 6))
-        with self.assertRaisesRegex(ValueError, r"dim 1 from the right under '...' has size 2 in operand 0 but 3 in operand 1"):
+        with self.assertRaisesRegex(ValueError, r"dim 1 from the right under '...' has size 2 in operands\[0\] but 3 in operands\[1\]"):
             hops.einsum("...ij,...jk->...ik", torch.randn(2, 3, 4), torch.randn(3, 4, 5))
-        with self.assertRaisesRegex(TypeError, r"hops.einsum\('ij,jk->ik'\): operand 1 is torch.float64 but operand 0 is torch.float32"):
+        with self.assertRaisesRegex(TypeError, r"^einsum\('ij,jk->ik'\): operands\[1\] is torch.float64 but operands\[0\] is torch.float32"):
             hops.einsum("ij,jk->ik", a, torch.randn(4, 5, dtype=torch.double))
-        with self.assertRaisesRegex(TypeError, r"hops.einsum_linear: x is torch.float32 but weight is torch.float64"):
+        with self.assertRaisesRegex(TypeError, r"^einsum_linear: x is torch.float32 but weight is torch.float64"):
             hops.einsum_linear(a, torch.randn(5, 4, dtype=torch.double))
         # A size-1 dim broadcasts, as in torch.einsum.
         self.assertEqual(hops.einsum("ij,jk->ik", torch.randn(3, 1), torch.randn(4, 6)).shape, (3, 6))
@@ -174,7 +174,7 @@ class TestBadCalls(TestCase):
             dtype = torch.float32 if same_dtype or k == 0 else torch.float64
             operands.append(torch.randn([next(sizes) for _ in range(rank)], dtype=dtype))
         if not same_dtype:
-            with self.assertRaisesRegex(TypeError, r"operand 1 is torch.float64 but operand 0 is torch.float32"):
+            with self.assertRaisesRegex(TypeError, r"operands\[1\] is torch.float64 but operands\[0\] is torch.float32"):
                 hops.einsum(equation, *operands)
             return
         # opt_einsum (where installed) refuses some broadcasts torch.einsum itself computes.
@@ -189,13 +189,13 @@ class TestBadCalls(TestCase):
 
     def test_bad_linear_arguments_are_refused(self):
         x, w = torch.randn(2, 4), torch.randn(5, 4)
-        with self.assertRaisesRegex(ValueError, r"hops.einsum_linear\(weight=...\) must be 2-D"):
+        with self.assertRaisesRegex(ValueError, r"^einsum_linear: weight must be 2-D"):
             hops.einsum_linear(x, torch.randn(5))
-        with self.assertRaisesRegex(ValueError, r"hops.einsum_linear: x has shape \(2, 3\), but weight \(5, 4\) takes 4 input features"):
+        with self.assertRaisesRegex(ValueError, r"^einsum_linear: x has shape \(2, 3\), but weight \(5, 4\) takes 4 input features"):
             hops.einsum_linear(torch.randn(2, 3), w)
-        with self.assertRaisesRegex(ValueError, r"hops.einsum_linear\(bias=...\) must have shape \(5,\), got \(4,\)"):
+        with self.assertRaisesRegex(ValueError, r"^einsum_linear: bias must have shape \(5,\), got \(4,\)"):
             hops.einsum_linear(x, w, torch.randn(4))
-        with self.assertRaisesRegex(TypeError, r"hops.patch_linear\(module=...\) must be a torch.nn.Module, got function"):
+        with self.assertRaisesRegex(TypeError, r"^patch_linear: module must be a torch.nn.Module, got function"):
             hops.patch_linear(lambda x: x)
 
 

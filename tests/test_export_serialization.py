@@ -9,14 +9,14 @@ import io
 import pytest
 import torch
 import torch.fx as fx
-from hop_db import SAMPLES, Module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from snapshot import readable
 
 import hops
 import passes
 from hops.specs import _FxLiteral
+from tests.helpers.hop_db import SAMPLES, Module
+from tests.helpers.snapshot import readable
 
 
 def detached(values):

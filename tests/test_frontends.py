@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from hop_db import SAMPLES, Module, Sample
-from snapshot import TestCase, aot_trace, compile_trace, delete_meta, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
 from hops._subgraph import strip_detach
+from tests.helpers.hop_db import SAMPLES, Module, Sample
+from tests.helpers.snapshot import TestCase, aot_trace, compile_trace, delete_meta, readable
 
 
 def hop_nodes(gm: fx.GraphModule, hop) -> list[fx.Node]:

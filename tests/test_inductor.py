@@ -19,10 +19,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hop_db import SAMPLES, forward_backward, fresh
 
 import hops
 from hops import Mesh, Replicate, Shard
+from tests.helpers.hop_db import SAMPLES, forward_backward, fresh
 
 
 def hop_targets(graphs):
@@ -328,7 +328,7 @@ def test_aot_autograd_with_inductor_decompositions_keeps_every_hop(sample):
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
 def test_export_with_inductor_decompositions_keeps_every_hop(sample):
-    from hop_db import Module
+    from tests.helpers.hop_db import Module
 
     exported = torch.export.export(Module(sample.program), tuple(t.detach() for t in sample.inputs()))
     plain = hop_targets([exported.graph_module])

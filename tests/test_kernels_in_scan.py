@@ -3,11 +3,11 @@ backward bodies keep them (their rules are the standard dispatch keys, so any su
 tracer records them), and gradients match the unrolled loop."""
 
 import torch
-from snapshot import TestCase, readable
-from test_kernel import aot_graphs, scaled_tanh
 
 import hops
 import passes
+from tests.helpers.snapshot import TestCase, readable
+from tests.test_kernel import aot_graphs, scaled_tanh
 
 
 @hops.named_scope("cell")

@@ -9,11 +9,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from snapshot import TestCase, aot_trace, delete_meta, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 from hops import LocalMapSpec, Mesh, Partial, Replicate, Shard
+from tests.helpers.snapshot import TestCase, aot_trace, delete_meta, readable
 
 MESH = Mesh((2, 2), ("data", "model"))
 LINE = Mesh((2,), ("x",))
@@ -301,7 +301,7 @@ class TestSimulationMatchesReference(TestCase):
         )
         with self.assertRaisesRegex(
             ValueError,
-            r"local_map row_sums: output 1 is declared Replicate on mesh axis 'model', but device 1 along "
+            r"^local_map\(row_sums\): output\[1\] is declared Replicate on mesh axis 'model', but device 1 along "
             r"that axis produced a different value than device 0 .*declare it Partial or Shard",
         ):
             f(spread((4, 6)))
@@ -436,7 +436,7 @@ class TestGradients(TestCase):
         )
         x, w = requiring_grad(spread((4, 6), 1), spread((6, 3), 2))
         with self.assertRaisesRegex(
-            ValueError, r"the gradient of local_map matmul input 1 is declared Replicate on mesh axis 'x', but device 1"
+            ValueError, r"^local_map\(matmul\): tensors\[1\].grad is declared Replicate on mesh axis 'x', but device 1"
         ):
             f(x, w).sum().backward()
 
@@ -561,9 +561,9 @@ class TestErrors(TestCase):
             hops.local_map(double, mesh=MESH, in_placements=((Shard(0), Replicate()),), out_placements=three)
 
     def test_placements_must_be_placement_objects_not_axis_names(self):
-        with self.assertRaisesRegex(TypeError, r"local_map\(double\) in_placements.*got 'data'"):
+        with self.assertRaisesRegex(TypeError, r"^local_map\(double\): in_placements\[0\]\[0\] must be placements.*got 'data'"):
             hops.local_map(double, mesh=MESH, in_placements=(("data", None),), out_placements=(Shard(0), Replicate()))
-        with self.assertRaisesRegex(TypeError, r"local_map\(double\) out_placements.*got 'model'"):
+        with self.assertRaisesRegex(TypeError, r"^local_map\(double\): out_placements\[0\] must be placements.*got 'model'"):
             hops.local_map(double, mesh=MESH, in_placements=((Shard(0), Replicate()),), out_placements=("model",))
         with self.assertRaisesRegex(TypeError, r"Shard\(dim\) must be an int, got str 'data'"):
             Shard("data")
@@ -574,7 +574,7 @@ class TestErrors(TestCase):
         f = hops.local_map(double, mesh=LINE, in_placements=((Shard(2),),), out_placements=(Shard(0),))
         with self.assertRaisesRegex(
             ValueError,
-            r"local_map double: input 0: placement hops.Shard\(2\) on mesh axis 'x' shards dim 2, "
+            r"^local_map\(double\): args\[0\] \(in_placements\[0\]\): placement hops.Shard\(2\) on mesh axis 'x' shards dim 2, "
             r"but the tensor has rank 2",
         ):
             f(spread((4, 6)))
@@ -586,7 +586,7 @@ class TestErrors(TestCase):
         f = hops.local_map(column_sums, mesh=LINE, in_placements=ROWS, out_placements=(Shard(1),))
         with self.assertRaisesRegex(
             ValueError,
-            r"local_map column_sums: output 0: placement hops.Shard\(1\) on mesh axis 'x' shards dim 1, "
+            r"^local_map\(column_sums\): output\[0\]: placement hops.Shard\(1\) on mesh axis 'x' shards dim 1, "
             r"but the tensor has rank 1",
         ):
             f(spread((4, 6)))
@@ -600,7 +600,7 @@ class TestErrors(TestCase):
         )
         with self.assertRaisesRegex(
             ValueError,
-            r"local_map matmul: input 1: dim 1 has size 6, which does not split evenly over mesh axes "
+            r"^local_map\(matmul\): args\[1\] \(in_placements\[1\]\): dim 1 has size 6, which does not split evenly over mesh axes "
             r"\['data', 'model'\] \(4 ways\); local_map needs even shards",
         ):
             f(spread((4, 3)), spread((3, 6)))
@@ -610,7 +610,7 @@ class TestErrors(TestCase):
         # torch's local_map raises AssertionError here; ours is also a ValueError.
         for error in (AssertionError, ValueError):
             with self.assertRaisesRegex(
-                error, r"local_map\(matmul\) in_placements length 2 does not match the number of input args 1"
+                error, r"^local_map\(matmul\): in_placements length 2 does not match the number of input args 1"
             ):
                 f(spread((4, 6)))
 
@@ -628,7 +628,7 @@ class TestErrors(TestCase):
         f = hops.local_map(scaled, mesh=LINE, in_placements=((Shard(0),), (Replicate(),)), out_placements=(Shard(0),))
         with self.assertRaisesRegex(
             TypeError,
-            r"local_map\(scaled\): in_placements gives placements for input leaf 1, which is a float, not a tensor; use None",
+            r"^local_map\(scaled\): in_placements gives placements for args\[1\], which is a float, not a tensor; use None",
         ):
             f(spread((4, 6)), 2.0)
 
@@ -639,7 +639,7 @@ class TestErrors(TestCase):
         f = hops.local_map(
             first, mesh=LINE, in_placements=({"a": (Shard(0),), "c": (Shard(0),)},), out_placements=(Shard(0),)
         )
-        with self.assertRaisesRegex(ValueError, r"local_map\(first\) in_placements\[0\] does not match its argument"):
+        with self.assertRaisesRegex(ValueError, r"^local_map\(first\): in_placements\[0\] does not match its argument"):
             f({"a": spread((4, 6)), "b": spread((4, 6))})
 
     def test_body_output_structure_must_match_out_placements(self):
@@ -648,7 +648,7 @@ class TestErrors(TestCase):
 
         f = hops.local_map(pair, mesh=LINE, in_placements=ROWS, out_placements=(Shard(0),))
         with self.assertRaisesRegex(
-            ValueError, r"local_map\(pair\) returned \('Tensor', 'Tensor'\), which does not match out_placements: 1 placements for 2"
+            ValueError, r"^local_map\(pair\): returned \('Tensor', 'Tensor'\), which does not match out_placements: 1 placements for 2"
         ):
             f(spread((4, 6)))
 
@@ -658,14 +658,14 @@ class TestErrors(TestCase):
 
         f = hops.local_map(count, mesh=LINE, in_placements=ROWS, out_placements=(Replicate(),))
         with self.assertRaisesRegex(
-            TypeError, r"local_map\(count\) returned float, which does not match out_placements"
+            TypeError, r"^local_map\(count\): returned float, which does not match out_placements"
         ):
             f(spread((4, 6)))
 
     def test_out_placements_need_one_entry_per_flattened_output(self):
         # None is a non-tensor output's entry: double returns one tensor, not two values.
         f = hops.local_map(double, mesh=LINE, in_placements=ROWS, out_placements=((Shard(0),), None))
-        with self.assertRaisesRegex(ValueError, r"local_map\(double\) returned Tensor, which does not match out_placements"):
+        with self.assertRaisesRegex(ValueError, r"^local_map\(double\): returned Tensor, which does not match out_placements"):
             f(spread((4, 6)))
         with self.assertRaisesRegex(ValueError, r"local_map\(double\): out_placements gives placements for no tensor output"):
             hops.local_map(double, mesh=LINE, in_placements=ROWS, out_placements=(None,))
@@ -693,11 +693,11 @@ class TestErrors(TestCase):
             LocalMapSpec(LINE, ((Shard(0),),), ((Shard(0),),), ((Shard(0),), (Shard(0),)))
         spec = LocalMapSpec(LINE, ((Shard(0),),), ((Shard(0),),))
         x = spread((4, 6))
-        with self.assertRaisesRegex(ValueError, r"local_map double: 2 tensor inputs but in_placements has 1 entries"):
+        with self.assertRaisesRegex(ValueError, r"^local_map\(double\): 2 tensor inputs but in_placements has 1 entries"):
             hops.local_map_hop(_named_double, x, x, spec)
-        with self.assertRaisesRegex(TypeError, r"the last argument must be a hops.LocalMapSpec, got Tensor"):
+        with self.assertRaisesRegex(TypeError, r"^local_map: the last argument of hops_local_map\(body, \*operands, spec\) must be a hops.LocalMapSpec, got Tensor"):
             hops.local_map_hop(_named_double, x)
-        with self.assertRaisesRegex(ValueError, r"local_map double: input 0: dim 0 has size 3"):
+        with self.assertRaisesRegex(ValueError, r"^local_map\(double\): tensors\[0\]: dim 0 has size 3"):
             hops.local_map_hop(_named_double, spread((3, 6)), spec)
         self.assertEqual(hops.local_map_hop(_named_double, x, spec), (x * 2,))
 
@@ -713,7 +713,7 @@ class TestErrors(TestCase):
             lambda: make_fx(functional, tracing_mode="fake")(x),
         ):
             with self.assertRaisesRegex(
-                ValueError, r"local_map\(scale_in_place\): the body writes into its input leaf 0 in place"
+                ValueError, r"^local_map\(scale_in_place\): the body writes into its input args\[0\] in place"
             ):
                 run()
         self.assertEqual(x, spread((4, 6)))
@@ -852,7 +852,7 @@ class program(torch.nn.Module):
 
     def test_errors_from_a_traced_graph_name_the_user_function(self):
         gm = make_fx(sharded_attention)(*attention_inputs())
-        with self.assertRaisesRegex(ValueError, r"local_map attention: input 0: dim 0 has size 5"):
+        with self.assertRaisesRegex(ValueError, r"^local_map\(attention\): tensors\[0\]: dim 0 has size 5"):
             gm(spread((5, 8)), spread((6, 8)), spread((6, 8)))
 
 
@@ -1097,11 +1097,11 @@ hops.LocalMapSpec(hops.Mesh.of(data=2, model=2), 'S(0)R, RR', 'S(0)R', alternati
             ([{"in_placements": "RS(1), R"}], TypeError, r"alternative 1 must be .*out_placements required"),
             ([{"out_placements": "S(0)R", "bogus": 1}], TypeError, r"alternative 1 must be"),
             ([hops.RegionPlacements("S(0)R, RR", "S(0)R")], ValueError, r"alternatives 0 and 1 have the same placements"),
-            ([hops.RegionPlacements("S(0)R", "S(0)R")], ValueError, r"alternative 1\) in_placements length 1 does not match"),
+            ([hops.RegionPlacements("S(0)R", "S(0)R")], ValueError, r"^local_map\(row_scale, alternative 1\): in_placements length 1 does not match"),
             # Other local shapes are allowed, but the body must run on them: w (4,) does not
             # broadcast against a (2, 2) block.
             ([hops.RegionPlacements("S(0)S(1), RR", "S(0)S(1)")], ValueError, r"alternative 1 .* body fails on that alternative's local shapes"),
-            ([hops.RegionPlacements("RS(0), RR", "S(0)S(1)")], ValueError, r"output 0: alternative 1 .* same global shapes"),
+            ([hops.RegionPlacements("RS(0), RR", "S(0)S(1)")], ValueError, r"^local_map\(row_scale\): output\[0\]: alternative 1 .* same global shapes"),
         ]
         for alternatives, error, message in cases:
             with self.subTest(alternatives=alternatives), self.assertRaisesRegex(error, message):

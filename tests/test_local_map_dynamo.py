@@ -1,11 +1,11 @@
 """local_map under torch.compile(fullgraph=True) and strict torch.export."""
 
 import torch
-from snapshot import TestCase, compile_trace, readable
 
 import hops
 from hops import LocalMapSpec, Mesh, Partial, Replicate, Shard
 from hops.local_map import LocalMapArgumentError
+from tests.helpers.snapshot import TestCase, compile_trace, readable
 
 MESH = Mesh((2, 2), ("data", "model"))
 

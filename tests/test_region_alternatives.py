@@ -16,7 +16,6 @@ import torch
 import torch.fx as fx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from snapshot import TestCase, aot_trace, hlo_text, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -24,6 +23,7 @@ import passes
 from hops import LocalMapSpec, Mesh, RegionPlacements, Replicate, Shard
 from passes.solver import CostModel
 from passes.solver.solve import evaluate_placements
+from tests.helpers.snapshot import TestCase, aot_trace, hlo_text, readable
 
 LINE = Mesh.of(model=4)
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -138,14 +138,14 @@ class project(torch.nn.Module):
         x, w = torch.randn(8, 6), torch.randn(6, 12)
         cases = [
             # Wrong number of placements: checked before anything is traced.
-            (RegionPlacements("R", "S(1)"), LocalMapSpec, r"alternative 1\) in_placements length 1 does not match"),
+            (RegionPlacements("R", "S(1)"), LocalMapSpec, r"alternative 1\): in_placements length 1 does not match"),
             (RegionPlacements("R, S(1)", "S(1), S(1)"), LocalMapSpec, r"alternative 1's out_placements describe other outputs"),
             # A split that is not even for the input it splits (x's 6 columns over 4 devices).
-            (RegionPlacements("S(1), R", "S(0)"), ValueError, r"input 0 \(alternative 1\): dim 1 has size 6.*4 ways"),
+            (RegionPlacements("S(1), R", "S(0)"), ValueError, r"args\[0\] \(alternative 1\): dim 1 has size 6.*4 ways"),
             # The body fails on the alternative's local shapes: x's 8 columns meet w's 2 rows.
             (RegionPlacements("R, S(0)", "P"), ValueError, r"alternative 1 .*body fails on that alternative's local shapes"),
             # Another global output: S(0) of an (8, 3) block makes (32, 3), not (8, 12).
-            (RegionPlacements("R, S(1)", "S(0)"), ValueError, r"output 0: alternative 1 .*\(32, 3\).*\(8, 12\)"),
+            (RegionPlacements("R, S(1)", "S(0)"), ValueError, r"output\[0\]: alternative 1 .*\(32, 3\).*\(8, 12\)"),
         ]
         for alternative, error, message in cases:
             error = ValueError if error is LocalMapSpec else error  # torch's class: AssertionError and ValueError

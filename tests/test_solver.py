@@ -6,7 +6,6 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from snapshot import TestCase, aot_trace, delete_meta
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -15,6 +14,7 @@ from hops import Mesh, Partial, Replicate, Shard, ShardingSpec
 from passes.solver import CostModel, InfeasiblePlacementError
 from passes.solver.ilp import Choice, Factor, Problem, evaluate, memory_of, solve_problem
 from passes.solver.solve import placement_problem, solve_graph
+from tests.helpers.snapshot import TestCase, aot_trace, delete_meta
 
 LINE = Mesh((2,), ("data",))
 GRID = Mesh((2, 2), ("data", "model"))

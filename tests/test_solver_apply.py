@@ -5,13 +5,13 @@ import re
 
 import pytest
 import torch
-from snapshot import TestCase, aot_trace, hlo_text, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
 from hops import Mesh, Replicate, Shard, ShardingSpec
 from passes.solver import CostModel
+from tests.helpers.snapshot import TestCase, aot_trace, hlo_text, readable
 
 LINE = Mesh((2,), ("data",))
 GRID = Mesh((2, 2), ("data", "model"))

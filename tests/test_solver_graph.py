@@ -3,13 +3,13 @@ fixed placements from HOP args, a scan body once, forward and backward joined, m
 
 import pytest
 import torch
-from snapshot import TestCase, aot_trace, delete_meta
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
 from hops import Mesh, Partial, Replicate, Shard, ShardingSpec
 from passes.solver.graph import Strategy, format_placement
+from tests.helpers.snapshot import TestCase, aot_trace, delete_meta
 
 LINE = Mesh((2,), ("data",))
 GRID = Mesh((2, 2), ("data", "model"))

@@ -3,13 +3,13 @@ the solver chooses one, apply_placements switches the region to it."""
 
 import pytest
 import torch
-from snapshot import TestCase
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
 from hops import Mesh, RegionPlacements, Replicate, Shard, ShardingSpec
 from passes.solver import CostModel
+from tests.helpers.snapshot import TestCase
 
 GRID = Mesh((2, 2), ("data", "model"))
 R, S0 = Replicate(), Shard(0)

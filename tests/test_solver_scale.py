@@ -8,13 +8,13 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from snapshot import aot_trace
 from torch._subclasses.fake_tensor import FakeTensor
 
 import hops
 import passes
 from hops import Mesh, Partial, Replicate, Shard
 from passes.solver import CostModel
+from tests.helpers.snapshot import aot_trace
 
 CUBE = Mesh((2, 2, 2), ("data", "fsdp", "tensor"))
 GRID = Mesh((2, 2), ("data", "model"))
@@ -59,7 +59,7 @@ def test_a_model_on_the_meta_device_is_solved_and_applied_without_materializing_
 
 
 def test_deleted_metadata_is_recomputed_from_meta_example_inputs():
-    from snapshot import delete_meta
+    from tests.helpers.snapshot import delete_meta
 
     with torch.device("meta"):
         args = [torch.empty(8, 16), torch.empty(3, 16, 16, requires_grad=True), torch.empty(16, 4, requires_grad=True)]

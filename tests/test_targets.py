@@ -12,9 +12,6 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from hop_db import MESH, ROWS, SAMPLES
-from snapshot import TestCase, readable
-from test_frontends import operations
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -22,6 +19,9 @@ import passes
 from hops import LocalMapSpec, Partial, Replicate, Shard, ShardingSpec
 from hops._base import BodyHOP
 from passes._infra import is_package_hop
+from tests.helpers.hop_db import MESH, ROWS, SAMPLES
+from tests.helpers.snapshot import TestCase, readable
+from tests.test_frontends import operations
 
 TARGETS = {"inline": passes.inline_hops, "unroll": passes.unroll_scan, "xla": passes.lower_to_xla}
 

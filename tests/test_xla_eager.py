@@ -5,11 +5,11 @@ PyTorch on CPU."""
 import numpy as np
 import pytest
 import torch
-from snapshot import device, hlo_text, sharding_of
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 from hops import Mesh, Replicate, Shard, ShardingSpec
+from tests.helpers.snapshot import device, hlo_text, sharding_of
 
 pytestmark = pytest.mark.xla
 

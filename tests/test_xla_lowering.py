@@ -4,12 +4,12 @@ import re
 
 import pytest
 import torch
-from snapshot import aot_trace, hlo_text
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
 from hops import Mesh, Replicate, Shard, ShardingSpec
+from tests.helpers.snapshot import aot_trace, hlo_text
 
 pytestmark = pytest.mark.xla
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from snapshot import device
 
 import hops
 from hops import Mesh, Replicate, Shard, ShardingSpec
+from tests.helpers.snapshot import device
 
 pytestmark = pytest.mark.xla
 

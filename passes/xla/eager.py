@@ -55,10 +55,10 @@ def annotate_on_xla(x: torch.Tensor, spec: ShardingSpec) -> torch.Tensor:
         return x.clone()
     if spec.layout.has_partial or spec.grad.layout.has_partial:
         raise ValueError(
-            f"annotate_sharding on XLA: {spec!r} has a Partial placement; an XLA sharding describes a "
+            f"annotate_sharding: on XLA, {spec!r} has a Partial placement; an XLA sharding describes a "
             "whole value, so an annotation cannot be Partial"
         )
-    check_mesh_fits_xla(spec.mesh, "annotate_sharding on XLA")
+    check_mesh_fits_xla(spec.mesh, "annotate_sharding: on XLA")
     return ops.sharding_constraint_on_xla(x, repr(spec))
 
 
@@ -137,7 +137,7 @@ def run_local_map_on_xla(body: Callable, *tensors_and_spec: Any) -> tuple[torch.
     tensors, spec = local_map_hop.split_args(tensors_and_spec)
     if not _spmd():
         return local_map_hop.run(body, tensors, spec)
-    check_mesh_fits_xla(spec.mesh, f"local_map {body_name(body)}")
+    check_mesh_fits_xla(spec.mesh, f"local_map({body_name(body)})")
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     examples = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in tensors]
     with mode:

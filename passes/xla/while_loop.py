@@ -202,7 +202,7 @@ def _check_step_outputs(name: str, outputs: Metadata, carry: Sequence[torch.Tens
     for i, ((shape, dtype), old) in enumerate(zip(outputs, carry)):
         if shape != tuple(old.shape) or dtype != old.dtype:
             raise ValueError(
-                f"xla_while: step {name}: carry {i} leaves the step as {shape} {dtype}, "
+                f"xla_while: step {name}: carry[{i}] leaves the step as {shape} {dtype}, "
                 f"entered as {tuple(old.shape)} {old.dtype}"
             )
 

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from snapshot import aot_trace, compile_trace
 
 import hops
 from hops import Mesh, Replicate, Shard
+from tests.helpers.snapshot import aot_trace, compile_trace
 
 WIDTH = 4
 LINE = Mesh((2,), ("a",))

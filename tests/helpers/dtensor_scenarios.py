@@ -5,7 +5,7 @@ per scenario ``error`` (a traceback, or None), ``comms`` (collective counts by k
 ``CommDebugMode``) and what the scenario reports (placements, predicted counts). Each
 scenario compares every value it computes on DTensors (``full_tensor()``) with single-device
 eager on every rank. Run by the test's spawner (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT`` set), or ``torchrun --nproc-per-node 4 tests/dtensor_scenarios.py OUTDIR``.
+``MASTER_PORT`` set), or ``torchrun --nproc-per-node 4 tests/helpers/dtensor_scenarios.py OUTDIR``.
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-_here = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_here, os.path.join(_here, ".."), os.path.join(_here, "..", "examples")]
+# Run as a script, this file finds the repository (for ``tests.helpers``) and its examples.
+_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_root, os.path.join(_root, "examples")]
 
 import run_on_dtensor  # noqa: E402
-from snapshot import aot_trace  # noqa: E402
 
 import hops  # noqa: E402
 import passes  # noqa: E402
 from hops import Mesh, Partial, Replicate, Shard, ShardingSpec, _compat  # noqa: E402
 from passes.dtensor import collective_counts  # noqa: E402
+from tests.helpers.snapshot import aot_trace  # noqa: E402
 
 MESH = Mesh.of(data=2, model=2)
 ROWS, WHOLE = (Shard(0), Replicate()), (Replicate(), Replicate())

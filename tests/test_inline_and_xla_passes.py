@@ -5,13 +5,13 @@ import copy
 import pytest
 import torch
 import torch.fx as fx
-from snapshot import TestCase, delete_meta, readable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
 from hops import Mesh, Partial, Replicate, Shard, ShardingSpec
 from passes.xla import ops as xla_ops
+from tests.helpers.snapshot import TestCase, delete_meta, readable
 
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
