@@ -176,6 +176,22 @@ def across_calls_key(body: Callable) -> CodeKey | None:
     return make() if make is not None else None
 
 
+def plan_body_key(body: Callable) -> Any:
+    """For a body of an autograd plan (``plan_body``: made once, reads no Python state), the
+    key under which a device rule may keep what it made from it for as long as the key lives;
+    None for any other body."""
+    if not getattr(body, "hops_plan_body", False):
+        return None
+    return getattr(body, "hops_trace_key", body)
+
+
+def traced_graph(body: Callable) -> fx.GraphModule | None:
+    """The GraphModule ``body`` runs when this package built it from a traced graph (a
+    plan's step): a rule may take it instead of tracing the body again."""
+    graph = getattr(body, "hops_graph", None)
+    return graph if isinstance(graph, fx.GraphModule) else None
+
+
 def plan_body(body: Callable) -> Callable:
     """Mark a body an autograd plan built from traced graphs: it reads no Python state, so a
     device rule may keep what it made from it for as long as the body lives."""
@@ -500,12 +516,12 @@ def _refuse_untraced_closure(closed: Sequence[torch.Tensor], operands: Sequence[
     refuses it, with the way out."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from hops._body import _unwrap_functional, describe_tensor
+    from hops._body import describe_tensor, unwrap_functional
 
-    if not any(isinstance(_unwrap_functional(o), FakeTensor) for o in operands if isinstance(o, torch.Tensor)):
+    if not any(isinstance(unwrap_functional(o), FakeTensor) for o in operands if isinstance(o, torch.Tensor)):
         return
     for tensor in closed:
-        if not isinstance(_unwrap_functional(tensor), FakeTensor) and tensor.device.type != "meta":
+        if not isinstance(unwrap_functional(tensor), FakeTensor) and tensor.device.type != "meta":
             raise TypeError(
                 f"{what}: the body reads {describe_tensor(tensor, user_function)} from outside its "
                 "inputs, a real tensor the fake-tensor tracer does not know (as a constant it would get "
@@ -743,17 +759,17 @@ def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operand
     with symbolic shapes, nothing is reused."""
     from torch._guards import detect_fake_mode
 
-    from hops._body import _unwrap_functional
+    from hops._body import unwrap_functional
 
     metadata = []
     for value in operands:
         if not isinstance(value, torch.Tensor):
             return make()
-        inner = _unwrap_functional(value)
+        inner = unwrap_functional(value)
         if not all(isinstance(size, int) for size in inner.shape):
             return make()
         metadata.append((tuple(inner.shape), inner.stride(), inner.dtype, inner.device, value.requires_grad))
-    mode = detect_fake_mode([_unwrap_functional(v) for v in operands])
+    mode = detect_fake_mode([unwrap_functional(v) for v in operands])
     if mode is None:
         return _cached_across_calls(kind, make, body, operands, spec)
     cache = _PER_TRACE.setdefault(mode, {})
