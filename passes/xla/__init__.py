@@ -14,7 +14,7 @@ import torch.fx as fx
 from hops.lowering import register_graph_compiler
 from passes._infra import HopRulePass
 from passes.xla import eager, rules  # noqa: F401  (register the target's and the device's rules)
-from passes.xla.dynamo import lowered_and_staged, prepare_autograd_for_xla
+from passes.xla.backend import lowered_and_staged, prepare_autograd_for_xla
 from passes.xla.rules import run_in_named_scope, run_scan
 
 # hops.assume_pure on XLA tensors: its graphs lowered and staged, as backend="hops_xla" does.
