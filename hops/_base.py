@@ -32,20 +32,38 @@ backward nodes that ``autograd_plan`` builds.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._C import DispatchKey
+from torch._guards import detect_fake_mode
 from torch._ops import HigherOrderOperator
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
 from hops import _compat
-from hops._body import BodyInfo, distinct_tensors, inspect_body, lift_closure
-from hops._code_key import CodeKey, code_key
-from hops._joint import is_tracing
-from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for the HOP modules)
+from hops._body import BodyInfo, describe_tensor, distinct_tensors, inspect_body, lift_closure, unwrap_functional
+from hops._body_record import (
+    BodyRecord,
+    across_calls_key,
+    body_record,
+    is_known_functional,
+    known_functional,
+    plan_body,
+    set_trace_key,
+    trace_key,
+    update_record,
+)
+from hops._code_key import CodeKey
+from hops._dynamo import CALL_DESCRIPTION, call_description
+from hops._joint import body_output_examples, is_differentiable, is_tracing, split_joint, trace_connected_joint, trace_graph
+from hops._subgraph import (
     body_name,
     clone_aliased_outputs,
     find_input_mutation_and_aliasing,
@@ -57,9 +75,14 @@ from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for th
 )
 from hops._targets import load_device_rules
 
+# BodyHOP, and the names a HOP module written against the earlier single-module layout
+# imports from here (CONTRIBUTING's ``hops._base.call_body_hop``); each is defined in the
+# module named for it.
 __all__ = [
-    "BodyHOP", "DeviceMismatchError", "FlatBody", "HopFunction", "OptionBodies", "call_body_hop", "check_one_device",
-    "flat_body", "map_options", "needs_traced_autograd", "option_body",
+    "BodyHOP",
+    "AutogradPlan", "DeviceMismatchError", "FlatBody", "HopFunction", "OptionBodies", "RegionPlan", "argument_names",
+    "cached_plan", "call_body_hop", "check_one_device", "flat_body", "fresh_outputs", "map_options",
+    "needs_traced_autograd", "option_body", "plan_body", "set_trace_key",
 ]
 
 
@@ -74,11 +97,7 @@ class FlatBody:
         self.body = body
         self.treespec: Any = None
         self.__name__ = self.__qualname__ = body_name(body)
-        self.hops_known_functional = getattr(body, "hops_known_functional", False)
-        self.hops_trace_key = getattr(body, "hops_trace_key", body)
-        self.hops_graph = getattr(body, "hops_graph", None)
-        self.hops_code_key = getattr(body, "hops_code_key", None)
-        self.hops_plan_body = getattr(body, "hops_plan_body", False)
+        self.__hops__ = dataclasses.replace(body_record(body), trace_key=trace_key(body))
 
     def __call__(self, *inputs: Any) -> tuple:
         leaves, self.treespec = pytree.tree_flatten(self.body(*inputs))
@@ -110,13 +129,17 @@ class OptionBodies:
         self.bodies = tuple(flat_body(b) for b in bodies)
         self.active = active
         self.__name__ = self.__qualname__ = body_name(self.bodies[active])
-        self.hops_known_functional = all(getattr(b, "hops_known_functional", False) for b in self.bodies)
-        self.hops_plan_body = all(getattr(b, "hops_plan_body", False) for b in self.bodies)
-        self.hops_graph = getattr(self.bodies[active], "hops_graph", None)
-        self.hops_code_key = None  # no reuse across eager calls: each option is its own trace
-        # Equal tuples of bodies share one inspection and plan within a trace; a plan's
-        # bodies (made once, reused) are their own key, which device rules keep weakly.
-        self.hops_trace_key = self if self.hops_plan_body else tuple(getattr(b, "hops_trace_key", b) for b in self.bodies)
+        records = [body_record(b) for b in self.bodies]
+        plan = all(r.plan_body for r in records)
+        self.__hops__ = BodyRecord(
+            # Equal tuples of bodies share one inspection and plan within a trace; a plan's
+            # bodies (made once, reused) are their own key, which device rules keep weakly.
+            trace_key=self if plan else tuple(trace_key(b) for b in self.bodies),
+            code_key=None,  # no reuse across eager calls: each option is its own trace
+            known_functional=all(r.known_functional for r in records),
+            plan_body=plan,
+            graph=records[active].graph,
+        )
 
     def __call__(self, *inputs: Any) -> tuple:
         return self.bodies[self.active](*inputs)
@@ -127,14 +150,6 @@ class OptionBodies:
 
     def unflatten(self, flat: Sequence[Any]) -> Any:
         return self.bodies[self.active].unflatten(flat)
-
-
-def _same_constant(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return isinstance(a, FakeTensor) or isinstance(b, FakeTensor) or bool(torch.equal(a, b))
 
 
 def option_body(body: Callable, index: int) -> Callable:
@@ -148,70 +163,6 @@ def map_options(body: Callable, transform: Callable[[Callable], Callable]) -> Ca
     if isinstance(body, OptionBodies):
         return OptionBodies([transform(b) for b in body.bodies], body.active)
     return transform(body)
-
-
-def set_trace_key(body: Callable, fn: Callable, *structure: Any, across_calls: bool = True) -> None:
-    """Say which user function ``fn`` and call ``structure`` ``body`` runs: equal keys reuse
-    one inspection and one traced joint within a fake-mode trace (AOTAutograd's two passes, a
-    scan of the same step twice). Eagerly on XLA, calls reuse them across calls by the
-    function's ``code_key`` (a new function object with the same code and Python state),
-    computed when needed (``across_calls_key``); not with ``across_calls=False``. Nothing is
-    set if the structure is not hashable (e.g. a list argument), or under Dynamo (which
-    traces bodies itself)."""
-    if torch.compiler.is_dynamo_compiling():
-        return
-    key = (fn, *structure)
-    try:
-        hash(key)
-    except TypeError:
-        return
-    body.hops_trace_key = key
-    if across_calls:
-        body.hops_code_key = functools.cache(lambda: code_key(fn, *structure))  # computed on first use
-
-
-def across_calls_key(body: Callable) -> CodeKey | None:
-    """The ``CodeKey`` of ``body``'s user function and call structure, if it has one."""
-    make = getattr(body, "hops_code_key", None)
-    return make() if make is not None else None
-
-
-def plan_body_key(body: Callable) -> Any:
-    """For a body of an autograd plan (``plan_body``: made once, reads no Python state), the
-    key under which a device rule may keep what it made from it for as long as the key lives;
-    None for any other body."""
-    if not getattr(body, "hops_plan_body", False):
-        return None
-    return getattr(body, "hops_trace_key", body)
-
-
-def traced_graph(body: Callable) -> fx.GraphModule | None:
-    """The GraphModule ``body`` runs when this package built it from a traced graph (a
-    plan's step): a rule may take it instead of tracing the body again."""
-    graph = getattr(body, "hops_graph", None)
-    return graph if isinstance(graph, fx.GraphModule) else None
-
-
-def plan_body(body: Callable) -> Callable:
-    """Mark a body an autograd plan built from traced graphs: it reads no Python state, so a
-    device rule may keep what it made from it for as long as the body lives."""
-    body.hops_plan_body = True
-    return known_functional(body)
-
-
-def known_functional(body: Callable) -> Callable:
-    """Mark a body already checked not to write into its inputs (by ``inspect_body`` or
-    because this package built it from a checked graph): later rules need not trace it again
-    to check."""
-    body.hops_known_functional = True
-    return body
-
-
-def needs_traced_autograd(values: Sequence[Any]) -> bool:
-    """Whether a HOP differentiates through its traced joint (``HopFunction``) rather than by
-    running its eager semantics under autograd: while a tracer records, and on XLA, where the
-    forward and backward run as lowered HOP nodes."""
-    return is_tracing(values) or any(isinstance(v, torch.Tensor) and v.device.type == "xla" for v in values)
 
 
 class BodyHOP(HigherOrderOperator):
@@ -362,11 +313,7 @@ class BodyHOP(HigherOrderOperator):
             # functionalization, which handles its views (below it, torch_xla mis-handles them).
             return self.run(body, operands, spec)
         unwrapped = ctx.unwrap_tensors(list(operands))
-        if not getattr(body, "hops_known_functional", False):
-            from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-            from hops._joint import trace_graph
-
+        if not is_known_functional(body):
             options = range(self.num_options(spec)) if isinstance(body, OptionBodies) else [self.active_option(spec)]
             for index in options:
                 with disable_proxy_modes_tracing():
@@ -408,8 +355,6 @@ class BodyHOP(HigherOrderOperator):
         """Trace the body once on what it sees into a subgraph named after the user function,
         and emit one node ``hop(subgraph, *operands, spec)``."""
         from torch._higher_order_ops.utils import reenter_make_fx
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
         operands, spec = self.split_args(args)
         name = body_name(body)
@@ -428,7 +373,7 @@ class BodyHOP(HigherOrderOperator):
                 if index == active:
                     raise
                 raise self.option_failure(name, spec, index, error) from error
-            if not getattr(body, "hops_known_functional", False):
+            if not is_known_functional(body):
                 self.refuse_mutation(graph, option)
             clone_aliased_outputs(graph)
             # make_fx names the class after the function it traced: re-tracing this graph, and
@@ -510,14 +455,20 @@ class BodyHOP(HigherOrderOperator):
         return super().dispatch(dispatch_key, *args, **kwargs)
 
 
+def _same_constant(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return isinstance(a, FakeTensor) or isinstance(b, FakeTensor) or bool(torch.equal(a, b))
+
+
+def _is_call_description(value: Any) -> bool:
+    return type(value) is tuple and len(value) == 4 and value[0] == CALL_DESCRIPTION
+
+
 def _refuse_untraced_closure(closed: Sequence[torch.Tensor], operands: Sequence[Any], what: str, user_function: Any) -> None:
     """A fake-tensor trace cannot take a real tensor the body reads from its closure: as a
     constant of the graph it would silently get no gradient. Refused as plain torch code
     refuses it, with the way out."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    from hops._body import describe_tensor, unwrap_functional
-
     if not any(isinstance(unwrap_functional(o), FakeTensor) for o in operands if isinstance(o, torch.Tensor)):
         return
     for tensor in closed:
@@ -528,12 +479,6 @@ def _refuse_untraced_closure(closed: Sequence[torch.Tensor], operands: Sequence[
                 "no gradient); pass it as an input (torch.func.functional_call, aot_module), or trace "
                 "with torch.compile / torch.export, which lift parameters themselves"
             )
-
-
-def _is_call_description(value: Any) -> bool:
-    from hops._dynamo import CALL_DESCRIPTION
-
-    return type(value) is tuple and len(value) == 4 and value[0] == CALL_DESCRIPTION
 
 
 class DeviceMismatchError(ValueError, RuntimeError):
@@ -584,13 +529,9 @@ def call_body_hop(
     device error (default ``input_names``). The results come in the structure the body
     returns."""
     if torch.compiler.is_dynamo_compiling():
-        from hops._dynamo import call_description
-
         # The variable checks the call as below and names it as eager's errors do.
         names = tuple(input_names(i) for i in range(len(operands)))
         return hop(body, *operands, spec, call_description(body_name(user_function), what, names))
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
     hop.check(body, operands, spec)
     check_one_device(operands, what, device_names or input_names)
     traced = needs_traced_autograd(operands)
@@ -610,19 +551,34 @@ def call_body_hop(
     body = known_functional(body)
     if traced and info.closed:
         _refuse_untraced_closure(info.closed, operands, what, user_function)
-        trace_key = getattr(body, "hops_trace_key", None)
-        code_key_of = getattr(body, "hops_code_key", None)
-        body = known_functional(lift_closure(body, len(operands), info.read))
-        if trace_key is not None:
-            body.hops_trace_key = (trace_key, tuple(id(t) for t in info.read))
-        if code_key_of is not None:
-            read = info.read
-            body.hops_code_key = functools.cache(lambda: _with_lifted(code_key_of(), read))
+        record, read = body_record(body), info.read
+        code_key_of = record.code_key
+        body = update_record(
+            lift_closure(body, len(operands), read),
+            known_functional=True,
+            trace_key=None if record.trace_key is None else (record.trace_key, tuple(id(t) for t in read)),
+            code_key=None if code_key_of is None else functools.cache(lambda: _with_lifted(code_key_of(), read)),
+        )
         operands, spec = hop.fold_lifted(operands, spec, tuple(info.closed))
     return hop(body, *operands, spec)
 
 
-# --------------------------------------------------------------------------- traced autograd
+def _with_lifted(key: CodeKey | None, read: Sequence[torch.Tensor]) -> CodeKey | None:
+    """The code key of a body whose closure tensors ``read`` became trailing inputs: none
+    unless the key was built from those tensors (else they were reached through something
+    the key does not hold, which may change between calls)."""
+    if key is None or not all(id(t) in key.tensors for t in read):
+        return None
+    lifted = CodeKey((key, tuple(id(t) for t in read)))
+    lifted.tensors = key.tensors
+    return lifted
+
+
+def needs_traced_autograd(values: Sequence[Any]) -> bool:
+    """Whether a HOP differentiates through its traced joint (``HopFunction``) rather than by
+    running its eager semantics under autograd: while a tracer records, and on XLA, where the
+    forward and backward run as lowered HOP nodes."""
+    return is_tracing(values) or any(isinstance(v, torch.Tensor) and v.device.type == "xla" for v in values)
 
 
 class AutogradPlan:
@@ -670,33 +626,12 @@ class HopFunction(torch.autograd.Function):
         return (None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:])))
 
 
-# --------------------------------------------------------------------------- regions
-#
-# A region HOP (named_scope, local_map) runs its body once on its operands (or on each
-# device's shards of them). Its traced autograd is a forward region that also returns the
-# residuals, and a backward region from (the primals it reads, the residuals, the present
-# cotangents) to the gradients of the operands that need one.
-
-import collections  # noqa: E402
-import weakref  # noqa: E402
-
 # fake mode -> {(kind, body key, operand metadata, spec): inspection or plan}
 _PER_TRACE: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
 # Eager XLA calls: (kind, CodeKey, operand metadata, spec) -> inspection or plan, least
 # recently used first.
 _ACROSS_CALLS: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
 ACROSS_CALLS_SIZE = 64
-
-
-def _with_lifted(key: CodeKey | None, read: Sequence[torch.Tensor]) -> CodeKey | None:
-    """The code key of a body whose closure tensors ``read`` became trailing inputs: none
-    unless the key was built from those tensors (else they were reached through something
-    the key does not hold, which may change between calls)."""
-    if key is None or not all(id(t) in key.tensors for t in read):
-        return None
-    lifted = CodeKey((key, tuple(id(t) for t in read)))
-    lifted.tensors = key.tensors
-    return lifted
 
 
 class _CachedInspection:
@@ -721,8 +656,8 @@ def _across_calls_key(kind: str, body: Callable, operands: Sequence[Any], spec: 
         if not isinstance(value, torch.Tensor) or value.device.type != "xla":
             return None
         metadata.append((tuple(value.shape), value.dtype, value.device, value.requires_grad))
-    trace_key = across_calls_key(body)
-    return None if trace_key is None else (kind, trace_key, tuple(metadata), spec)
+    code_key = across_calls_key(body)
+    return None if code_key is None else (kind, code_key, tuple(metadata), spec)
 
 
 def _cached_across_calls(kind: str, make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
@@ -752,15 +687,11 @@ def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operand
     cache: an inspection, an autograd plan). AOTAutograd runs a function twice (metadata,
     then the joint): an equal call is inspected, traced and split once.
 
-    Equal means the same body (or the same ``hops_trace_key``: public functions make a new
-    body per call around one user function), operand metadata and requires_grad, and spec.
-    Eagerly on XLA tensors, a body keyed by ``code_key`` reuses what an equal earlier call
-    made (bounded, least recently used evicted). Elsewhere outside a fake-tensor trace, or
-    with symbolic shapes, nothing is reused."""
-    from torch._guards import detect_fake_mode
-
-    from hops._body import unwrap_functional
-
+    Equal means the same body (or the same trace key, ``hops._body_record``: public
+    functions make a new body per call around one user function), operand metadata and
+    requires_grad, and spec. Eagerly on XLA tensors, a body keyed by ``code_key`` reuses what
+    an equal earlier call made (bounded, least recently used evicted). Elsewhere outside a
+    fake-tensor trace, or with symbolic shapes, nothing is reused."""
     metadata = []
     for value in operands:
         if not isinstance(value, torch.Tensor):
@@ -773,7 +704,7 @@ def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operand
     if mode is None:
         return _cached_across_calls(kind, make, body, operands, spec)
     cache = _PER_TRACE.setdefault(mode, {})
-    key = (kind, getattr(body, "hops_trace_key", body), tuple(metadata), spec)
+    key = (kind, trace_key(body), tuple(metadata), spec)
     value = cache.get(key)
     if value is None:
         value = cache[key] = make()
@@ -785,14 +716,11 @@ def cached_plan(make: Callable[[], Any], body: Callable, operands: Sequence[Any]
 
 
 class RegionPlan(AutogradPlan):
-    """The traced autograd of one region HOP call (see above). ``hop`` supplies the specs
-    of the forward and backward regions, and how residuals cross a region's boundary."""
+    """The traced autograd of one region HOP call (see the module docstring). ``hop``
+    supplies the specs of the forward and backward regions, and how residuals cross a
+    region's boundary."""
 
     def __init__(self, hop: "BodyHOP", body: Callable, operands: Sequence[Any], spec: Any) -> None:
-        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-        from hops._joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
-
         self.hop, self.spec, self.name = hop, spec, body_name(body)
         self.needs_grad = [is_differentiable(o) and o.requires_grad for o in operands]
         with disable_proxy_modes_tracing():

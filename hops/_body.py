@@ -466,6 +466,4 @@ def lift_closure(body: Callable, num_inputs: int, read: Sequence[torch.Tensor]) 
         with _SubstituteTensors(replacements):
             return body(*values[:num_inputs])
 
-    lifted = named(lifted, body_name(body))
-    lifted.hops_lifted_from = body
-    return lifted
+    return named(lifted, body_name(body))

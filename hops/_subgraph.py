@@ -9,6 +9,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from hops._body_record import update_record
+
 
 def body_name(body: Any) -> str:
     """A Python identifier naming ``body`` after the user function it came from.
@@ -41,15 +43,16 @@ def body_name(body: Any) -> str:
 
 def named(fn: Callable, name: str) -> Callable:
     """``fn`` under the name ``name``, so the subgraph traced from it is named after the user
-    function. A GraphModule stays reachable as ``hops_graph``: a rule that needs the body's
-    graph (a device rule staging it) can take it instead of tracing it again."""
+    function. A GraphModule stays reachable as its record's ``graph`` (``traced_graph``): a
+    rule that needs the body's graph (a device rule staging it) can take it instead of
+    tracing it again."""
 
     def call(*args: Any) -> Any:
         return fn(*args)
 
     call.__name__ = call.__qualname__ = name
     if isinstance(fn, fx.GraphModule):
-        call.hops_graph = fn
+        update_record(call, graph=fn)
     return call
 
 
