@@ -37,9 +37,9 @@ runs graphs traced for that device's tensors; see ``hops._targets``).
 
 from __future__ import annotations
 
-from hops._base import flat_body
 from hops._body import distinct_tensors
 from hops._body_record import across_calls_key, plan_body_key, traced_graph
+from hops._flat_body import flat_body
 from hops._layout import device_coordinates, global_shape, local_shape, replicated
 from hops._subgraph import body_name, clone_aliased_outputs, is_view
 from hops._targets import register_graph_compiler

@@ -12,7 +12,6 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
-from hops._base import FlatBody, OptionBodies
 from hops._body_record import (
     BodyRecord,
     across_calls_key,
@@ -25,6 +24,7 @@ from hops._body_record import (
     trace_key,
     traced_graph,
 )
+from hops._flat_body import FlatBody, OptionBodies
 from hops._subgraph import named
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
