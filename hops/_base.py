@@ -32,32 +32,21 @@ backward nodes that ``autograd_plan`` builds.
 
 from __future__ import annotations
 
-import collections
 import functools
-import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._C import DispatchKey
-from torch._guards import detect_fake_mode
 from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
 from hops import _compat
-from hops._body import BodyInfo, describe_tensor, distinct_tensors, inspect_body, lift_closure, unwrap_functional
-from hops._body_record import (
-    across_calls_key,
-    body_record,
-    is_known_functional,
-    known_functional,
-    plan_body,
-    set_trace_key,
-    trace_key,
-    update_record,
-)
+from hops._body import describe_tensor, distinct_tensors, inspect_body, lift_closure, unwrap_functional
+from hops._body_record import body_record, is_known_functional, known_functional, plan_body, set_trace_key, update_record
+from hops._caches import cached_per_trace, cached_plan
 from hops._code_key import CodeKey
 from hops._dynamo import CALL_DESCRIPTION, call_description
 from hops._flat_body import FlatBody, OptionBodies, flat_body, map_options, option_body
@@ -544,95 +533,6 @@ class HopFunction(torch.autograd.Function):
             return (None,) * len(ctx.needs_input_grad)
         grads = ctx.plan.backward(saved, list(cotangents))
         return (None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:])))
-
-
-# fake mode -> {(kind, body key, operand metadata, spec): inspection or plan}
-_PER_TRACE: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
-# Eager XLA calls: (kind, CodeKey, operand metadata, spec) -> inspection or plan, least
-# recently used first.
-_ACROSS_CALLS: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
-ACROSS_CALLS_SIZE = 64
-
-
-class _CachedInspection:
-    """A complete ``BodyInfo`` kept across calls without keeping the caller's tensors alive.
-    The key holds their ids, so a live tensor found under a key is the one it was built from."""
-
-    def __init__(self, info: BodyInfo) -> None:
-        self.closed = [weakref.ref(t) for t in info.closed]
-        self.read = [weakref.ref(t) for t in info.read]
-
-    def info(self) -> BodyInfo | None:
-        closed, read = [r() for r in self.closed], [r() for r in self.read]
-        if any(t is None for t in (*closed, *read)):
-            return None
-        return BodyInfo(closed, None, True, read)
-
-
-def _across_calls_key(kind: str, body: Callable, operands: Sequence[Any], spec: Any) -> tuple | None:
-    """The key of an eager call on XLA tensors whose body has a ``CodeKey``, else None."""
-    metadata = []
-    for value in operands:
-        if not isinstance(value, torch.Tensor) or value.device.type != "xla":
-            return None
-        metadata.append((tuple(value.shape), value.dtype, value.device, value.requires_grad))
-    code_key = across_calls_key(body)
-    return None if code_key is None else (kind, code_key, tuple(metadata), spec)
-
-
-def _cached_across_calls(kind: str, make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
-    key = _across_calls_key(kind, body, operands, spec)
-    if key is None:
-        return make()
-    entry = _ACROSS_CALLS.get(key)
-    value = entry.info() if isinstance(entry, _CachedInspection) else entry
-    if value is not None:
-        _ACROSS_CALLS.move_to_end(key)
-        return value
-    value = make()
-    if isinstance(value, BodyInfo):
-        if not value.complete or not all(id(t) in key[1].tensors for t in value.read):
-            return value  # reads values or tensors the key does not hold: inspect every call
-        entry = _CachedInspection(value)
-    else:
-        entry = value
-    _ACROSS_CALLS[key] = entry
-    while len(_ACROSS_CALLS) > ACROSS_CALLS_SIZE:
-        _ACROSS_CALLS.popitem(last=False)
-    return value
-
-
-def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
-    """``make()``, or what it made for an equal call in the same fake mode (``kind`` names the
-    cache: an inspection, an autograd plan). AOTAutograd runs a function twice (metadata,
-    then the joint): an equal call is inspected, traced and split once.
-
-    Equal means the same body (or the same trace key, ``hops._body_record``: public
-    functions make a new body per call around one user function), operand metadata and
-    requires_grad, and spec. Eagerly on XLA tensors, a body keyed by ``code_key`` reuses what
-    an equal earlier call made (bounded, least recently used evicted). Elsewhere outside a
-    fake-tensor trace, or with symbolic shapes, nothing is reused."""
-    metadata = []
-    for value in operands:
-        if not isinstance(value, torch.Tensor):
-            return make()
-        inner = unwrap_functional(value)
-        if not all(isinstance(size, int) for size in inner.shape):
-            return make()
-        metadata.append((tuple(inner.shape), inner.stride(), inner.dtype, inner.device, value.requires_grad))
-    mode = detect_fake_mode([unwrap_functional(v) for v in operands])
-    if mode is None:
-        return _cached_across_calls(kind, make, body, operands, spec)
-    cache = _PER_TRACE.setdefault(mode, {})
-    key = (kind, trace_key(body), tuple(metadata), spec)
-    value = cache.get(key)
-    if value is None:
-        value = cache[key] = make()
-    return value
-
-
-def cached_plan(make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
-    return cached_per_trace("plan", make, body, operands, spec)
 
 
 class RegionPlan(AutogradPlan):
