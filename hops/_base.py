@@ -44,13 +44,15 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
 from hops import _compat
+from hops._autograd import AutogradPlan, HopFunction, needs_traced_autograd
 from hops._body import describe_tensor, distinct_tensors, inspect_body, lift_closure, unwrap_functional
 from hops._body_record import body_record, is_known_functional, known_functional, plan_body, set_trace_key, update_record
 from hops._caches import cached_per_trace, cached_plan
 from hops._code_key import CodeKey
 from hops._dynamo import CALL_DESCRIPTION, call_description
 from hops._flat_body import FlatBody, OptionBodies, flat_body, map_options, option_body
-from hops._joint import body_output_examples, is_differentiable, is_tracing, split_joint, trace_connected_joint, trace_graph
+from hops._joint import is_tracing, trace_graph
+from hops._region_plan import RegionPlan
 from hops._subgraph import (
     body_name,
     clone_aliased_outputs,
@@ -481,125 +483,3 @@ def _with_lifted(key: CodeKey | None, read: Sequence[torch.Tensor]) -> CodeKey |
     lifted = CodeKey((key, tuple(id(t) for t in read)))
     lifted.tensors = key.tensors
     return lifted
-
-
-def needs_traced_autograd(values: Sequence[Any]) -> bool:
-    """Whether a HOP differentiates through its traced joint (``HopFunction``) rather than by
-    running its eager semantics under autograd: while a tracer records, and on XLA, where the
-    forward and backward run as lowered HOP nodes."""
-    return is_tracing(values) or any(isinstance(v, torch.Tensor) and v.device.type == "xla" for v in values)
-
-
-class AutogradPlan:
-    """How one traced call of a body HOP differentiates: ``forward`` runs the forward node(s)
-    below autograd and returns ``(outputs, saved)``; ``backward`` runs the backward node(s)
-    on what was saved and the outputs' cotangents (``None`` where an output got none) and
-    returns one gradient (or ``None``) per operand. ``backward`` runs where autograd is live
-    when double backward asks for it, so its HOP calls are differentiated in turn."""
-
-    def forward(self, operands: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
-        raise NotImplementedError
-
-    def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
-        raise NotImplementedError
-
-    # The structure of the body's result (the HOP's results are returned in it).
-    treespec: Any = None
-
-
-class HopFunction(torch.autograd.Function):
-    """The autograd node of a traced body HOP call: the forward and backward are HOP nodes
-    built by an ``AutogradPlan``, so forward and backward graphs carry the HOP."""
-
-    @staticmethod
-    def forward(ctx: Any, plan: AutogradPlan, *operands: Any):
-        with torch._C._AutoDispatchBelowAutograd():
-            outputs, saved = plan.forward(operands)
-        ctx.plan = plan
-        ctx.set_materialize_grads(False)
-        # Ints and symbolic ints cannot go through save_for_backward: keep them aside.
-        ctx.non_tensors = [None if isinstance(v, torch.Tensor) else v for v in saved]
-        ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
-        not_differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and not (o.is_floating_point() or o.is_complex())]
-        if not_differentiable:
-            ctx.mark_non_differentiable(*not_differentiable)
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *cotangents: Any):
-        tensors = iter(ctx.saved_tensors)
-        saved = [next(tensors) if v is None else v for v in ctx.non_tensors]
-        if all(c is None for c in cotangents):
-            return (None,) * len(ctx.needs_input_grad)
-        grads = ctx.plan.backward(saved, list(cotangents))
-        return (None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:])))
-
-
-class RegionPlan(AutogradPlan):
-    """The traced autograd of one region HOP call (see the module docstring). ``hop``
-    supplies the specs of the forward and backward regions, and how residuals cross a
-    region's boundary."""
-
-    def __init__(self, hop: "BodyHOP", body: Callable, operands: Sequence[Any], spec: Any) -> None:
-        self.hop, self.spec, self.name = hop, spec, body_name(body)
-        self.needs_grad = [is_differentiable(o) and o.requires_grad for o in operands]
-        with disable_proxy_modes_tracing():
-            examples = hop.body_inputs(operands, spec)
-        flat = flat_body(body)
-        outputs = body_output_examples(flat, examples)
-        self.treespec = flat.treespec
-        self.num_outputs = len(outputs)
-        self.differentiable = [i for i, o in enumerate(outputs) if is_differentiable(o)]
-        # Shape, dtype and device of each output the body computes (for zero cotangents).
-        self.local_outputs = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outputs]
-        joint, self.needs_grad = trace_connected_joint(flat, examples, outputs, self.needs_grad)
-        self.split = split_joint(joint, len(examples), len(outputs))
-        (forward_output,) = self.split.forward.graph.find_nodes(op="output")
-        self.residuals = [v.meta["val"] for v in forward_output.args[0][self.num_outputs :]]
-        self.forward_body: Callable | None = None
-        self.backward_bodies: dict[tuple[int, ...], Callable] = {}
-
-    def forward(self, operands: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
-        split = self.split
-        if self.forward_body is None:  # made once: a plan reused across calls hands the same body on
-            self.forward_body = plan_body(named(self.hop.residuals_out(split.forward, self.num_outputs), self.name))
-        results = self.hop(self.forward_body, *operands, self.hop.forward_spec(self.spec, self.residuals))
-        outputs, residuals = results[: self.num_outputs], results[self.num_outputs :]
-        return outputs, [*(operands[i] for i in split.primals_in_backward), *residuals]
-
-    def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
-        if not any(self.needs_grad):  # no output depends on an input that requires grad
-            return [None] * len(self.needs_grad)
-        present = [i for i in self.differentiable if cotangents[i] is not None]
-        backward_body = self.backward_bodies.get(tuple(present))
-        if backward_body is None:
-            backward_body = self.backward_bodies[tuple(present)] = self._backward_body(present)
-        backward_spec = self.hop.backward_spec(self.spec, self.split, self.residuals, self.needs_grad, present)
-        grads = iter(self.hop(backward_body, *saved, *(cotangents[i] for i in present), backward_spec))
-        return [next(grads) if need else None for need in self.needs_grad]
-
-    def _backward_body(self, present: Sequence[int], residual_inputs: Sequence[Callable] | None = None) -> Callable:
-        """The backward region's body: ``(primals it reads, residuals, present cotangents) ->
-        gradients``; each residual enters through ``residual_inputs`` (default: as the HOP's
-        ``residuals_in`` says)."""
-        split = self.split
-        num_primals = len(split.primals_in_backward)
-        if residual_inputs is None:
-            residual_inputs = self.hop.residuals_in(self.residuals)
-        local_outputs, differentiable = self.local_outputs, self.differentiable
-
-        def backward(*values: Any) -> tuple:
-            primals = values[:num_primals]
-            residuals = [unwrap(v) for unwrap, v in zip(residual_inputs, values[num_primals : num_primals + len(residual_inputs)])]
-            given = list(values[num_primals + len(residual_inputs) :])
-            like, given = given[0], iter(given)
-            # An output nobody differentiated gets a zero cotangent here, inside the region:
-            # no global zeros and no layout for them are needed outside. (Made like a present
-            # cotangent, so a traced graph makes them on the device it runs on.)
-            full = [
-                next(given) if i in present else like.new_zeros(local_outputs[i][0], dtype=local_outputs[i][1])
-                for i in differentiable
-            ]
-            return tuple(split.backward(*primals, *residuals, *full))
-
-        return plan_body(named(backward, f"{self.name}_bwd"))
