@@ -37,19 +37,14 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor, _layout
-from hops._base import (
-    AutogradPlan,
-    BodyHOP,
-    OptionBodies,
-    RegionPlan,
-    argument_names,
-    cached_plan,
-    call_body_hop,
-    option_body,
-    plan_body,
-    set_trace_key,
-)
+from hops._autograd import AutogradPlan
+from hops._base import BodyHOP
 from hops._body import version_counter
+from hops._body_record import plan_body, set_trace_key
+from hops._caches import cached_plan
+from hops._call import argument_names, call_body_hop
+from hops._flat_body import OptionBodies, option_body
+from hops._region_plan import RegionPlan
 from hops._subgraph import body_name, named, rename_inner_function
 from hops.specs import (
     LocalMapSpec,
