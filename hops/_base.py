@@ -22,6 +22,12 @@ node form, validation), fake, functionalization, proxy, autograd, and dispatch m
 are not tracers. Each HOP module still registers one function per key, so a reader finds
 "what happens under fake tensors" by one decorator, as in torch's own HOPs.
 
+The rules' helpers each live in a module named for what they do: the forms a rule sees a
+body in (``hops._flat_body``), what is known about a body (``hops._body_record``), how a
+public function calls the HOP (``hops._call``), the caches of inspections and plans
+(``hops._caches``), traced autograd (``hops._autograd``) and the region HOPs' plan
+(``hops._region_plan``).
+
 Autograd has two paths. Outside tracing, on the devices where the eager semantics runs, the
 HOP runs ``run`` above autograd: the reference's own gradients are exact, to any order,
 with the forward's random draws and the closure's tensors differentiated as they are.
@@ -32,7 +38,6 @@ backward nodes that ``autograd_plan`` builds.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,13 +45,21 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._C import DispatchKey
 from torch._ops import HigherOrderOperator
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
 from hops import _compat
-from hops._body import BodyInfo, distinct_tensors, inspect_body, lift_closure
-from hops._code_key import CodeKey, code_key
+from hops._autograd import AutogradPlan, HopFunction, needs_traced_autograd
+from hops._body import distinct_tensors
+from hops._body_record import is_known_functional, known_functional, plan_body, set_trace_key
+from hops._caches import cached_plan
+from hops._call import DeviceMismatchError, argument_names, call_body_hop, check_one_device
+from hops._dynamo import CALL_DESCRIPTION
 from hops._errors import call_prefix, hop_prefix, public_name
-from hops._joint import is_tracing
-from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for the HOP modules)
+from hops._flat_body import FlatBody, OptionBodies, flat_body, map_options, option_body
+from hops._joint import is_tracing, trace_graph
+from hops._region_plan import RegionPlan
+from hops._subgraph import (
     body_name,
     clone_aliased_outputs,
     find_input_mutation_and_aliasing,
@@ -58,145 +71,15 @@ from hops._subgraph import (  # noqa: F401  (fresh_outputs is re-exported for th
 )
 from hops._targets import load_device_rules
 
+# BodyHOP, and the names a HOP module written against the earlier single-module layout
+# imports from here (CONTRIBUTING's ``hops._base.call_body_hop``); each is defined in the
+# module named for it.
 __all__ = [
-    "BodyHOP", "DeviceMismatchError", "FlatBody", "HopFunction", "OptionBodies", "call_body_hop", "check_one_device",
-    "flat_body", "map_options", "needs_traced_autograd", "option_body",
+    "BodyHOP",
+    "AutogradPlan", "DeviceMismatchError", "FlatBody", "HopFunction", "OptionBodies", "RegionPlan", "argument_names",
+    "cached_plan", "call_body_hop", "check_one_device", "flat_body", "fresh_outputs", "map_options",
+    "needs_traced_autograd", "option_body", "plan_body", "set_trace_key",
 ]
-
-
-class FlatBody:
-    """``body`` returning the flat tuple of its result's leaves, and remembering their
-    structure (``treespec``) from its last call.
-
-    A body HOP's rules see bodies of this form (a subgraph's output is a flat tuple);
-    ``BodyHOP.__call__`` returns the flat results in the structure the body returned."""
-
-    def __init__(self, body: Callable) -> None:
-        self.body = body
-        self.treespec: Any = None
-        self.__name__ = self.__qualname__ = body_name(body)
-        self.hops_known_functional = getattr(body, "hops_known_functional", False)
-        self.hops_trace_key = getattr(body, "hops_trace_key", body)
-        self.hops_graph = getattr(body, "hops_graph", None)
-        self.hops_code_key = getattr(body, "hops_code_key", None)
-        self.hops_plan_body = getattr(body, "hops_plan_body", False)
-
-    def __call__(self, *inputs: Any) -> tuple:
-        leaves, self.treespec = pytree.tree_flatten(self.body(*inputs))
-        return tuple(leaves)
-
-    def unflatten(self, flat: Sequence[Any]) -> Any:
-        if self.treespec is None:  # no rule ran the body: its results are already flat
-            return flat
-        return pytree.tree_unflatten(list(flat), self.treespec)
-
-
-def flat_body(body: Callable) -> FlatBody:
-    return body if isinstance(body, (FlatBody, OptionBodies)) else FlatBody(body)
-
-
-class OptionBodies:
-    """One body per option of a HOP whose spec offers options (``local_map``'s
-    alternatives, each with its own local shapes): the node's first argument is then the
-    tuple of their subgraphs. Calling it runs the active option's body, as eager and every
-    lowering do until a solver chooses another (``BodyHOP.active_option``).
-
-    Its bodies return flat tuples (``FlatBody``); rules pick one with ``option_body``."""
-
-    def __init__(self, bodies: Sequence[Callable], active: int) -> None:
-        if not bodies or not all(callable(b) for b in bodies):
-            raise TypeError(f"OptionBodies(bodies=...) must be a non-empty tuple of callables, got {bodies!r}")
-        if not 0 <= active < len(bodies):
-            raise ValueError(f"OptionBodies(active=...): option {active} is not one of the {len(bodies)} bodies")
-        self.bodies = tuple(flat_body(b) for b in bodies)
-        self.active = active
-        self.__name__ = self.__qualname__ = body_name(self.bodies[active])
-        self.hops_known_functional = all(getattr(b, "hops_known_functional", False) for b in self.bodies)
-        self.hops_plan_body = all(getattr(b, "hops_plan_body", False) for b in self.bodies)
-        self.hops_graph = getattr(self.bodies[active], "hops_graph", None)
-        self.hops_code_key = None  # no reuse across eager calls: each option is its own trace
-        # Equal tuples of bodies share one inspection and plan within a trace; a plan's
-        # bodies (made once, reused) are their own key, which device rules keep weakly.
-        self.hops_trace_key = self if self.hops_plan_body else tuple(getattr(b, "hops_trace_key", b) for b in self.bodies)
-
-    def __call__(self, *inputs: Any) -> tuple:
-        return self.bodies[self.active](*inputs)
-
-    @property
-    def treespec(self) -> Any:
-        return self.bodies[self.active].treespec
-
-    def unflatten(self, flat: Sequence[Any]) -> Any:
-        return self.bodies[self.active].unflatten(flat)
-
-
-def _same_constant(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return isinstance(a, FakeTensor) or isinstance(b, FakeTensor) or bool(torch.equal(a, b))
-
-
-def option_body(body: Callable, index: int) -> Callable:
-    """The body of option ``index``: its own for ``OptionBodies``; one Python body (which
-    runs on any local shapes) serves every option."""
-    return body.bodies[index] if isinstance(body, OptionBodies) else body
-
-
-def map_options(body: Callable, transform: Callable[[Callable], Callable]) -> Callable:
-    """``transform`` applied to each option's body (or to the one body)."""
-    if isinstance(body, OptionBodies):
-        return OptionBodies([transform(b) for b in body.bodies], body.active)
-    return transform(body)
-
-
-def set_trace_key(body: Callable, fn: Callable, *structure: Any, across_calls: bool = True) -> None:
-    """Say which user function ``fn`` and call ``structure`` ``body`` runs: equal keys reuse
-    one inspection and one traced joint within a fake-mode trace (AOTAutograd's two passes, a
-    scan of the same step twice). Eagerly on XLA, calls reuse them across calls by the
-    function's ``code_key`` (a new function object with the same code and Python state),
-    computed when needed (``across_calls_key``); not with ``across_calls=False``. Nothing is
-    set if the structure is not hashable (e.g. a list argument), or under Dynamo (which
-    traces bodies itself)."""
-    if torch.compiler.is_dynamo_compiling():
-        return
-    key = (fn, *structure)
-    try:
-        hash(key)
-    except TypeError:
-        return
-    body.hops_trace_key = key
-    if across_calls:
-        body.hops_code_key = functools.cache(lambda: code_key(fn, *structure))  # computed on first use
-
-
-def across_calls_key(body: Callable) -> CodeKey | None:
-    """The ``CodeKey`` of ``body``'s user function and call structure, if it has one."""
-    make = getattr(body, "hops_code_key", None)
-    return make() if make is not None else None
-
-
-def plan_body(body: Callable) -> Callable:
-    """Mark a body an autograd plan built from traced graphs: it reads no Python state, so a
-    device rule may keep what it made from it for as long as the body lives."""
-    body.hops_plan_body = True
-    return known_functional(body)
-
-
-def known_functional(body: Callable) -> Callable:
-    """Mark a body already checked not to write into its inputs (by ``inspect_body`` or
-    because this package built it from a checked graph): later rules need not trace it again
-    to check."""
-    body.hops_known_functional = True
-    return body
-
-
-def needs_traced_autograd(values: Sequence[Any]) -> bool:
-    """Whether a HOP differentiates through its traced joint (``HopFunction``) rather than by
-    running its eager semantics under autograd: while a tracer records, and on XLA, where the
-    forward and backward run as lowered HOP nodes."""
-    return is_tracing(values) or any(isinstance(v, torch.Tensor) and v.device.type == "xla" for v in values)
 
 
 class BodyHOP(HigherOrderOperator):
@@ -347,11 +230,7 @@ class BodyHOP(HigherOrderOperator):
             # functionalization, which handles its views (below it, torch_xla mis-handles them).
             return self.run(body, operands, spec)
         unwrapped = ctx.unwrap_tensors(list(operands))
-        if not getattr(body, "hops_known_functional", False):
-            from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-            from hops._joint import trace_graph
-
+        if not is_known_functional(body):
             options = range(self.num_options(spec)) if isinstance(body, OptionBodies) else [self.active_option(spec)]
             for index in options:
                 with disable_proxy_modes_tracing():
@@ -393,8 +272,6 @@ class BodyHOP(HigherOrderOperator):
         """Trace the body once on what it sees into a subgraph named after the user function,
         and emit one node ``hop(subgraph, *operands, spec)``."""
         from torch._higher_order_ops.utils import reenter_make_fx
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
         operands, spec = self.split_args(args)
         name = body_name(body)
@@ -413,7 +290,7 @@ class BodyHOP(HigherOrderOperator):
                 if index == active:
                     raise
                 raise self.option_failure(name, spec, index, error) from error
-            if not getattr(body, "hops_known_functional", False):
+            if not is_known_functional(body):
                 self.refuse_mutation(graph, option)
             clone_aliased_outputs(graph)
             # make_fx names the class after the function it traced: re-tracing this graph, and
@@ -495,348 +372,11 @@ class BodyHOP(HigherOrderOperator):
         return super().dispatch(dispatch_key, *args, **kwargs)
 
 
-def _refuse_untraced_closure(closed: Sequence[torch.Tensor], operands: Sequence[Any], what: str, user_function: Any) -> None:
-    """A fake-tensor trace cannot take a real tensor the body reads from its closure: as a
-    constant of the graph it would silently get no gradient. Refused as plain torch code
-    refuses it, with the way out."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    from hops._body import _unwrap_functional, describe_tensor
-
-    if not any(isinstance(_unwrap_functional(o), FakeTensor) for o in operands if isinstance(o, torch.Tensor)):
-        return
-    for tensor in closed:
-        if not isinstance(_unwrap_functional(tensor), FakeTensor) and tensor.device.type != "meta":
-            raise TypeError(
-                f"{what}: the body reads {describe_tensor(tensor, user_function)} from outside its "
-                "inputs, a real tensor the fake-tensor tracer does not know (as a constant it would get "
-                "no gradient); pass it as an input (torch.func.functional_call, aot_module), or trace "
-                "with torch.compile / torch.export, which lift parameters themselves"
-            )
+def _same_constant(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return isinstance(a, FakeTensor) or isinstance(b, FakeTensor) or bool(torch.equal(a, b))
 
 
 def _is_call_description(value: Any) -> bool:
-    from hops._dynamo import CALL_DESCRIPTION
-
     return type(value) is tuple and len(value) == 4 and value[0] == CALL_DESCRIPTION
-
-
-class DeviceMismatchError(ValueError, RuntimeError):
-    """The operands of a body HOP are on different devices. A ``ValueError``, and a
-    ``RuntimeError`` as torch's own device-mismatch errors are."""
-
-
-def check_one_device(operands: Sequence[Any], what: str, names: Callable[[int], str]) -> None:
-    """Every tensor operand is on one device, as one step of the body needs them (else torch
-    fails deep inside the body, or a fake-tensor run with a device-propagation error). A 0-d
-    CPU tensor goes with any device, as in torch's ops (a Python number in a scan's init
-    becomes one)."""
-    # Read without torch-function modes: an enclosing body's inspection records the tensors
-    # a body reads (in first-read order, which orders its lifted inputs); this is no read.
-    with torch._C.DisableTorchFunction():
-        devices = [(i, value.device, value.dim()) for i, value in enumerate(operands) if isinstance(value, torch.Tensor)]
-    devices = [(i, device) for i, device, rank in devices if not (rank == 0 and device.type == "cpu")]
-    for i, device in devices[1:]:
-        if device != devices[0][1]:
-            raise DeviceMismatchError(
-                f"{what}: {names(devices[0][0])} is on {devices[0][1]} but {names(i)} is on {device}; "
-                "every tensor must be on one device"
-            )
-
-
-def argument_names(args: Sequence[Any], kwargs: dict) -> list[str]:
-    """A name per leaf of ``tree_flatten((args, kwargs))`` by its key path: ``args[1]``,
-    ``args[0]['w']``, ``kwargs['mask']``."""
-    paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
-    return [("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(tuple(path[1:])) for path, _ in paths]
-
-
-def call_body_hop(
-    hop: "BodyHOP",
-    body: Callable,
-    operands: Sequence[Any],
-    spec: Any,
-    *,
-    what: str,
-    input_names: Callable[[int], str],
-    user_function: Any,
-    device_names: Callable[[int], str] | None = None,
-) -> Any:
-    """Call ``hop`` the way a public function does: refuse operands on different devices,
-    inspect the body once (refusing writes into what it does not own), and where a tracer
-    or XLA needs them as inputs, lift the tensors it closes over. Under Dynamo, which lifts
-    and checks bodies itself, just call it. ``device_names(i)`` names operand ``i`` in a
-    device error (default ``input_names``). The results come in the structure the body
-    returns."""
-    if torch.compiler.is_dynamo_compiling():
-        from hops._dynamo import call_description
-
-        # The variable checks the call as below and names it as eager's errors do.
-        names = tuple(input_names(i) for i in range(len(operands)))
-        return hop(body, *operands, spec, call_description(body_name(user_function), what, names))
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-    hop.check(body, operands, spec)
-    check_one_device(operands, what, device_names or input_names)
-    traced = needs_traced_autograd(operands)
-    def inspect() -> Any:
-        with disable_proxy_modes_tracing():
-            examples = hop.body_inputs(operands, spec)
-        refusal = None if hop.collectives_refusal is None else hop.collectives_refusal.replace("{what}", what)
-        return inspect_body(
-            body, examples, what=what, input_names=input_names, user_function=user_function, eager=not traced,
-            refuse_collectives=refusal,
-        )
-
-    info = cached_per_trace("inspection", inspect, body, operands, spec) if traced else inspect()
-    if not info.complete:
-        # The body reads tensor values in Python: it runs for real only, uninspected.
-        return hop(body, *operands, spec)
-    body = known_functional(body)
-    if traced and info.closed:
-        _refuse_untraced_closure(info.closed, operands, what, user_function)
-        trace_key = getattr(body, "hops_trace_key", None)
-        code_key_of = getattr(body, "hops_code_key", None)
-        body = known_functional(lift_closure(body, len(operands), info.read))
-        if trace_key is not None:
-            body.hops_trace_key = (trace_key, tuple(id(t) for t in info.read))
-        if code_key_of is not None:
-            read = info.read
-            body.hops_code_key = functools.cache(lambda: _with_lifted(code_key_of(), read))
-        operands, spec = hop.fold_lifted(operands, spec, tuple(info.closed))
-    return hop(body, *operands, spec)
-
-
-# --------------------------------------------------------------------------- traced autograd
-
-
-class AutogradPlan:
-    """How one traced call of a body HOP differentiates: ``forward`` runs the forward node(s)
-    below autograd and returns ``(outputs, saved)``; ``backward`` runs the backward node(s)
-    on what was saved and the outputs' cotangents (``None`` where an output got none) and
-    returns one gradient (or ``None``) per operand. ``backward`` runs where autograd is live
-    when double backward asks for it, so its HOP calls are differentiated in turn."""
-
-    def forward(self, operands: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
-        raise NotImplementedError
-
-    def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
-        raise NotImplementedError
-
-    # The structure of the body's result (the HOP's results are returned in it).
-    treespec: Any = None
-
-
-class HopFunction(torch.autograd.Function):
-    """The autograd node of a traced body HOP call: the forward and backward are HOP nodes
-    built by an ``AutogradPlan``, so forward and backward graphs carry the HOP."""
-
-    @staticmethod
-    def forward(ctx: Any, plan: AutogradPlan, *operands: Any):
-        with torch._C._AutoDispatchBelowAutograd():
-            outputs, saved = plan.forward(operands)
-        ctx.plan = plan
-        ctx.set_materialize_grads(False)
-        # Ints and symbolic ints cannot go through save_for_backward: keep them aside.
-        ctx.non_tensors = [None if isinstance(v, torch.Tensor) else v for v in saved]
-        ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
-        not_differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and not (o.is_floating_point() or o.is_complex())]
-        if not_differentiable:
-            ctx.mark_non_differentiable(*not_differentiable)
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *cotangents: Any):
-        tensors = iter(ctx.saved_tensors)
-        saved = [next(tensors) if v is None else v for v in ctx.non_tensors]
-        if all(c is None for c in cotangents):
-            return (None,) * len(ctx.needs_input_grad)
-        grads = ctx.plan.backward(saved, list(cotangents))
-        return (None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:])))
-
-
-# --------------------------------------------------------------------------- regions
-#
-# A region HOP (named_scope, local_map) runs its body once on its operands (or on each
-# device's shards of them). Its traced autograd is a forward region that also returns the
-# residuals, and a backward region from (the primals it reads, the residuals, the present
-# cotangents) to the gradients of the operands that need one.
-
-import collections  # noqa: E402
-import weakref  # noqa: E402
-
-# fake mode -> {(kind, body key, operand metadata, spec): inspection or plan}
-_PER_TRACE: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
-# Eager XLA calls: (kind, CodeKey, operand metadata, spec) -> inspection or plan, least
-# recently used first.
-_ACROSS_CALLS: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
-ACROSS_CALLS_SIZE = 64
-
-
-def _with_lifted(key: CodeKey | None, read: Sequence[torch.Tensor]) -> CodeKey | None:
-    """The code key of a body whose closure tensors ``read`` became trailing inputs: none
-    unless the key was built from those tensors (else they were reached through something
-    the key does not hold, which may change between calls)."""
-    if key is None or not all(id(t) in key.tensors for t in read):
-        return None
-    lifted = CodeKey((key, tuple(id(t) for t in read)))
-    lifted.tensors = key.tensors
-    return lifted
-
-
-class _CachedInspection:
-    """A complete ``BodyInfo`` kept across calls without keeping the caller's tensors alive.
-    The key holds their ids, so a live tensor found under a key is the one it was built from."""
-
-    def __init__(self, info: BodyInfo) -> None:
-        self.closed = [weakref.ref(t) for t in info.closed]
-        self.read = [weakref.ref(t) for t in info.read]
-
-    def info(self) -> BodyInfo | None:
-        closed, read = [r() for r in self.closed], [r() for r in self.read]
-        if any(t is None for t in (*closed, *read)):
-            return None
-        return BodyInfo(closed, None, True, read)
-
-
-def _across_calls_key(kind: str, body: Callable, operands: Sequence[Any], spec: Any) -> tuple | None:
-    """The key of an eager call on XLA tensors whose body has a ``CodeKey``, else None."""
-    metadata = []
-    for value in operands:
-        if not isinstance(value, torch.Tensor) or value.device.type != "xla":
-            return None
-        metadata.append((tuple(value.shape), value.dtype, value.device, value.requires_grad))
-    trace_key = across_calls_key(body)
-    return None if trace_key is None else (kind, trace_key, tuple(metadata), spec)
-
-
-def _cached_across_calls(kind: str, make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
-    key = _across_calls_key(kind, body, operands, spec)
-    if key is None:
-        return make()
-    entry = _ACROSS_CALLS.get(key)
-    value = entry.info() if isinstance(entry, _CachedInspection) else entry
-    if value is not None:
-        _ACROSS_CALLS.move_to_end(key)
-        return value
-    value = make()
-    if isinstance(value, BodyInfo):
-        if not value.complete or not all(id(t) in key[1].tensors for t in value.read):
-            return value  # reads values or tensors the key does not hold: inspect every call
-        entry = _CachedInspection(value)
-    else:
-        entry = value
-    _ACROSS_CALLS[key] = entry
-    while len(_ACROSS_CALLS) > ACROSS_CALLS_SIZE:
-        _ACROSS_CALLS.popitem(last=False)
-    return value
-
-
-def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
-    """``make()``, or what it made for an equal call in the same fake mode (``kind`` names the
-    cache: an inspection, an autograd plan). AOTAutograd runs a function twice (metadata,
-    then the joint): an equal call is inspected, traced and split once.
-
-    Equal means the same body (or the same ``hops_trace_key``: public functions make a new
-    body per call around one user function), operand metadata and requires_grad, and spec.
-    Eagerly on XLA tensors, a body keyed by ``code_key`` reuses what an equal earlier call
-    made (bounded, least recently used evicted). Elsewhere outside a fake-tensor trace, or
-    with symbolic shapes, nothing is reused."""
-    from torch._guards import detect_fake_mode
-
-    from hops._body import _unwrap_functional
-
-    metadata = []
-    for value in operands:
-        if not isinstance(value, torch.Tensor):
-            return make()
-        inner = _unwrap_functional(value)
-        if not all(isinstance(size, int) for size in inner.shape):
-            return make()
-        metadata.append((tuple(inner.shape), inner.stride(), inner.dtype, inner.device, value.requires_grad))
-    mode = detect_fake_mode([_unwrap_functional(v) for v in operands])
-    if mode is None:
-        return _cached_across_calls(kind, make, body, operands, spec)
-    cache = _PER_TRACE.setdefault(mode, {})
-    key = (kind, getattr(body, "hops_trace_key", body), tuple(metadata), spec)
-    value = cache.get(key)
-    if value is None:
-        value = cache[key] = make()
-    return value
-
-
-def cached_plan(make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
-    return cached_per_trace("plan", make, body, operands, spec)
-
-
-class RegionPlan(AutogradPlan):
-    """The traced autograd of one region HOP call (see above). ``hop`` supplies the specs
-    of the forward and backward regions, and how residuals cross a region's boundary."""
-
-    def __init__(self, hop: "BodyHOP", body: Callable, operands: Sequence[Any], spec: Any) -> None:
-        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-        from hops._joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
-
-        self.hop, self.spec, self.name = hop, spec, body_name(body)
-        self.needs_grad = [is_differentiable(o) and o.requires_grad for o in operands]
-        with disable_proxy_modes_tracing():
-            examples = hop.body_inputs(operands, spec)
-        flat = flat_body(body)
-        outputs = body_output_examples(flat, examples)
-        self.treespec = flat.treespec
-        self.num_outputs = len(outputs)
-        self.differentiable = [i for i, o in enumerate(outputs) if is_differentiable(o)]
-        # Shape, dtype and device of each output the body computes (for zero cotangents).
-        self.local_outputs = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outputs]
-        joint, self.needs_grad = trace_connected_joint(flat, examples, outputs, self.needs_grad)
-        self.split = split_joint(joint, len(examples), len(outputs))
-        (forward_output,) = self.split.forward.graph.find_nodes(op="output")
-        self.residuals = [v.meta["val"] for v in forward_output.args[0][self.num_outputs :]]
-        self.forward_body: Callable | None = None
-        self.backward_bodies: dict[tuple[int, ...], Callable] = {}
-
-    def forward(self, operands: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
-        split = self.split
-        if self.forward_body is None:  # made once: a plan reused across calls hands the same body on
-            self.forward_body = plan_body(named(self.hop.residuals_out(split.forward, self.num_outputs), self.name))
-        results = self.hop(self.forward_body, *operands, self.hop.forward_spec(self.spec, self.residuals))
-        outputs, residuals = results[: self.num_outputs], results[self.num_outputs :]
-        return outputs, [*(operands[i] for i in split.primals_in_backward), *residuals]
-
-    def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
-        if not any(self.needs_grad):  # no output depends on an input that requires grad
-            return [None] * len(self.needs_grad)
-        present = [i for i in self.differentiable if cotangents[i] is not None]
-        backward_body = self.backward_bodies.get(tuple(present))
-        if backward_body is None:
-            backward_body = self.backward_bodies[tuple(present)] = self._backward_body(present)
-        backward_spec = self.hop.backward_spec(self.spec, self.split, self.residuals, self.needs_grad, present)
-        grads = iter(self.hop(backward_body, *saved, *(cotangents[i] for i in present), backward_spec))
-        return [next(grads) if need else None for need in self.needs_grad]
-
-    def _backward_body(self, present: Sequence[int], residual_inputs: Sequence[Callable] | None = None) -> Callable:
-        """The backward region's body: ``(primals it reads, residuals, present cotangents) ->
-        gradients``; each residual enters through ``residual_inputs`` (default: as the HOP's
-        ``residuals_in`` says)."""
-        split = self.split
-        num_primals = len(split.primals_in_backward)
-        if residual_inputs is None:
-            residual_inputs = self.hop.residuals_in(self.residuals)
-        local_outputs, differentiable = self.local_outputs, self.differentiable
-
-        def backward(*values: Any) -> tuple:
-            primals = values[:num_primals]
-            residuals = [unwrap(v) for unwrap, v in zip(residual_inputs, values[num_primals : num_primals + len(residual_inputs)])]
-            given = list(values[num_primals + len(residual_inputs) :])
-            like, given = given[0], iter(given)
-            # An output nobody differentiated gets a zero cotangent here, inside the region:
-            # no global zeros and no layout for them are needed outside. (Made like a present
-            # cotangent, so a traced graph makes them on the device it runs on.)
-            full = [
-                next(given) if i in present else like.new_zeros(local_outputs[i][0], dtype=local_outputs[i][1])
-                for i in differentiable
-            ]
-            return tuple(split.backward(*primals, *residuals, *full))
-
-        return plan_body(named(backward, f"{self.name}_bwd"))

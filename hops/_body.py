@@ -54,7 +54,7 @@ class BodyInfo:
     read: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
-def _unwrap_functional(t: torch.Tensor) -> torch.Tensor:
+def unwrap_functional(t: torch.Tensor) -> torch.Tensor:
     """The tensor under a functionalization wrapper (AOTAutograd's or torch_xla's), if any."""
     from torch._subclasses.functional_tensor import FunctionalTensor
 
@@ -76,7 +76,7 @@ def version_counter(t: torch.Tensor) -> int | None:
 def stand_in(t: torch.Tensor, mode: Any) -> torch.Tensor:
     """A fresh fake tensor of ``mode`` with ``t``'s metadata: same sizes (symbolic ones kept),
     strides, dtype, device and ``requires_grad``; writing into it touches nothing of ``t``."""
-    inner = _unwrap_functional(t)
+    inner = unwrap_functional(t)
     # Not an inference tensor even under torch.inference_mode: a stand-in has a version
     # counter, so writes into it are seen.
     with torch.inference_mode(False), mode:
@@ -113,7 +113,7 @@ def distinct_tensors(values: Sequence[Any]) -> list[Any]:
     with disable_proxy_modes_tracing():
         for value in values:
             if isinstance(value, torch.Tensor):
-                mode = detect_fake_mode([_unwrap_functional(value)])
+                mode = detect_fake_mode([unwrap_functional(value)])
                 if mode is not None:
                     value = stand_in(value, mode)
                 else:
@@ -127,7 +127,7 @@ def inspection_mode(values: Sequence[Any]) -> Any:
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    inner = [_compat.peel_functorch(_unwrap_functional(v)) for v in values if isinstance(v, torch.Tensor)]
+    inner = [_compat.peel_functorch(unwrap_functional(v)) for v in values if isinstance(v, torch.Tensor)]
     mode = detect_fake_mode(inner)
     return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=False)
 
@@ -466,6 +466,4 @@ def lift_closure(body: Callable, num_inputs: int, read: Sequence[torch.Tensor]) 
         with _SubstituteTensors(replacements):
             return body(*values[:num_inputs])
 
-    lifted = named(lifted, body_name(body))
-    lifted.hops_lifted_from = body
-    return lifted
+    return named(lifted, body_name(body))

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from hops._subgraph import _is_view, strip_detach
+from hops._subgraph import is_view, strip_detach
 
 __all__ = [
     "is_tracing",
@@ -294,7 +294,7 @@ def split_joint(
         return (
             remat
             or value in invariant_nodes
-            or _is_view(value)
+            or is_view(value)
             or not isinstance(value.meta.get("val"), torch.Tensor)
         )
 
@@ -363,6 +363,6 @@ def split_joint(
 
 
 def _aliases_placeholder(value: fx.Node) -> bool:
-    while _is_view(value):
+    while is_view(value):
         value = value.args[0]
     return value.op == "placeholder"

@@ -126,11 +126,11 @@ def _difference(first: torch.Tensor, other: torch.Tensor) -> float | None:
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-    from hops._body import _unwrap_functional
+    from hops._body import unwrap_functional
 
     values = []
     for t in (first, other):
-        t = _unwrap_functional(_compat.peel_functorch(t))
+        t = unwrap_functional(_compat.peel_functorch(t))
         if isinstance(t, FakeTensor) or t.device.type == "meta" or torch._is_functional_tensor(t):
             return None
         values.append(t.detach())

@@ -9,6 +9,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from hops._body_record import update_record
+
 
 def body_name(body: Any) -> str:
     """A Python identifier naming ``body`` after the user function it came from.
@@ -41,15 +43,16 @@ def body_name(body: Any) -> str:
 
 def named(fn: Callable, name: str) -> Callable:
     """``fn`` under the name ``name``, so the subgraph traced from it is named after the user
-    function. A GraphModule stays reachable as ``hops_graph``: a rule that needs the body's
-    graph (a device rule staging it) can take it instead of tracing it again."""
+    function. A GraphModule stays reachable as its record's ``graph`` (``traced_graph``): a
+    rule that needs the body's graph (a device rule staging it) can take it instead of
+    tracing it again."""
 
     def call(*args: Any) -> Any:
         return fn(*args)
 
     call.__name__ = call.__qualname__ = name
     if isinstance(fn, fx.GraphModule):
-        call.hops_graph = fn
+        update_record(call, graph=fn)
     return call
 
 
@@ -169,12 +172,12 @@ def _is_mutating_use(node: fx.Node, value: fx.Node) -> bool:
     return False
 
 
-def _is_view(node: fx.Node) -> bool:
+def is_view(node: fx.Node) -> bool:
     """Whether ``node``'s value is a view of its first argument (by op schema; an element of
     a view op's list result counts too)."""
     if node.op == "call_function" and node.target is operator.getitem:
         source = node.args[0]
-        return isinstance(source, fx.Node) and _is_view(source)
+        return isinstance(source, fx.Node) and is_view(source)
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return False
@@ -200,7 +203,7 @@ def find_input_mutation_and_aliasing(gm: fx.GraphModule) -> tuple[list[int], lis
             for value in node.all_input_nodes:
                 if value in root_of and _is_mutating_use(node, value):
                     mutated.add(root_of[value])
-            if _is_view(node) and node.args and node.args[0] in root_of:
+            if is_view(node) and node.args and node.args[0] in root_of:
                 root_of[node] = root_of[node.args[0]]
         elif node.op == "output":
             outputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
@@ -223,7 +226,7 @@ def clone_aliased_outputs(gm: fx.GraphModule) -> fx.GraphModule:
         if not isinstance(value, fx.Node):
             continue
         root = value
-        while _is_view(root) and isinstance(root.args[0], fx.Node):
+        while is_view(root) and isinstance(root.args[0], fx.Node):
             root = root.args[0]
         if root.op == "placeholder":
             with gm.graph.inserting_before(output):

@@ -24,6 +24,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, Sequence
@@ -36,20 +37,15 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor, _layout
-from hops._base import (
-    AutogradPlan,
-    BodyHOP,
-    OptionBodies,
-    RegionPlan,
-    argument_names,
-    cached_plan,
-    call_body_hop,
-    option_body,
-    plan_body,
-    set_trace_key,
-)
+from hops._autograd import AutogradPlan
+from hops._base import BodyHOP
 from hops._body import version_counter
+from hops._body_record import plan_body, set_trace_key
+from hops._caches import cached_plan
+from hops._call import argument_names, call_body_hop
 from hops._errors import call_prefix, hop_prefix, leaf_names
+from hops._flat_body import OptionBodies, option_body
+from hops._region_plan import RegionPlan
 from hops._subgraph import body_name, named, rename_inner_function
 from hops.specs import (
     LocalMapSpec,
@@ -672,7 +668,7 @@ def local_map(
         # Under Dynamo the body returns the caller's result itself (Dynamo's rule hands back
         # the body's structure, and a body may not record anything on the side there).
         structured = torch.compiler.is_dynamo_compiling()
-        body = make_body(func, leaves, tensor_positions, args_treespec, plan, structured)
+        body, returned = make_body(func, leaves, tensor_positions, args_treespec, plan, structured)
         set_trace_key(body, func, args_treespec, plan, [leaf for p, leaf in enumerate(leaves) if p not in tensor_positions])
         tensors = [leaves[p] for p in tensor_positions]
         # Leaves are named by key path in the caller's arguments (args[0]['w']), and where a
@@ -695,7 +691,7 @@ def local_map(
             user_function=func,
             device_names=names,
         )
-        return outputs if structured else plan.restructure(outputs, body)
+        return outputs if structured else plan.restructure(outputs, returned)
 
     return call
 
@@ -823,18 +819,18 @@ class _Placements:
             return pytree.tree_unflatten(leaves, self.out_tree)
         return leaves[0] if isinstance(result, torch.Tensor) else pytree.tree_unflatten(leaves, pytree.tree_structure(result))
 
-    def restructure(self, tensor_outputs: Any, body: Callable) -> Any:
+    def restructure(self, tensor_outputs: Any, returned: "_BodyReturned") -> Any:
         """The caller's result: the region's tensors, the body's non-tensor outputs, in the
-        structure the body returned."""
+        structure the body returned (``returned``, from its last call)."""
         tensors = iter(tensor_outputs)
-        leaves = [next(tensors) if p is not None else v for p, v in zip(self.out_flat, body.hops_constants)]
+        leaves = [next(tensors) if p is not None else v for p, v in zip(self.out_flat, returned.constants)]
         if self.single:
-            return leaves[0] if body.hops_result_treespec is None else pytree.tree_unflatten(leaves, body.hops_result_treespec)
+            return leaves[0] if returned.treespec is None else pytree.tree_unflatten(leaves, returned.treespec)
         if self.out_tree is not None:
             return pytree.tree_unflatten(leaves, self.out_tree)
-        if body.hops_result_treespec is None:  # the body returned one tensor
+        if returned.treespec is None:  # the body returned one tensor
             return leaves[0]
-        return pytree.tree_unflatten(leaves, body.hops_result_treespec)
+        return pytree.tree_unflatten(leaves, returned.treespec)
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -875,6 +871,15 @@ def _torch_local_map(func: Callable, plan: _Placements, device_mesh: Any, redist
     return call
 
 
+@dataclasses.dataclass
+class _BodyReturned:
+    """What a region body returned besides its tensors, from its last call: its non-tensor
+    outputs (``None`` where a tensor is) and its result's structure (``None``: one tensor)."""
+
+    constants: list[Any] = dataclasses.field(default_factory=list)
+    treespec: Any = None
+
+
 def _make_body(
     fn: Callable,
     leaves: list[Any],
@@ -882,14 +887,16 @@ def _make_body(
     args_treespec: Any,
     plan: _Placements,
     structured: bool,
-) -> Callable:
-    """The region body: ``fn`` on local tensors, with non-tensor arguments baked in.
+) -> tuple[Callable, _BodyReturned]:
+    """The region body: ``fn`` on local tensors, with non-tensor arguments baked in, and
+    where it keeps what else it returned.
 
     It returns the flat tuple of its tensor outputs, in the order of the spec's
-    out_placements, and keeps its non-tensor outputs and its result's structure on itself
-    for the caller; or (``structured``) the result in the structure the caller gets, which
-    must then hold tensors only. ``local_map`` compiles ``body`` under the user function's
-    name."""
+    out_placements, and keeps its non-tensor outputs and its result's structure in the
+    ``_BodyReturned`` for the caller; or (``structured``) the result in the structure the
+    caller gets, which must then hold tensors only. ``local_map`` compiles ``body`` under the
+    user function's name."""
+    returned = _BodyReturned()
 
     def body(*local_tensors: torch.Tensor) -> Any:
         local_leaves = list(leaves)
@@ -905,11 +912,11 @@ def _make_body(
                     "return the non-tensor values from outside the region"
                 )
             return plan.structure(outputs, result)
-        body.hops_constants = [None if isinstance(o, torch.Tensor) else o for o in outputs]
-        body.hops_result_treespec = None if isinstance(result, torch.Tensor) else pytree.tree_structure(result)
+        returned.constants = [None if isinstance(o, torch.Tensor) else o for o in outputs]
+        returned.treespec = None if isinstance(result, torch.Tensor) else pytree.tree_structure(result)
         return tuple(o for o in outputs if isinstance(o, torch.Tensor))
 
-    return body
+    return body, returned
 
 
 # --------------------------------------------------------------------------- eager

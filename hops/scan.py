@@ -38,11 +38,16 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor
-from hops._base import AutogradPlan, BodyHOP, cached_plan, call_body_hop, flat_body, fresh_outputs, plan_body, set_trace_key
+from hops._autograd import AutogradPlan
+from hops._base import BodyHOP
 from hops._body import run_on_stand_ins
+from hops._body_record import plan_body, set_trace_key
+from hops._caches import cached_plan
+from hops._call import call_body_hop
 from hops._errors import call_prefix, hop_prefix, leaf_name
+from hops._flat_body import flat_body
 from hops._joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
-from hops._subgraph import body_name, inline_graph, named, rename_inner_function
+from hops._subgraph import body_name, fresh_outputs, inline_graph, named, rename_inner_function
 from hops.specs import _FxLiteral, register_spec_type
 
 __all__ = ["scan", "scan_hop", "ScanSpec"]
@@ -110,23 +115,23 @@ class Scan(BodyHOP):
 
     def body_inputs(self, inputs: Sequence[Any], spec: ScanSpec) -> tuple:
         """What the body sees: carries and additional inputs whole, one slice of each xs."""
-        carry, xs, additional = _split(inputs, spec)
-        return (*carry, *_slice_examples(xs), *additional)
+        carry, xs, additional = split_scan_operands(inputs, spec)
+        return (*carry, *scan_step_examples(xs), *additional)
 
     def check_outputs(self, body: Callable, outputs: Sequence[Any], inputs: Sequence[Any], spec: ScanSpec) -> None:
-        _check_step(body_name(body), outputs, _split(inputs, spec)[0])
+        _check_step(body_name(body), outputs, split_scan_operands(inputs, spec)[0])
 
     def outputs_from_body(self, outputs: Sequence[Any], inputs: Sequence[Any], spec: ScanSpec) -> tuple:
-        carry, xs, _ = _split(inputs, spec)
+        carry, xs, _ = split_scan_operands(inputs, spec)
         step = _check_step(None, outputs, carry)
-        length = _length(xs, spec)
+        length = scan_length(xs, spec)
         return (
             *(c.new_empty_strided(c.size(), c.stride()) for c in carry),
             *(y.new_empty((length, *y.shape)) for y in step[spec.num_carry :]),
         )
 
     def run(self, body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> tuple:
-        return _run_steps(body, inputs, spec)
+        return run_scan_steps(body, inputs, spec)
 
     def fold_lifted(self, inputs: Sequence[Any], spec: ScanSpec, lifted: Sequence[Any]) -> tuple[list, ScanSpec]:
         # What the body closed over is an additional input: the same at every step.
@@ -139,13 +144,15 @@ class Scan(BodyHOP):
 scan_hop = Scan()
 
 
-def _split(inputs: Sequence[Any], spec: ScanSpec) -> tuple[list[Any], list[Any], list[Any]]:
+def split_scan_operands(inputs: Sequence[Any], spec: ScanSpec) -> tuple[list[Any], list[Any], list[Any]]:
+    """A scan node's operands as ``(init, xs, additional)``, counted by ``spec``."""
     carry_end = spec.num_carry
     xs_end = carry_end + spec.num_xs
     return list(inputs[:carry_end]), list(inputs[carry_end:xs_end]), list(inputs[xs_end:])
 
 
-def _length(xs: Sequence[torch.Tensor], spec: ScanSpec) -> Any:
+def scan_length(xs: Sequence[torch.Tensor], spec: ScanSpec) -> Any:
+    """The number of steps: the xs' leading dim, or ``spec.length`` when there are no xs."""
     return xs[0].shape[0] if xs else spec.length
 
 
@@ -166,7 +173,7 @@ def _check_inputs(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> None
             f"{where}: {len(inputs)} inputs but the spec counts {spec.num_carry} carries and {spec.num_xs} xs"
         )
     names = _operand_names(spec, len(inputs))
-    carry, xs, _ = _split(inputs, spec)
+    carry, xs, _ = split_scan_operands(inputs, spec)
     for i, value in enumerate([*carry, *xs]):
         if not isinstance(value, (torch.Tensor, torch.fx.Proxy)):
             raise TypeError(f"{where}: {names[i]} must be a tensor, got {type(value).__name__}")
@@ -184,7 +191,7 @@ def _check_inputs(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> None
         raise ValueError(f"{where}: length={spec.length} but the xs have length {xs[0].shape[0]}")
 
 
-def _slice_examples(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def scan_step_examples(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """One step's slice of each xs leaf (shape without dim 0), valid even for length 0.
 
     Tracers only read a stand-in's metadata: fake and functional xs get a new tensor with
@@ -560,12 +567,12 @@ def _make_step(
 # --------------------------------------------------------------------------- eager
 
 
-def _run_steps(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> tuple[torch.Tensor, ...]:
+def run_scan_steps(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> tuple[torch.Tensor, ...]:
     """The reference: a Python loop. Above autograd it is differentiated by autograd itself;
     with ``remat`` each step is checkpointed (recomputed in backward, random draws replayed)."""
-    carry, xs, additional = _split(inputs, spec)
+    carry, xs, additional = split_scan_operands(inputs, spec)
     name = body_name(body)
-    length = _length(xs, spec)
+    length = scan_length(xs, spec)
     flat = flat_body(body)
     # Under torch.func, which refuses checkpoint's saved-tensor hooks, steps are not
     # checkpointed: remat saves memory only, the values and gradients are the same.
@@ -604,7 +611,7 @@ def _zero_steps(flat: Callable, name: str, carry: list[Any], xs: list[Any], addi
     grad = torch.is_grad_enabled()
     probe = run_on_stand_ins(
         flat,
-        (*carry, *_slice_examples(xs), *additional),
+        (*carry, *scan_step_examples(xs), *additional),
         dependencies=grad,
         needs_grad=[False] * len(carry) + [x.requires_grad for x in xs],  # (a slice of no xs is a new tensor)
     )
@@ -687,7 +694,7 @@ class _ScanPlan(AutogradPlan):
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
         self.spec, self.name = spec, body_name(body)
-        carry, xs, additional = _split(inputs, spec)
+        carry, xs, additional = split_scan_operands(inputs, spec)
         nc, nx = spec.num_carry, spec.num_xs
         with disable_proxy_modes_tracing():
             examples = scan_hop.body_inputs(inputs, spec)
@@ -725,10 +732,10 @@ class _ScanPlan(AutogradPlan):
 
     def forward(self, inputs: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
         spec = self.spec
-        _, xs, additional = _split(inputs, spec)
+        _, xs, additional = split_scan_operands(inputs, spec)
         results = scan_hop(self.forward_body, *inputs, spec)
         outputs, stacked = results[: self.num_outputs], results[self.num_outputs :]
-        self.length = _length(xs, spec)
+        self.length = scan_length(xs, spec)
         return outputs, [*stacked, *(xs[i] for i in self.xs_used), *(additional[i] for i in self.additional_used)]
 
     # The step bodies are made once per plan: a plan reused across calls (eagerly on XLA)
@@ -860,9 +867,9 @@ def _inductor_rule(body: Callable, *inputs_and_spec: Any) -> tuple:
     from torch.utils.flop_counter import FlopCounterMode
 
     inputs, spec = scan_hop.split_args(inputs_and_spec)
-    carry, xs, additional = _split(inputs, spec)
+    carry, xs, additional = split_scan_operands(inputs, spec)
     nc, nx = spec.num_carry, spec.num_xs
-    length = _length(xs, spec)
+    length = scan_length(xs, spec)
     step = _inductor.inlined(body)
     with disable_proxy_modes_tracing():
         with FlopCounterMode(display=False) as flop_counter:

@@ -19,23 +19,62 @@ The sharding solver (``passes/solver/``): ``placement_graph``, ``solve_placement
 each local_map region's.
 """
 
+import importlib
+from typing import Any
+
 import hops  # noqa: F401  (registers the HOPs the rule tables refer to)
-from passes._infra import RULES, HopRulePass, PassError, graph_modules, keep, refuse, register_rule, rule_for
-from passes.check import check_placements
-from passes.dtensor import collective_counts, lower_to_dtensor
-from passes.inline import inline_hops, run_scan_loop
-from passes.solver import (
-    CostModel,
-    InfeasiblePlacementError,
-    PlacementSolution,
-    apply_placements,
-    draw_placements,
-    format_placements,
-    placement_graph,
-    solve_placements,
-)
-from passes.unroll import unroll_scan
-from passes.xla import lower_to_xla, run_in_named_scope, run_scan
+
+# The XLA target registers the HOPs' device rules for XLA tensors (and how ``hops.assume_pure``
+# runs there): ``hops`` imports it when it first meets an XLA tensor (the
+# ``hops.device_targets`` entry point, ``passes.xla``; entry points installed by earlier
+# versions name this package itself, so it is imported here too). Nothing else is imported
+# until it is used: the solver (networkx, scipy) and the other targets load on first access.
+from passes import xla  # noqa: F401
+
+# public name -> the module defining it
+_LAZY = {
+    **dict.fromkeys(["RULES", "HopRulePass", "PassError", "graph_modules", "keep", "refuse", "register_rule", "rule_for"], "passes._infra"),
+    "check_placements": "passes.check",
+    **dict.fromkeys(["collective_counts", "lower_to_dtensor"], "passes.dtensor"),
+    **dict.fromkeys(["inline_hops", "run_scan_loop"], "passes.inline"),
+    **dict.fromkeys(
+        [
+            "CostModel",
+            "InfeasiblePlacementError",
+            "PlacementSolution",
+            "apply_placements",
+            "draw_placements",
+            "format_placements",
+            "placement_graph",
+            "solve_placements",
+        ],
+        "passes.solver",
+    ),
+    "unroll_scan": "passes.unroll",
+    **dict.fromkeys(["lower_to_xla", "run_in_named_scope", "run_scan"], "passes.xla"),
+}
+# Every target's rule table: the registry's names are complete once these are imported.
+_TARGETS = ("passes.inline", "passes.xla", "passes.dtensor", "passes.unroll")
+_SUBMODULES = frozenset({"backends", "check", "dtensor", "inline", "solver", "unroll", "xla"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"passes.{name}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'passes' has no attribute {name!r}")
+    if module == "passes._infra":  # the registry, as ``import passes`` shows it: every target's rules
+        for target in _TARGETS:
+            importlib.import_module(target)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})
+
 
 __all__ = [
     "inline_hops",

@@ -22,13 +22,12 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from hops._errors import hop_prefix
-from hops._layout import device_coordinates, replicated
 from hops.einsum import einsum_kernel, einsum_linear_kernel
 from hops.kernel import Kernel, KernelParams
 from hops.local_map import local_map_hop
+from hops.lowering import device_coordinates, hop_prefix, replicated, run_scan_steps
 from hops.named_scope import ScopeSpec, named_scope_hop
-from hops.scan import ScanSpec, _run_steps, scan_hop
+from hops.scan import ScanSpec, scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import LocalMapSpec, Partial, Shard, ShardingSpec
 from passes._infra import (
@@ -168,7 +167,7 @@ def run_scan_loop(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor, 
     """A scan node's loop, as any backend that runs Python runs it (the reference loop)."""
     *inputs, spec = inputs_and_spec
     runner_spec("run_scan_loop", spec, ScanSpec)
-    return _run_steps(body, inputs, spec)
+    return run_scan_steps(body, inputs, spec)
 
 
 @register_rule(TARGET, scan_hop)

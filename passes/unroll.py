@@ -15,8 +15,9 @@ import torch.fx as fx
 from hops.einsum import einsum_kernel, einsum_linear_kernel
 from hops.kernel import Kernel
 from hops.local_map import local_map_hop
+from hops.lowering import split_scan_operands
 from hops.named_scope import named_scope_hop
-from hops.scan import ScanSpec, _split, scan_hop
+from hops.scan import ScanSpec, scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from passes._infra import HopRulePass, PassError, body_module, copy_body_into, keep, register_rule, replace_tuple_output, typed_spec
 
@@ -39,7 +40,7 @@ def unroll(node: fx.Node) -> None:
         raise PassError(f"unroll_scan: {node.format_node()} has length 0; nothing to unroll (keep the scan)")
     graph = node.graph
     body = body_module(node)
-    carry, xs, additional = _split(node.args[1:-1], spec)
+    carry, xs, additional = split_scan_operands(node.args[1:-1], spec)
     ys_per_step: list[Any] = [None] * spec.length
     order = range(spec.length - 1, -1, -1) if spec.reverse else range(spec.length)
     for i in order:

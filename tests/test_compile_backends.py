@@ -1,7 +1,11 @@
-"""The Dynamo backends ``hops_xla`` and ``hops_inductor`` (``passes/xla/dynamo.py``), found
-by name as torch.compile users call them."""
+"""The Dynamo backends ``hops_xla`` (``passes/xla/backend.py``) and ``hops_inductor``
+(``passes/backends.py``), found by name as torch.compile users call them."""
 
 from __future__ import annotations
+
+import configparser
+import importlib
+import pathlib
 
 import pytest
 import torch
@@ -13,6 +17,35 @@ from tests.helpers.hop_db import SAMPLES, forward_backward, fresh
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
 FEATURES = ShardingSpec(MESH, (Shard(0), Shard(1)))
+
+
+def _declared_backends() -> dict[str, str]:
+    config = configparser.ConfigParser()
+    config.read(pathlib.Path(__file__).resolve().parent.parent / "setup.cfg")
+    lines = config["options.entry_points"]["torch_dynamo_backends"].strip().splitlines()
+    return dict(tuple(part.strip() for part in line.split("=")) for line in lines)
+
+
+def test_each_backend_lives_where_its_name_says():
+    # hops_inductor has nothing to do with XLA; hops_xla belongs to the XLA target.
+    assert _declared_backends() == {
+        "hops_xla": "passes.xla.backend:hops_xla",
+        "hops_inductor": "passes.backends:hops_inductor",
+    }
+    for name, target in _declared_backends().items():
+        module, _, attribute = target.partition(":")
+        backend = getattr(importlib.import_module(module), attribute)
+        assert backend.__name__ == name
+        # torch.compile finds it by name (through the entry point group).
+        assert torch._dynamo.lookup_backend(name) is backend
+
+
+def test_the_backends_earlier_import_path_still_works():
+    from passes.backends import hops_inductor
+    from passes.xla import dynamo
+    from passes.xla.backend import hops_xla, lowered_and_staged
+
+    assert (dynamo.hops_xla, dynamo.hops_inductor, dynamo.lowered_and_staged) == (hops_xla, hops_inductor, lowered_and_staged)
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)

@@ -27,8 +27,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hops.lowering import run_scan_steps
 from hops.named_scope import ScopeSpec
-from hops.scan import ScanSpec, _run_steps
+from hops.scan import ScanSpec
 from hops.specs import LocalMapSpec, Mesh, Placement, ShardingSpec
 from passes._infra import leaf_call, runner_spec
 
@@ -195,7 +196,7 @@ def run_scan_on_dtensors(body: Callable, *inputs_and_spec: Any) -> tuple[Any, ..
     are ``xs[i]`` and the per-step outputs are stacked, all as DTensor ops."""
     *inputs, spec = inputs_and_spec
     runner_spec("run_scan_on_dtensors", spec, ScanSpec)
-    return _run_steps(without_module_hooks(body), inputs, spec)
+    return run_scan_steps(without_module_hooks(body), inputs, spec)
 
 
 def without_module_hooks(body: Callable) -> Callable:

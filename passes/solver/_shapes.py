@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from hops import _layout
+from hops import lowering as _layout  # its layout functions
 from hops.local_map import local_map_hop
 from hops.named_scope import named_scope_hop
 from hops.scan import scan_hop

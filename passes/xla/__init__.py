@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from hops import _targets
+from hops.lowering import register_graph_compiler
 from passes._infra import HopRulePass
 from passes.xla import eager, rules  # noqa: F401  (register the target's and the device's rules)
-from passes.xla.dynamo import lowered_and_staged, prepare_autograd_for_xla
+from passes.xla.backend import lowered_and_staged, prepare_autograd_for_xla
 from passes.xla.rules import run_in_named_scope, run_scan
 
 # hops.assume_pure on XLA tensors: its graphs lowered and staged, as backend="hops_xla" does.
-_targets.register_graph_compiler("xla", lowered_and_staged, prepare=prepare_autograd_for_xla)
+register_graph_compiler("xla", lowered_and_staged, prepare=prepare_autograd_for_xla)
 
 __all__ = ["lower_to_xla", "run_scan", "run_in_named_scope"]
 

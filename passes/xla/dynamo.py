@@ -1,118 +1,12 @@
-"""``torch.compile(model, backend="hops_xla")``: Dynamo (HOPs kept) -> AOTAutograd (forward
-and backward graphs with the HOPs) -> ``check_placements`` -> ``lower_to_xla`` -> the lowered
-graphs run on the caller's XLA tensors (no copies: XLA tensors in, XLA tensors out).
+"""The earlier home of the ``torch.compile`` backends, kept so that its import paths keep
+working (``from passes.xla.dynamo import hops_xla``, and ``torch_dynamo_backends`` entry
+points installed from an earlier version name ``passes.xla.dynamo:hops_xla``).
 
-Each lowered graph is staged once per input shapes and dtypes into one XLA computation
-(``staging.py``) that every call binds to its tensors: one node of torch_xla's lazy graph per
-call instead of re-tracing each op on the host, and torch_xla compiles each distinct
-program once (its cache is keyed by the graph's hash). This is not torch_xla's Dynamo
-bridge (``extract_compiled_graph``, what ``backend="openxla"`` uses): under SPMD, torch_xla
-2.9's bridge returns wrong values once an input's sharding changes between calls (measured
-here: a plain two-layer model trained with ``backend="openxla"`` under SPMD departs from
-eager at the third SGD step; without SPMD it does not). A staged computation is specific to
-shapes and dtypes only; shardings stay with the tensors bound to it.
-
-``hops_inductor``: inductor (the default backend), which lowers every HOP itself. Both backends are
-found by name through the ``torch_dynamo_backends`` entry point group: ``import passes`` is
-not needed to use them.
+The backends live where their names say: ``hops_xla`` in ``passes/xla/backend.py``,
+``hops_inductor`` (no XLA in it) in ``passes/backends.py``.
 """
 
-from __future__ import annotations
+from passes.backends import hops_inductor
+from passes.xla.backend import StagedGraph, hops_xla, lowered_and_staged, prepare_autograd_for_xla
 
-from typing import Any, Callable
-
-import torch
-import torch.fx as fx
-
-__all__ = ["hops_xla", "hops_inductor", "lowered_and_staged"]
-
-
-class StagedGraph:
-    """A lowered graph called as one staged XLA computation when every input is an XLA
-    tensor (else it runs as it is). Outputs the graph states as ``None`` (a backward graph's
-    gradients of inputs that need none) stay ``None``; the rest come from the computation."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        from passes.xla.staging import StagedFunction
-
-        self.gm = gm
-        outputs = gm.graph.output_node().args[0]
-        self.none_outputs = tuple(i for i, value in enumerate(outputs) if value is None)
-        self.count = len(outputs)
-        self.metadata = _static_xla_metadata(gm)
-
-        def tensor_outputs(*inputs: Any) -> list:
-            return [value for i, value in enumerate(gm(*inputs)) if i not in self.none_outputs]
-
-        self.staged = StagedFunction(tensor_outputs, name="graph")
-
-    def __call__(self, *inputs: Any) -> list:
-        if self.metadata is not None:  # the graph's inputs are known: no per-input checks
-            values = self.staged(*inputs, key=self.metadata)
-        elif inputs and all(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in inputs):
-            values = self.staged(*inputs)
-        else:
-            return list(self.gm(*inputs))
-        for i in self.none_outputs:
-            values.insert(i, None)
-        return values
-
-
-def _static_xla_metadata(gm: fx.GraphModule) -> Any:
-    """The shapes and dtypes of ``gm``'s inputs when every one is an XLA tensor of a
-    static shape (as traced: the graph runs on nothing else), else None."""
-    from passes.xla.staging import metadata
-
-    values = [node.meta.get("val") for node in gm.graph.find_nodes(op="placeholder")]
-    if not values or not all(
-        isinstance(v, torch.Tensor) and v.device.type == "xla" and all(isinstance(d, int) for d in v.shape)
-        for v in values
-    ):
-        return None
-    return metadata(values)
-
-
-_QUEUES_READY = False
-
-
-def prepare_autograd_for_xla() -> None:
-    """Run one XLA backward, once per process, before tracing a joint graph on XLA tensors:
-    torch's autograd engine sizes its per-device queues at the first backward it runs, and a
-    backward traced (under fake tensors) before any real XLA backward fails its internal
-    assert ``device.index() < device_ready_queues_.size()``."""
-    global _QUEUES_READY
-    if not _QUEUES_READY:
-        import torch_xla
-
-        probe = torch.ones(1, device=torch_xla.device(), requires_grad=True)
-        (probe * 2).sum().backward()
-        _QUEUES_READY = True
-
-
-def lowered_and_staged(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-    """An AOTAutograd graph lowered to XLA (its placements checked first) and staged: the
-    compiler of ``backend="hops_xla"`` and of ``hops.assume_pure`` on XLA tensors."""
-    from functorch.compile import make_boxed_func
-
-    from passes.check import check_placements
-    from passes.xla import lower_to_xla
-
-    return make_boxed_func(StagedGraph(lower_to_xla(check_placements(gm))))
-
-
-def hops_xla(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-    """The Dynamo backend ``"hops_xla"`` (see the module docstring)."""
-    from torch._dynamo.backends.common import aot_autograd
-
-    if any(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in example_inputs):
-        prepare_autograd_for_xla()
-    return aot_autograd(fw_compiler=lowered_and_staged)(gm, example_inputs)
-
-
-def hops_inductor(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-    """The Dynamo backend ``"hops_inductor"``: inductor, which receives the HOP nodes and
-    lowers each itself (``hops/_inductor.py``: a scan is one loop); the same as the default
-    backend, under a name that says the program runs on a single device."""
-    from torch._inductor.compile_fx import compile_fx
-
-    return compile_fx(gm, example_inputs)
+__all__ = ["hops_xla", "hops_inductor", "lowered_and_staged", "prepare_autograd_for_xla", "StagedGraph"]

@@ -22,11 +22,22 @@ import torch
 import torch.fx as fx
 from torch._C import DispatchKey
 
-from hops._base import across_calls_key, flat_body
-from hops._body import distinct_tensors
-from hops._subgraph import _is_view, body_name, clone_aliased_outputs
 from hops.local_map import local_map_hop
-from hops.scan import _length, _run_steps, _slice_examples, _split, scan_hop
+from hops.lowering import (
+    across_calls_key,
+    body_name,
+    clone_aliased_outputs,
+    distinct_tensors,
+    flat_body,
+    is_view,
+    plan_body_key,
+    run_scan_steps,
+    scan_length,
+    scan_step_examples,
+    split_scan_operands,
+    traced_graph,
+)
+from hops.scan import scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import ShardingSpec
 from passes._infra import graph_modules
@@ -88,9 +99,10 @@ def lowered_step(body: Callable, examples: list, spec: Any, make: Callable[[], f
                 _STEPS_BY_KEY.popitem(last=False)
         _STEPS_BY_KEY.move_to_end(key)
         return step
-    if not getattr(body, "hops_plan_body", False):
+    plan_key = plan_body_key(body)
+    if plan_key is None:
         return make()  # a body that may read Python state, with no key for it: made every call
-    steps = _STEPS_BY_BODY.setdefault(getattr(body, "hops_trace_key", body), {})
+    steps = _STEPS_BY_BODY.setdefault(plan_key, {})
     step = steps.get((metadata, spec))
     if step is None:
         step = steps[(metadata, spec)] = make()
@@ -108,8 +120,8 @@ def view_free_graph(body: Callable, examples: list) -> fx.GraphModule:
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    traced = getattr(body, "hops_graph", None)
-    if isinstance(traced, fx.GraphModule):
+    traced = traced_graph(body)
+    if traced is not None:
         # A body this package built from a traced graph (a plan's step) is that graph: copied,
         # not traced again.
         graph = clone_aliased_outputs(copy.deepcopy(traced))
@@ -118,7 +130,7 @@ def view_free_graph(body: Callable, examples: list) -> fx.GraphModule:
     for module in graph_modules(graph):
         changed = False
         for node in module.graph.nodes:
-            if node.op == "call_function" and _is_view(node) and isinstance(node.target, torch._ops.OpOverload):
+            if node.op == "call_function" and is_view(node) and isinstance(node.target, torch._ops.OpOverload):
                 packet = getattr(torch.ops.aten, f"{node.target.overloadpacket.__name__}_copy", None)
                 copy = getattr(packet, node.target._overloadname, None) if packet is not None else None
                 if copy is not None:
@@ -167,11 +179,11 @@ def run_scan_on_xla(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor
     body is traced on every call, and XLA's own cache skips recompiling an unchanged loop.
     """
     *inputs, spec = inputs_and_spec
-    carry, xs, additional = _split(inputs, spec)
-    length = _length(xs, spec)
+    carry, xs, additional = split_scan_operands(inputs, spec)
+    length = scan_length(xs, spec)
     if length == 0:  # nothing to loop over: the eager rule makes the empty ys
-        return _run_steps(body, inputs, spec)
-    examples = [*carry, *_slice_examples(xs), *additional]
+        return run_scan_steps(body, inputs, spec)
+    examples = [*carry, *scan_step_examples(xs), *additional]
     spmd = _spmd()
 
     def make() -> fx.GraphModule:

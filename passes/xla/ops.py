@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hops.lowering import global_shape, local_shape
 from hops.specs import Mesh, ShardingSpec, spec_from_text
 
 _lib = torch.library.Library("hops_xla", "DEF")
@@ -144,17 +145,13 @@ def _manual_off_xla(x: torch.Tensor, spec: str):
 
 
 def _enter_manual_fake(x: torch.Tensor, spec: str):
-    from hops import _layout
-
     region = _region_spec(spec)
-    return x.new_empty(_layout.local_shape(x.shape, region.placements, region.mesh, "enter_manual"))
+    return x.new_empty(local_shape(x.shape, region.placements, region.mesh, "enter_manual"))
 
 
 def _exit_manual_fake(x: torch.Tensor, spec: str):
-    from hops import _layout
-
     region = _region_spec(spec)
-    return x.new_empty(_layout.global_shape(x.shape, region.placements, region.mesh, "exit_manual"))
+    return x.new_empty(global_shape(x.shape, region.placements, region.mesh, "exit_manual"))
 
 
 def _axis_groups(spec: ShardingSpec, axis: int) -> list[list[int]]:
@@ -198,7 +195,6 @@ def _enter_manual_xla(x: torch.Tensor, spec: str):
 def _exit_manual_xla(x: torch.Tensor, spec: str):
     import torch_xla
 
-    from hops import _layout
     from hops.specs import Partial
 
     region = _region_spec(spec)
@@ -213,7 +209,7 @@ def _exit_manual_xla(x: torch.Tensor, spec: str):
     if local is x:
         local = x * 1  # mark a fresh value manual, not the caller's tensor
     torch_xla._XLAC._mark_manual_sharding(local, _manual_sharding())
-    full_shape = _layout.global_shape(x.shape, region.placements, region.mesh, "exit_manual")
+    full_shape = global_shape(x.shape, region.placements, region.mesh, "exit_manual")
     return torch_xla._XLAC._spmd_shard_to_full_shape(
         local, xla_op_sharding(_without_partial(region), x.dim()), full_shape, local.dtype
     )

@@ -33,8 +33,9 @@ import torch.fx as fx
 from hops.einsum import einsum_kernel, einsum_linear_kernel
 from hops.kernel import Kernel
 from hops.local_map import local_map_hop
+from hops.lowering import run_scan_steps, scan_length, split_scan_operands
 from hops.named_scope import ScopeSpec, named_scope_hop, run_in_scope
-from hops.scan import ScanSpec, _length, _run_steps, _split, scan_hop
+from hops.scan import ScanSpec, scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import Mesh, ShardingSpec
 from passes._infra import PassError, body_attr, body_module, leaf_call, register_rule, replace_tuple_output, runner_spec, typed_spec
@@ -113,10 +114,10 @@ def run_scan(body: Callable, *inputs_and_spec: Any) -> tuple[torch.Tensor, ...]:
     """The lowered scan: one XLA ``While`` on XLA tensors, a Python loop elsewhere."""
     *inputs, spec = inputs_and_spec
     runner_spec("run_scan", spec, ScanSpec)
-    carry, xs, additional = _split(inputs, spec)
+    carry, xs, additional = split_scan_operands(inputs, spec)
     if not any(t.device.type == "xla" for t in inputs if isinstance(t, torch.Tensor)):
-        return _run_steps(body, inputs, spec)
-    return xla_while(body, carry, xs, additional, length=_length(xs, spec), reverse=spec.reverse, unroll=spec.unroll or 1)
+        return run_scan_steps(body, inputs, spec)
+    return xla_while(body, carry, xs, additional, length=scan_length(xs, spec), reverse=spec.reverse, unroll=spec.unroll or 1)
 
 
 @register_rule(TARGET, scan_hop)

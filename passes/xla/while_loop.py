@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from hops._subgraph import body_name
+from hops.lowering import body_name
 from passes.xla.staging import Metadata, metadata, stage
 
 

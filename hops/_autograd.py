@@ -1,0 +1,68 @@
+"""How a traced body HOP call differentiates: an ``AutogradPlan`` builds the forward and
+backward HOP nodes, and ``HopFunction`` is the autograd node that runs them, so forward and
+backward graphs carry the HOP.
+
+Outside tracing, on the devices where the eager semantics runs, a body HOP instead runs its
+reference semantics above autograd (``needs_traced_autograd`` tells the two apart)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from hops._joint import is_tracing
+
+__all__ = ["AutogradPlan", "HopFunction", "needs_traced_autograd"]
+
+
+def needs_traced_autograd(values: Sequence[Any]) -> bool:
+    """Whether a HOP differentiates through its traced joint (``HopFunction``) rather than by
+    running its eager semantics under autograd: while a tracer records, and on XLA, where the
+    forward and backward run as lowered HOP nodes."""
+    return is_tracing(values) or any(isinstance(v, torch.Tensor) and v.device.type == "xla" for v in values)
+
+
+class AutogradPlan:
+    """How one traced call of a body HOP differentiates: ``forward`` runs the forward node(s)
+    below autograd and returns ``(outputs, saved)``; ``backward`` runs the backward node(s)
+    on what was saved and the outputs' cotangents (``None`` where an output got none) and
+    returns one gradient (or ``None``) per operand. ``backward`` runs where autograd is live
+    when double backward asks for it, so its HOP calls are differentiated in turn."""
+
+    def forward(self, operands: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
+        raise NotImplementedError
+
+    def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
+        raise NotImplementedError
+
+    # The structure of the body's result (the HOP's results are returned in it).
+    treespec: Any = None
+
+
+class HopFunction(torch.autograd.Function):
+    """The autograd node of a traced body HOP call: the forward and backward are HOP nodes
+    built by an ``AutogradPlan``, so forward and backward graphs carry the HOP."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: AutogradPlan, *operands: Any):
+        with torch._C._AutoDispatchBelowAutograd():
+            outputs, saved = plan.forward(operands)
+        ctx.plan = plan
+        ctx.set_materialize_grads(False)
+        # Ints and symbolic ints cannot go through save_for_backward: keep them aside.
+        ctx.non_tensors = [None if isinstance(v, torch.Tensor) else v for v in saved]
+        ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
+        not_differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and not (o.is_floating_point() or o.is_complex())]
+        if not_differentiable:
+            ctx.mark_non_differentiable(*not_differentiable)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: Any):
+        tensors = iter(ctx.saved_tensors)
+        saved = [next(tensors) if v is None else v for v in ctx.non_tensors]
+        if all(c is None for c in cotangents):
+            return (None,) * len(ctx.needs_input_grad)
+        grads = ctx.plan.backward(saved, list(cotangents))
+        return (None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:])))

@@ -1,0 +1,128 @@
+"""What this package knows about a body callable, in one typed record: ``body.__hops__``.
+
+The public functions, the shared rules and the device rules hand bodies to one another as
+plain callables; what one of them learned about a body travels with it as a frozen
+``BodyRecord`` (replaced, never mutated, when something more is learned):
+
+- ``trace_key``: equal keys reuse one inspection and one traced joint within a trace
+  (``set_trace_key``; default: the body object itself);
+- ``code_key``: computes the body's ``CodeKey`` (equal eager calls on XLA reuse across calls
+  what was made from an equal body), or None;
+- ``known_functional``: the body was checked not to write into its inputs (or built by this
+  package from a checked graph): no rule traces it again to check;
+- ``plan_body``: the body of an autograd plan, made from traced graphs once: it reads no
+  Python state, so a device rule may keep what it made from it while its key lives;
+- ``graph``: the GraphModule the body runs, when it wraps one (``named``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from hops._code_key import CodeKey, code_key
+
+__all__ = [
+    "BodyRecord",
+    "across_calls_key",
+    "body_record",
+    "is_known_functional",
+    "known_functional",
+    "plan_body",
+    "plan_body_key",
+    "set_trace_key",
+    "trace_key",
+    "traced_graph",
+    "update_record",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyRecord:
+    """What is known about one body; see the module docstring."""
+
+    trace_key: Any = None
+    code_key: Callable[[], CodeKey | None] | None = None
+    known_functional: bool = False
+    plan_body: bool = False
+    graph: fx.GraphModule | None = None
+
+
+_NOTHING_KNOWN = BodyRecord()
+
+
+def body_record(body: Any) -> BodyRecord:
+    """The record attached to ``body`` (an empty one if none is)."""
+    record = getattr(body, "__hops__", None)
+    return record if isinstance(record, BodyRecord) else _NOTHING_KNOWN
+
+
+def update_record(body: Callable, **changes: Any) -> Callable:
+    """Attach ``body``'s record with ``changes`` made; returns ``body``."""
+    body.__hops__ = dataclasses.replace(body_record(body), **changes)
+    return body
+
+
+def trace_key(body: Callable) -> Any:
+    """The key under which equal calls share an inspection and a plan within a trace."""
+    key = body_record(body).trace_key
+    return body if key is None else key
+
+
+def set_trace_key(body: Callable, fn: Callable, *structure: Any, across_calls: bool = True) -> None:
+    """Say which user function ``fn`` and call ``structure`` ``body`` runs: equal keys reuse
+    one inspection and one traced joint within a fake-mode trace (AOTAutograd's two passes, a
+    scan of the same step twice). Eagerly on XLA, calls reuse them across calls by the
+    function's ``code_key`` (a new function object with the same code and Python state),
+    computed when needed (``across_calls_key``); not with ``across_calls=False``. Nothing is
+    set if the structure is not hashable (e.g. a list argument), or under Dynamo (which
+    traces bodies itself)."""
+    if torch.compiler.is_dynamo_compiling():
+        return
+    key = (fn, *structure)
+    try:
+        hash(key)
+    except TypeError:
+        return
+    make = functools.cache(lambda: code_key(fn, *structure)) if across_calls else None  # computed on first use
+    update_record(body, trace_key=key, code_key=make)
+
+
+def across_calls_key(body: Callable) -> CodeKey | None:
+    """The ``CodeKey`` of ``body``'s user function and call structure, if it has one."""
+    make = body_record(body).code_key
+    return make() if make is not None else None
+
+
+def known_functional(body: Callable) -> Callable:
+    """Mark a body already checked not to write into its inputs (by ``inspect_body`` or
+    because this package built it from a checked graph): later rules need not trace it again
+    to check."""
+    return update_record(body, known_functional=True)
+
+
+def is_known_functional(body: Callable) -> bool:
+    return body_record(body).known_functional
+
+
+def plan_body(body: Callable) -> Callable:
+    """Mark a body an autograd plan built from traced graphs: it reads no Python state, so a
+    device rule may keep what it made from it for as long as the body lives."""
+    return update_record(body, plan_body=True, known_functional=True)
+
+
+def plan_body_key(body: Callable) -> Any:
+    """For a body of an autograd plan (``plan_body``: made once, reads no Python state), the
+    key under which a device rule may keep what it made from it for as long as the key lives;
+    None for any other body."""
+    return trace_key(body) if body_record(body).plan_body else None
+
+
+def traced_graph(body: Callable) -> fx.GraphModule | None:
+    """The GraphModule ``body`` runs when this package built it from a traced graph (a
+    plan's step): a rule may take it instead of tracing the body again."""
+    return body_record(body).graph

@@ -1,0 +1,106 @@
+"""What a body HOP call makes once and equal calls reuse: a body's inspection and its
+autograd plan. Within one fake-mode trace by the body's trace key (AOTAutograd runs a
+function twice); eagerly on XLA tensors across calls by its ``CodeKey`` (bounded, least
+recently used evicted)."""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+from torch._guards import detect_fake_mode
+
+from hops._body import BodyInfo, unwrap_functional
+from hops._body_record import across_calls_key, trace_key
+
+__all__ = ["ACROSS_CALLS_SIZE", "cached_per_trace", "cached_plan"]
+
+# fake mode -> {(kind, body key, operand metadata, spec): inspection or plan}
+_PER_TRACE: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+# Eager XLA calls: (kind, CodeKey, operand metadata, spec) -> inspection or plan, least
+# recently used first.
+_ACROSS_CALLS: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
+ACROSS_CALLS_SIZE = 64
+
+
+class _CachedInspection:
+    """A complete ``BodyInfo`` kept across calls without keeping the caller's tensors alive.
+    The key holds their ids, so a live tensor found under a key is the one it was built from."""
+
+    def __init__(self, info: BodyInfo) -> None:
+        self.closed = [weakref.ref(t) for t in info.closed]
+        self.read = [weakref.ref(t) for t in info.read]
+
+    def info(self) -> BodyInfo | None:
+        closed, read = [r() for r in self.closed], [r() for r in self.read]
+        if any(t is None for t in (*closed, *read)):
+            return None
+        return BodyInfo(closed, None, True, read)
+
+
+def _across_calls_key(kind: str, body: Callable, operands: Sequence[Any], spec: Any) -> tuple | None:
+    """The key of an eager call on XLA tensors whose body has a ``CodeKey``, else None."""
+    metadata = []
+    for value in operands:
+        if not isinstance(value, torch.Tensor) or value.device.type != "xla":
+            return None
+        metadata.append((tuple(value.shape), value.dtype, value.device, value.requires_grad))
+    code_key = across_calls_key(body)
+    return None if code_key is None else (kind, code_key, tuple(metadata), spec)
+
+
+def _cached_across_calls(kind: str, make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
+    key = _across_calls_key(kind, body, operands, spec)
+    if key is None:
+        return make()
+    entry = _ACROSS_CALLS.get(key)
+    value = entry.info() if isinstance(entry, _CachedInspection) else entry
+    if value is not None:
+        _ACROSS_CALLS.move_to_end(key)
+        return value
+    value = make()
+    if isinstance(value, BodyInfo):
+        if not value.complete or not all(id(t) in key[1].tensors for t in value.read):
+            return value  # reads values or tensors the key does not hold: inspect every call
+        entry = _CachedInspection(value)
+    else:
+        entry = value
+    _ACROSS_CALLS[key] = entry
+    while len(_ACROSS_CALLS) > ACROSS_CALLS_SIZE:
+        _ACROSS_CALLS.popitem(last=False)
+    return value
+
+
+def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
+    """``make()``, or what it made for an equal call in the same fake mode (``kind`` names the
+    cache: an inspection, an autograd plan). AOTAutograd runs a function twice (metadata,
+    then the joint): an equal call is inspected, traced and split once.
+
+    Equal means the same body (or the same trace key, ``hops._body_record``: public
+    functions make a new body per call around one user function), operand metadata and
+    requires_grad, and spec. Eagerly on XLA tensors, a body keyed by ``code_key`` reuses what
+    an equal earlier call made (bounded, least recently used evicted). Elsewhere outside a
+    fake-tensor trace, or with symbolic shapes, nothing is reused."""
+    metadata = []
+    for value in operands:
+        if not isinstance(value, torch.Tensor):
+            return make()
+        inner = unwrap_functional(value)
+        if not all(isinstance(size, int) for size in inner.shape):
+            return make()
+        metadata.append((tuple(inner.shape), inner.stride(), inner.dtype, inner.device, value.requires_grad))
+    mode = detect_fake_mode([unwrap_functional(v) for v in operands])
+    if mode is None:
+        return _cached_across_calls(kind, make, body, operands, spec)
+    cache = _PER_TRACE.setdefault(mode, {})
+    key = (kind, trace_key(body), tuple(metadata), spec)
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
+    return value
+
+
+def cached_plan(make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
+    return cached_per_trace("plan", make, body, operands, spec)
