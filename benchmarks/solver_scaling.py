@@ -53,7 +53,7 @@ layer. Printed: variables, trace / graph / build / solve / apply seconds, end to
 (``ru_maxrss``), next to autoparallel's published figures where there are some. Bars: end to
 end <= 10 s, peak RSS < 2 GB, variables at one layer == at full depth.
 
-Known (measured while writing this, on a shared 2-core machine): 8B on 8x8 is 77k variables,
+Known (measured while writing this, on a shared 2-core machine): 8B on 8x8 is 75k variables,
 6.3 s of CPU end to end, 0.65 GB peak RSS, the same at 1 and 32 layers. On 3-D meshes a rank-4
 activation has up to 7^3 layouts, and the pairwise tables between such values make the exact
 integer program 1.75M variables for 8B on 4x4x4: HiGHS stops at ``SOLVE_LIMIT`` with a plan
