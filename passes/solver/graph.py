@@ -21,9 +21,9 @@ Node attributes:
   ``node``'s placement with every ``Shard(d)`` moved to ``Shard(d + dim_shift)`` (a scan's stacked
   ys are their step's value with a leading dim);
 - ``whole``: this alias is the value as it left its graph (a saved forward value the backward
-  reads, a scan's final carry): the graph's outputs are reduced
-  before they leave it, so its placement is the aliased one with each ``Partial`` made
-  ``Replicate`` (``arrives_whole``), and it is read without a second reduction;
+  reads, a scan's final carry): a graph's outputs are reduced before they leave it, so its
+  placement is the aliased one with each ``Partial`` made ``Replicate`` (``arrives_whole``), and
+  it is read without a second reduction;
 - ``multiplier``: how many times the value is computed per program run (a scan body's values:
   the trip count);
 - ``fallback``: DTensor has no rule for the op (or its rule refuses every layout the op's inputs
@@ -38,7 +38,8 @@ Node attributes:
 Edges ``u -> v`` are data dependencies, with ``bytes`` (of ``u``) and ``uses``: how ``v`` reads
 ``u``, each a ``Use``: ``("input", slot)`` (``v`` is a node with strategies; its chosen strategy says
 which placement ``u`` must have) or ``("value", dim_shift)`` (``u`` must be laid out like ``v``, e.g. a
-scan's init like its carry, a gradient like its parameter) or ``("output", 0)`` (``v`` is the
+scan's init like its carry, a gradient like its parameter: how the gradient leaves the backward,
+in place of its output's reduction) or ``("output", 0)`` (``v`` is the
 ``"output"`` node of a program or a scan body: ``u`` leaves it whole, so a pending ``Partial``
 sum is reduced first; a scan body's ys are not read so) or ``("carry", 0)`` (``v`` is a scan's
 carry input, ``u`` its carry output of the step before, as it left that step: whole), with the
@@ -190,8 +191,8 @@ def shift_placements(placements: Placements | None, shift: int) -> Placements | 
 
 def arrives_whole(graph: nx.DiGraph, key: str) -> bool:
     """``key`` is a value as it left its graph (a saved forward value the backward reads, a scan's
-    final carry), or aliases one: a pending ``Partial``
-    sum of what it aliases was reduced on the way, so its placement is that one ``materialized``."""
+    final carry), or aliases one: a pending ``Partial`` sum of what it aliases was reduced on the
+    way, so its placement is that one ``materialized``."""
     while key is not None:
         data = graph.nodes[key]
         if data.get("whole"):
