@@ -110,13 +110,20 @@ class CostModel:
         """Time to turn a tensor laid out as ``source`` into ``target``."""
         if source is None or target is None:
             return 0.0
+        fixed, per_byte = self.redistribute_terms(source, target, mesh)
+        return fixed + per_byte * (math.prod(shape) * itemsize)
+
+    def redistribute_terms(self, source: Sequence[Any], target: Sequence[Any], mesh: Mesh) -> tuple[float, float]:
+        """``(seconds, seconds_per_byte)``: turning a tensor of ``B`` bytes laid out as ``source``
+        into ``target`` takes ``seconds + B * seconds_per_byte`` (every step moves a fixed share
+        of the value's bytes), whatever its shape."""
         source, target = tuple(source), tuple(target)
         if source == target:
-            return 0.0
+            return 0.0, 0.0
         bandwidth, latency = _links(self, mesh)
-        # Bytes per device as the steps go: the whole value over the ways its dims are split.
-        local = math.prod(shape) * itemsize / _ways(source, mesh.shape)
-        total = 0.0
+        # Share of the value's bytes per device as the steps go: one over the ways its dims are split.
+        local = 1.0 / _ways(source, mesh.shape)
+        fixed = per_byte = 0.0
         for axis, before, after, ratio in _steps(source, target, mesh.shape):
             n = mesh.shape[axis]
             sent = _bytes_sent(before, after, n, local)
@@ -124,10 +131,11 @@ class CostModel:
             if sent is None:
                 # Local: copy out this device's slice (R -> S) or zero a copy (R -> P).
                 if n > 1:
-                    total += local / self.memory_bandwidth
+                    per_byte += local / self.memory_bandwidth
                 continue
-            total += latency[axis] + sent / bandwidth[axis]
-        return total
+            fixed += latency[axis]
+            per_byte += sent / bandwidth[axis]
+        return fixed, per_byte
 
 
 @functools.lru_cache(maxsize=None)

@@ -103,6 +103,10 @@ class _ProblemBuilder:
         self.index = {n: i for i, n in enumerate(self.owners)}
         self._redistribute_cache: dict[tuple, float] = {}
         self._resolved: dict[str, tuple[str, int, int]] = {}
+        self._axis_codes: dict[tuple, int] = {}
+        self._table_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._terms_cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self._strategy_codes: dict[int, tuple[int, ...]] = {}
 
     def resolve(self, key: str) -> tuple[str, int, int]:
         if key in self._resolved:
@@ -125,6 +129,24 @@ class _ProblemBuilder:
         if key not in self._redistribute_cache:
             self._redistribute_cache[key] = self.cost_model.redistribute_seconds(shape, itemsize, source, target, self.mesh)
         return self._redistribute_cache[key]
+
+    def redistribute_table(self, shape: tuple, itemsize: int, sources: Sequence[Any], targets: Sequence[Any]) -> np.ndarray:
+        """``redistribute`` from each of ``sources`` to each of ``targets``: the shape-free terms
+        of every pair (``CostModel.redistribute_terms``) are made once per pair of lists."""
+        key = (tuple(map(id, sources)), tuple(map(id, targets)))
+        terms = self._table_cache.get(key)
+        if terms is None:
+            fixed = np.zeros((len(sources), len(targets)))
+            per_byte = np.zeros((len(sources), len(targets)))
+            for i, p in enumerate(sources):
+                for j, q in enumerate(targets):
+                    pair = self._terms_cache.get((id(p), id(q)))
+                    if pair is None:
+                        pair = (0.0, 0.0) if p is None or q is None else self.cost_model.redistribute_terms(p, q, self.mesh)
+                        self._terms_cache[id(p), id(q)] = pair
+                    fixed[i, j], per_byte[i, j] = pair
+            terms = self._table_cache[key] = (fixed, per_byte)
+        return terms[0] + terms[1] * float(math.prod(shape) * itemsize)
 
     # ---------------------------------------------------------------- compute
 
@@ -244,12 +266,29 @@ class _ProblemBuilder:
 
     # ---------------------------------------------------------------- the problem
 
+    def axis_codes(self, strategies: Sequence[Strategy]) -> np.ndarray:
+        """Per strategy, a code per mesh axis naming what it places on that axis (every output
+        and input): the ``axes`` of its choice (see ``passes.solver.ilp.Choice``)."""
+        codes = self._axis_codes
+        out = np.empty((len(strategies), self.mesh.ndim), dtype=np.int64)
+        for i, strategy in enumerate(strategies):
+            row = self._strategy_codes.get(id(strategy))
+            if row is None:
+                placements = (*strategy.outputs, *strategy.inputs)
+                row = tuple(
+                    codes.setdefault(tuple(None if p is None else p[axis] for p in placements), len(codes))
+                    for axis in range(self.mesh.ndim)
+                )
+                self._strategy_codes[id(strategy)] = row
+            out[i] = row
+        return out
+
     def build(self) -> Problem:
         choices = []
         for key in self.owners:
             data = self.graph.nodes[key]
             cost = np.array([self.compute_cost(key, s) * data["multiplier"] for s in data["strategies"]], dtype=float)
-            choices.append(Choice(key, cost, np.zeros(len(cost))))
+            choices.append(Choice(key, cost, np.zeros(len(cost)), self.axis_codes(data["strategies"])))
         self.memory([c.memory for c in choices])
         factors = []
         for u, v, data in self.graph.edges(data=True):
@@ -280,10 +319,7 @@ class _ProblemBuilder:
                     required = [shift_placements(s.outputs[index_v], shift_v + use.index) for s in strategies_v]
                 cols, col_values = _classes(required)
                 shape = use.shape or source["shape"]
-                table = np.array(
-                    [[self.redistribute(shape, itemsize, p, q) for q in col_values] for p in row_values],
-                    dtype=float,
-                ) * use.multiplier
+                table = self.redistribute_table(shape, itemsize, row_values, col_values) * use.multiplier
                 factors.append(Factor(self.index[owner_u], self.index[owner_v], rows, cols, table))
         factors.extend(self.residual_ties())
         return Problem(choices, factors)
@@ -318,6 +354,7 @@ def solve_placements(
     example_inputs: Sequence[Any] | None = None,
     milp_solver: str = "scipy",
     time_limit: float | None = None,
+    search: str = "auto",
 ) -> PlacementSolution:
     """Place every value of ``gm`` (a GraphModule, or AOTAutograd's ``(forward, backward)``) on ``mesh``.
 
@@ -327,8 +364,13 @@ def solve_placements(
     activations within it. A scan body is solved once: its choices hold for every step and
     its costs count once per step. Exact: an integer program solved by HiGHS (through
     ``scipy.optimize.milp``; ``milp_solver="highspy"`` or ``"cbc"`` for comparison) after exact
-    reductions; ``time_limit`` (seconds) stops it early with the best plan found. Raises ``InfeasiblePlacementError`` when no placement fits the budget and the
-    fixed placements, ``TypeError``/``ValueError`` for bad arguments.
+    reductions; ``time_limit`` (seconds) stops it early with the best plan found. ``search``:
+    ``"exact"`` always solves that one program; ``"axes"`` searches mesh-axis neighbourhoods on
+    meshes of 3 or more axes (each an exact program, the plan not proven optimal:
+    ``stats["status"]`` says so); ``"auto"`` (default) does ``"axes"`` only when the exact program
+    would exceed 400k pair variables (3-D meshes at production sizes). Raises
+    ``InfeasiblePlacementError`` when no placement fits the budget and the fixed placements,
+    ``TypeError``/``ValueError`` for bad arguments.
     """
     if cost_model is None:
         cost_model = CostModel.preset("h100")
@@ -341,7 +383,7 @@ def solve_placements(
     graph_seconds = time.perf_counter() - start
     return solve_graph(
         graph, cost_model=cost_model, memory_budget=memory_budget, milp_solver=milp_solver,
-        time_limit=time_limit, graph_seconds=graph_seconds,
+        time_limit=time_limit, graph_seconds=graph_seconds, search=search,
     )
 
 
@@ -354,6 +396,7 @@ def solve_graph(
     time_limit: float | None = None,
     graph_seconds: float = 0.0,
     reduce: bool = True,
+    search: str = "auto",
 ) -> PlacementSolution:
     """``solve_placements`` on a ``placement_graph`` already built."""
     mesh = graph.graph["mesh"]
@@ -361,7 +404,7 @@ def solve_graph(
     builder = _ProblemBuilder(graph, mesh, cost_model)
     problem = builder.build()
     problem_seconds = time.perf_counter() - start
-    result = solve_problem(problem, memory_budget=memory_budget, milp_solver=milp_solver, time_limit=time_limit, reduce=reduce)
+    result = solve_problem(problem, memory_budget=memory_budget, milp_solver=milp_solver, time_limit=time_limit, reduce=reduce, search=search)
     strategies = {
         key: graph.nodes[key]["strategies"][option] for key, option in zip(builder.owners, result.options)
     }
