@@ -249,3 +249,39 @@ def test_redistribution_steps_are_the_ones_dtensor_plans(device_meshes):
         assert len(redistribution_collectives(source, target, mesh)) == len(communicating)
 
     check()
+
+
+# --------------------------------------------------------------------------- production-size formulation
+
+
+def test_redistribution_tables_equal_the_per_pair_cost():
+    """``redistribute_terms_table`` (every pair at once, as the solver builds its tables) is
+    ``redistribute_seconds`` pair by pair: any mesh of rank 1 to 3 (size-1 axes too), per-axis
+    links, any layouts with shards, sums and other partial reductions, and non-tensors."""
+    import itertools
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    per_axis = [Replicate(), Shard(0), Shard(1), Shard(2), Partial(), Partial("max")]
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=3), st.data())
+    def check(sizes, data):
+        mesh = Mesh(tuple(sizes), tuple("abc"[: len(sizes)]))
+        model = CostModel(
+            peak_flops=1e12, memory_bandwidth=data.draw(st.floats(1e9, 1e12)),
+            link_bandwidth=tuple(data.draw(st.floats(1e8, 1e11)) for _ in sizes),
+            link_latency=tuple(data.draw(st.floats(0, 1e-4)) for _ in sizes),
+        )
+        every = list(itertools.product(per_axis, repeat=mesh.ndim))
+        sources = data.draw(st.lists(st.sampled_from(every + [None]), min_size=1, max_size=12))
+        targets = data.draw(st.lists(st.sampled_from(every + [None]), min_size=1, max_size=12))
+        shape, itemsize = (12, 8, 6), 2
+        fixed, per_byte = model.redistribute_terms_table(sources, targets, mesh)
+        for i, p in enumerate(sources):
+            for j, q in enumerate(targets):
+                expected = model.redistribute_seconds(shape, itemsize, p, q, mesh)
+                assert fixed[i, j] + per_byte[i, j] * 12 * 8 * 6 * itemsize == pytest.approx(expected, rel=1e-12, abs=0), (p, q)
+
+    check()

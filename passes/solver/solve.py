@@ -105,7 +105,8 @@ class _ProblemBuilder:
         self._resolved: dict[str, tuple[str, int, int]] = {}
         self._axis_codes: dict[tuple, int] = {}
         self._table_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        self._terms_cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self._shapes: dict[str, tuple[list, list]] = {}
+        self._compute_cache: dict[tuple, float] = {}
         self._strategy_codes: dict[int, tuple[int, ...]] = {}
 
     def resolve(self, key: str) -> tuple[str, int, int]:
@@ -132,20 +133,11 @@ class _ProblemBuilder:
 
     def redistribute_table(self, shape: tuple, itemsize: int, sources: Sequence[Any], targets: Sequence[Any]) -> np.ndarray:
         """``redistribute`` from each of ``sources`` to each of ``targets``: the shape-free terms
-        of every pair (``CostModel.redistribute_terms``) are made once per pair of lists."""
+        of every pair (``CostModel.redistribute_terms_table``) are made once per pair of lists."""
         key = (tuple(map(id, sources)), tuple(map(id, targets)))
         terms = self._table_cache.get(key)
         if terms is None:
-            fixed = np.zeros((len(sources), len(targets)))
-            per_byte = np.zeros((len(sources), len(targets)))
-            for i, p in enumerate(sources):
-                for j, q in enumerate(targets):
-                    pair = self._terms_cache.get((id(p), id(q)))
-                    if pair is None:
-                        pair = (0.0, 0.0) if p is None or q is None else self.cost_model.redistribute_terms(p, q, self.mesh)
-                        self._terms_cache[id(p), id(q)] = pair
-                    fixed[i, j], per_byte[i, j] = pair
-            terms = self._table_cache[key] = (fixed, per_byte)
+            terms = self._table_cache[key] = self.cost_model.redistribute_terms_table(sources, targets, self.mesh)
         return terms[0] + terms[1] * float(math.prod(shape) * itemsize)
 
     # ---------------------------------------------------------------- compute
@@ -159,13 +151,21 @@ class _ProblemBuilder:
         node = data["fx_node"]
         if is_view(node.target) or data["op"] == "getitem":
             return 0.0
-        inputs = [self.graph.nodes[u] for u in self._input_keys(key)]
-        input_shapes = [_local(d["shape"], p, self.mesh) for d, p in zip(inputs, strategy.inputs)]
-        outputs = self._output_shapes(key)
-        output_shapes = [_local(s, p, self.mesh) if p is not None else None for s, p in zip(outputs, strategy.outputs)]
-        params = node.args[-1].as_dict() if data["op"].startswith("hops_kernel") and node.args else None
+        if key not in self._shapes:  # the same for every strategy of the node
+            inputs = [self.graph.nodes[u]["shape"] for u in self._input_keys(key)]
+            self._shapes[key] = (inputs, self._output_shapes(key))
+        inputs, outputs = self._shapes[key]
+        input_shapes = tuple(_local(d, p, self.mesh) for d, p in zip(inputs, strategy.inputs))
+        output_shapes = tuple(_local(s, p, self.mesh) if p is not None else None for s, p in zip(outputs, strategy.outputs))
         itemsize = _itemsize(data["dtype"]) or 4
-        return self.cost_model.compute_seconds(node.target, input_shapes, output_shapes, itemsize, params)
+        if data["op"].startswith("hops_kernel") and node.args:
+            params = node.args[-1].as_dict()
+            return self.cost_model.compute_seconds(node.target, input_shapes, output_shapes, itemsize, params)
+        # Strategies of one op, and ops alike, share local shapes: each roofline is taken once.
+        memo = (node.target, input_shapes, output_shapes, itemsize)
+        if memo not in self._compute_cache:
+            self._compute_cache[memo] = self.cost_model.compute_seconds(node.target, input_shapes, output_shapes, itemsize)
+        return self._compute_cache[memo]
 
     def _input_keys(self, key: str) -> list[str]:
         slots: dict[int, str] = {}
