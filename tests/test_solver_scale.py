@@ -326,3 +326,44 @@ def test_search_is_checked():
     problem = Problem([Choice("a", np.zeros(2), np.zeros(2))], [])
     with pytest.raises(ValueError, match="search must be one of"):
         solve_problem(problem, search="fast")
+
+
+def test_the_axis_search_returns_a_valid_plan_no_better_than_the_optimum_and_within_the_budget():
+    """Random problems whose options are every per-axis layout on 3 axes (2 per axis): the
+    search's plan has finite cost, fits the budget, costs what ``evaluate`` says, and is never
+    below the brute-force optimum (which the exact program meets)."""
+    import itertools
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from passes.solver.ilp import Choice, Factor, Problem, evaluate, memory_of, solve_problem
+
+    layouts = np.array(list(itertools.product(range(2), repeat=3)))  # 8 options, a code per axis
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.integers(0, 2**32 - 1), st.booleans())
+    def check(seed, budgeted):
+        rng = np.random.default_rng(seed)
+        choices = [Choice(f"c{i}", rng.uniform(0, 3, 8), rng.integers(0, 5, 8).astype(float), layouts) for i in range(4)]
+        factors = []
+        for a, b in itertools.combinations(range(4), 2):  # every choice has 3 neighbours: none is eliminated
+            table = rng.uniform(0, 3, (8, 8))
+            table[rng.uniform(size=(8, 8)) < 0.2] = np.inf
+            np.fill_diagonal(table, 0.0)  # equal layouts: nothing to move
+            factors.append(Factor(a, b, np.arange(8), np.arange(8), table))
+        problem = Problem(choices, factors)
+        plans = list(itertools.product(range(8), repeat=4))
+        budget = float(np.median([memory_of(problem, p) for p in plans])) if budgeted else None
+        feasible = [p for p in plans if budget is None or memory_of(problem, p) <= budget + 1e-9]
+        optimum = min(evaluate(problem, p) for p in feasible)
+        exact = solve_problem(problem, memory_budget=budget, search="exact")
+        assert exact.cost == pytest.approx(optimum, rel=1e-9)
+        searched = solve_problem(problem, memory_budget=budget, search="axes")
+        assert searched.stats["search"] == "axes"
+        assert np.isfinite(searched.cost) and searched.cost == pytest.approx(evaluate(problem, searched.options))
+        assert searched.cost >= optimum - 1e-9
+        if budget is not None:
+            assert memory_of(problem, searched.options) <= budget + 1e-9
+
+    check()
