@@ -670,7 +670,10 @@ def _axis_search(
         else:
             fixed = [axis for axis in range(ndim) if axis not in pair]
             masks = {choice: (codes[:, fixed] == codes[chosen[choice], fixed]).all(axis=1) for choice, codes in axes.items()}
-        found = run(masks, chosen)
+        try:
+            found = run(masks, chosen)
+        except RuntimeError:  # the time limit ran out inside this neighbourhood: keep the plan so far
+            break
         stats["refine_costs"].append(found[1])
         if found[1] < best[1] - 1e-12 * abs(best[1]):
             best = found

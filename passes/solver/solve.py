@@ -31,7 +31,8 @@ class PlacementSolution:
     and optimizer state, inputs, saved activations);
     ``stats``: ``variables``, ``constraints``, ``build_seconds``, ``solve_seconds``,
     ``graph_seconds``, ``status``, ``unsupported_ops`` (ops without a DTensor rule, run replicated),
-    and the sizes before and after the exact reductions;
+    and the sizes before and after the exact reductions; ``search``: ``"exact"`` or ``"axes"``
+    (then ``variables`` is the largest of the ``ilps`` integer programs solved);
     ``graph``: the ``placement_graph`` it was solved on.
     """
 
