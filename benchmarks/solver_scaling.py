@@ -53,12 +53,22 @@ layer. Printed: variables, trace / graph / build / solve / apply seconds, end to
 (``ru_maxrss``), next to autoparallel's published figures where there are some. Bars: end to
 end <= 10 s, peak RSS < 2 GB, variables at one layer == at full depth.
 
-Known (measured while writing this, on a shared 2-core machine): 8B on 8x8 is 75k variables,
-6.3 s of CPU end to end, 0.65 GB peak RSS, the same at 1 and 32 layers. On 3-D meshes a rank-4
-activation has up to 7^3 layouts, and the pairwise tables between such values make the exact
-integer program 1.75M variables for 8B on 4x4x4: HiGHS stops at ``SOLVE_LIMIT`` with a plan
-that is not proven optimal (status printed), 67 s of CPU, 4.3 GB peak RSS; 70B on 8x8x8 alike
-(1.74M variables, 72 s of CPU, 4.6 GB). Those bars fail.
+Known (measured while writing this, on a shared 2-core machine at load 7-9, so wall seconds are
+3-4x the process's CPU seconds; CPU given): 8B on 8x8 is solved exactly, 75k variables (77k before the scan's carry got its own layout), 7.3 s of
+CPU end to end, 0.60 GB peak RSS, the same variables at 1 and 32 layers. On 3-D meshes a rank-4
+activation has up to 7^3 layouts and the exact program would be 1.75M variables for 8B on
+4x4x4 (HiGHS needs ~100 s to prove its optimum), so past 400k pair variables the solver searches
+mesh-axis neighbourhoods (``passes.solver.ilp._axis_search``: a coarse level with two axes
+tied, then every choice's one-axis changes and every two-axis plane, each an exact program of
+at most ~78k variables): 8B on 4x4x4, 77,966 variables at 1 and at 32 layers, 18.4 s of CPU
+(62 s wall), 0.68 GB; its plan at 1 layer costs 0.2075716 s, the proven optimum of the
+exact program (checked once, 101 s of HiGHS), but the status says "not proven optimal". 70B on
+8x8x8: largest program 75,192 variables at 80 layers and 77,944 at 1 (the neighbourhoods
+follow the plan, which depends on depth; the coarse level does not), 23.9 s of CPU (105 s
+wall), 0.92 GB. Bars: peak RSS passes everywhere; 10 s end to end fails on both 3-D meshes
+(and in wall time on this loaded machine for 8x8 too); "variables at 1 layer == at full
+depth" passes for 8B on 4x4x4, fails for 70B on 8x8x8 as above; "solved to optimality" fails
+by construction on 3-D meshes.
 
 Usage: python benchmarks/solver_scaling.py [--layers 1,2,4,8,16,32] [--unrolled-up-to 32]
        python benchmarks/solver_scaling.py --production-only

@@ -111,13 +111,20 @@ class CostModel:
         """Time to turn a tensor laid out as ``source`` into ``target``."""
         if source is None or target is None:
             return 0.0
+        fixed, per_byte = self.redistribute_terms(source, target, mesh)
+        return fixed + per_byte * (math.prod(shape) * itemsize)
+
+    def redistribute_terms(self, source: Sequence[Any], target: Sequence[Any], mesh: Mesh) -> tuple[float, float]:
+        """``(seconds, seconds_per_byte)``: turning a tensor of ``B`` bytes laid out as ``source``
+        into ``target`` takes ``seconds + B * seconds_per_byte`` (every step moves a fixed share
+        of the value's bytes), whatever its shape."""
         source, target = tuple(source), tuple(target)
         if source == target:
-            return 0.0
+            return 0.0, 0.0
         bandwidth, latency = _links(self, mesh)
-        # Bytes per device as the steps go: the whole value over the ways its dims are split.
-        local = math.prod(shape) * itemsize / _ways(source, mesh.shape)
-        total = 0.0
+        # Share of the value's bytes per device as the steps go: one over the ways its dims are split.
+        local = 1.0 / _ways(source, mesh.shape)
+        fixed = per_byte = 0.0
         for axis, before, after, ratio in _steps(source, target, mesh.shape):
             n = mesh.shape[axis]
             sent = _bytes_sent(before, after, n, local)
@@ -125,10 +132,88 @@ class CostModel:
             if sent is None:
                 # Local: copy out this device's slice (R -> S) or zero a copy (R -> P).
                 if n > 1:
-                    total += local / self.memory_bandwidth
+                    per_byte += local / self.memory_bandwidth
                 continue
-            total += latency[axis] + sent / bandwidth[axis]
-        return total
+            fixed += latency[axis]
+            per_byte += sent / bandwidth[axis]
+        return fixed, per_byte
+
+    def redistribute_terms_table(
+        self, sources: Sequence[Sequence[Any] | None], targets: Sequence[Sequence[Any] | None], mesh: Mesh
+    ) -> tuple[Any, Any]:
+        """``redistribute_terms`` from each of ``sources`` to each of ``targets``, as two arrays of
+        shape ``(len(sources), len(targets))`` (computed for all pairs at once; ``None``, a
+        non-tensor, costs nothing)."""
+        import numpy as np
+
+        codes: dict[Any, int] = {Replicate(): 0}
+
+        def encode(layouts: Sequence[Any]) -> tuple[Any, Any]:
+            out = np.zeros((len(layouts), mesh.ndim), dtype=np.int64)
+            valid = np.array([p is not None for p in layouts], dtype=bool)
+            for i, p in enumerate(layouts):
+                if p is not None:
+                    out[i] = [codes.setdefault(x, len(codes)) for x in p]
+            return out, valid
+
+        src, src_valid = encode(sources)
+        tgt, tgt_valid = encode(targets)
+        kinds = list(codes)
+        shard = np.array([isinstance(x, Shard) for x in kinds])
+        partial = np.array([isinstance(x, Partial) for x in kinds])
+        ns, nt = len(sources), len(targets)
+        current = np.repeat(src, nt, axis=0)
+        target = np.tile(tgt, (ns, 1))
+        sizes = np.array(mesh.shape, dtype=float)
+        bandwidth, latency = _links(self, mesh)
+
+        def ways(layout: Any) -> Any:
+            return np.where(shard[layout], sizes, 1.0).prod(axis=1)
+
+        local = 1.0 / ways(current)
+        fixed = np.zeros(len(current))
+        per_byte = np.zeros(len(current))
+
+        def step(rows: Any, axis: int, goal: Any) -> None:
+            n = mesh.shape[axis]
+            before, after = current[rows, axis], goal[rows]
+            changed = current[rows].copy()
+            changed[:, axis] = after
+            here = local[rows] * ways(current[rows]) / ways(changed)
+            if n > 1:
+                # Bytes sent per byte of this device's share (see ``_bytes_sent``); < 0: a local step.
+                sent = np.full(len(before), -1.0)
+                from_shard, from_partial = shard[before], partial[before]
+                sent[from_shard] = np.where(shard[after[from_shard]], (n - 1) / n, float(n - 1))
+                to_replicate = after == 0
+                sent[from_partial & to_replicate] = 2 * (n - 1) / n
+                sent[from_partial & shard[after]] = (n - 1) / n
+                moving = sent >= 0
+                fixed[rows[moving]] += latency[axis]
+                per_byte[rows[moving]] += sent[moving] * local[rows[moving]] / bandwidth[axis]
+                per_byte[rows[~moving]] += here[~moving] / self.memory_bandwidth
+            current[rows, axis] = after
+            local[rows] = here
+
+        # DTensor's plan (``redistribution_steps``), for every pair at once.
+        sharded = shard[current].any(axis=1)
+        for axis in reversed(range(mesh.ndim)):
+            goal = target[:, axis].copy()
+            nested = shard[goal]
+            if axis:
+                before = current[:, :axis] == goal[:, None]
+                after = target[:, :axis] == goal[:, None]
+                nested &= (before != after).any(axis=1)
+            else:
+                nested[:] = False
+            goal[nested] = 0
+            step(np.flatnonzero(sharded & (current[:, axis] != goal)), axis, goal)
+        for axis in range(mesh.ndim):
+            step(np.flatnonzero(current[:, axis] != target[:, axis]), axis, target[:, axis])
+        valid = np.repeat(src_valid, nt) & np.tile(tgt_valid, ns)
+        fixed[~valid] = 0.0
+        per_byte[~valid] = 0.0
+        return fixed.reshape(ns, nt), per_byte.reshape(ns, nt)
 
 
 # Ops that only allocate (their values are undefined): no byte is read or written.

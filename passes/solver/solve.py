@@ -31,7 +31,8 @@ class PlacementSolution:
     and optimizer state, inputs, saved activations);
     ``stats``: ``variables``, ``constraints``, ``build_seconds``, ``solve_seconds``,
     ``graph_seconds``, ``status``, ``unsupported_ops`` (ops without a DTensor rule, run replicated),
-    and the sizes before and after the exact reductions;
+    and the sizes before and after the exact reductions; ``search``: ``"exact"`` or ``"axes"``
+    (then ``variables`` is the largest of the ``ilps`` integer programs solved);
     ``graph``: the ``placement_graph`` it was solved on.
     """
 
@@ -105,6 +106,11 @@ class _ProblemBuilder:
         self._redistribute_cache: dict[tuple, float] = {}
         self._resolved: dict[str, tuple[str, int, int]] = {}
         self._whole: dict[str, bool] = {}
+        self._axis_codes: dict[tuple, int] = {}
+        self._table_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._shapes: dict[str, tuple[list, list]] = {}
+        self._compute_cache: dict[tuple, float] = {}
+        self._strategy_codes: dict[int, tuple[int, ...]] = {}
 
     def resolve(self, key: str) -> tuple[str, int, int]:
         if key in self._resolved:
@@ -139,6 +145,15 @@ class _ProblemBuilder:
             self._redistribute_cache[key] = self.cost_model.redistribute_seconds(shape, itemsize, source, target, self.mesh)
         return self._redistribute_cache[key]
 
+    def redistribute_table(self, shape: tuple, itemsize: int, sources: Sequence[Any], targets: Sequence[Any]) -> np.ndarray:
+        """``redistribute`` from each of ``sources`` to each of ``targets``: the shape-free terms
+        of every pair (``CostModel.redistribute_terms_table``) are made once per pair of lists."""
+        key = (tuple(map(id, sources)), tuple(map(id, targets)))
+        terms = self._table_cache.get(key)
+        if terms is None:
+            terms = self._table_cache[key] = self.cost_model.redistribute_terms_table(sources, targets, self.mesh)
+        return terms[0] + terms[1] * float(math.prod(shape) * itemsize)
+
     # ---------------------------------------------------------------- compute
 
     def compute_cost(self, key: str, strategy: Strategy) -> float:
@@ -150,13 +165,21 @@ class _ProblemBuilder:
         node = data["fx_node"]
         if is_view(node.target) or data["op"] == "getitem":
             return 0.0
-        inputs = [self.graph.nodes[u] for u in self._input_keys(key)]
-        input_shapes = [_local(d["shape"], p, self.mesh) for d, p in zip(inputs, strategy.inputs)]
-        outputs = self._output_shapes(key)
-        output_shapes = [_local(s, p, self.mesh) if p is not None else None for s, p in zip(outputs, strategy.outputs)]
-        params = node.args[-1].as_dict() if data["op"].startswith("hops_kernel") and node.args else None
+        if key not in self._shapes:  # the same for every strategy of the node
+            inputs = [self.graph.nodes[u]["shape"] for u in self._input_keys(key)]
+            self._shapes[key] = (inputs, self._output_shapes(key))
+        inputs, outputs = self._shapes[key]
+        input_shapes = tuple(_local(d, p, self.mesh) for d, p in zip(inputs, strategy.inputs))
+        output_shapes = tuple(_local(s, p, self.mesh) if p is not None else None for s, p in zip(outputs, strategy.outputs))
         itemsize = _itemsize(data["dtype"]) or 4
-        return self.cost_model.compute_seconds(node.target, input_shapes, output_shapes, itemsize, params)
+        if data["op"].startswith("hops_kernel") and node.args:
+            params = node.args[-1].as_dict()
+            return self.cost_model.compute_seconds(node.target, input_shapes, output_shapes, itemsize, params)
+        # Strategies of one op, and ops alike, share local shapes: each roofline is taken once.
+        memo = (node.target, input_shapes, output_shapes, itemsize)
+        if memo not in self._compute_cache:
+            self._compute_cache[memo] = self.cost_model.compute_seconds(node.target, input_shapes, output_shapes, itemsize)
+        return self._compute_cache[memo]
 
     def _input_keys(self, key: str) -> list[str]:
         slots: dict[int, str] = {}
@@ -257,12 +280,29 @@ class _ProblemBuilder:
 
     # ---------------------------------------------------------------- the problem
 
+    def axis_codes(self, strategies: Sequence[Strategy]) -> np.ndarray:
+        """Per strategy, a code per mesh axis naming what it places on that axis (every output
+        and input): the ``axes`` of its choice (see ``passes.solver.ilp.Choice``)."""
+        codes = self._axis_codes
+        out = np.empty((len(strategies), self.mesh.ndim), dtype=np.int64)
+        for i, strategy in enumerate(strategies):
+            row = self._strategy_codes.get(id(strategy))
+            if row is None:
+                placements = (*strategy.outputs, *strategy.inputs)
+                row = tuple(
+                    codes.setdefault(tuple(None if p is None else p[axis] for p in placements), len(codes))
+                    for axis in range(self.mesh.ndim)
+                )
+                self._strategy_codes[id(strategy)] = row
+            out[i] = row
+        return out
+
     def build(self) -> Problem:
         choices = []
         for key in self.owners:
             data = self.graph.nodes[key]
             cost = np.array([self.compute_cost(key, s) * data["multiplier"] for s in data["strategies"]], dtype=float)
-            choices.append(Choice(key, cost, np.zeros(len(cost))))
+            choices.append(Choice(key, cost, np.zeros(len(cost)), self.axis_codes(data["strategies"])))
         self.memory([c.memory for c in choices])
         factors = []
         for u, v, data in self.graph.edges(data=True):
@@ -293,10 +333,11 @@ class _ProblemBuilder:
                     required = [self.project(v, s.outputs[index_v], shift_v + use.index) for s in strategies_v]
                 cols, col_values = _classes(required)
                 shape = use.shape or source["shape"]
-                table = np.array(
-                    [[self.redistribute(shape, itemsize, read_as(use, p), q) for q in col_values] for p in row_values],
-                    dtype=float,
-                ) * use.multiplier
+                if use.kind == "carry":  # read as it left its step: fresh layouts, not the cached lists
+                    terms = self.cost_model.redistribute_terms_table([read_as(use, p) for p in row_values], col_values, self.mesh)
+                    table = (terms[0] + terms[1] * float(math.prod(shape) * itemsize)) * use.multiplier
+                else:
+                    table = self.redistribute_table(shape, itemsize, row_values, col_values) * use.multiplier
                 factors.append(Factor(self.index[owner_u], self.index[owner_v], rows, cols, table))
         factors.extend(self.residual_ties())
         return Problem(choices, factors)
@@ -331,6 +372,7 @@ def solve_placements(
     example_inputs: Sequence[Any] | None = None,
     milp_solver: str = "scipy",
     time_limit: float | None = None,
+    search: str = "auto",
 ) -> PlacementSolution:
     """Place every value of ``gm`` (a GraphModule, or AOTAutograd's ``(forward, backward)``) on ``mesh``.
 
@@ -340,8 +382,13 @@ def solve_placements(
     activations within it. A scan body is solved once: its choices hold for every step and
     its costs count once per step. Exact: an integer program solved by HiGHS (through
     ``scipy.optimize.milp``; ``milp_solver="highspy"`` or ``"cbc"`` for comparison) after exact
-    reductions; ``time_limit`` (seconds) stops it early with the best plan found. Raises ``InfeasiblePlacementError`` when no placement fits the budget and the
-    fixed placements, ``TypeError``/``ValueError`` for bad arguments.
+    reductions; ``time_limit`` (seconds) stops it early with the best plan found. ``search``:
+    ``"exact"`` always solves that one program; ``"axes"`` searches mesh-axis neighbourhoods on
+    meshes of 3 or more axes (each an exact program, the plan not proven optimal:
+    ``stats["status"]`` says so); ``"auto"`` (default) does ``"axes"`` only when the exact program
+    would exceed 400k pair variables (3-D meshes at production sizes). Raises
+    ``InfeasiblePlacementError`` when no placement fits the budget and the fixed placements,
+    ``TypeError``/``ValueError`` for bad arguments.
     """
     if cost_model is None:
         cost_model = CostModel.preset("h100")
@@ -354,7 +401,7 @@ def solve_placements(
     graph_seconds = time.perf_counter() - start
     return solve_graph(
         graph, cost_model=cost_model, memory_budget=memory_budget, milp_solver=milp_solver,
-        time_limit=time_limit, graph_seconds=graph_seconds,
+        time_limit=time_limit, graph_seconds=graph_seconds, search=search,
     )
 
 
@@ -367,6 +414,7 @@ def solve_graph(
     time_limit: float | None = None,
     graph_seconds: float = 0.0,
     reduce: bool = True,
+    search: str = "auto",
 ) -> PlacementSolution:
     """``solve_placements`` on a ``placement_graph`` already built."""
     mesh = graph.graph["mesh"]
@@ -374,7 +422,7 @@ def solve_graph(
     builder = _ProblemBuilder(graph, mesh, cost_model)
     problem = builder.build()
     problem_seconds = time.perf_counter() - start
-    result = solve_problem(problem, memory_budget=memory_budget, milp_solver=milp_solver, time_limit=time_limit, reduce=reduce)
+    result = solve_problem(problem, memory_budget=memory_budget, milp_solver=milp_solver, time_limit=time_limit, reduce=reduce, search=search)
     strategies = {
         key: graph.nodes[key]["strategies"][option] for key, option in zip(builder.owners, result.options)
     }
