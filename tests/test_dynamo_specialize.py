@@ -22,7 +22,7 @@ MESH = Mesh((2, 2), ("data", "model"))
 
 
 @hops.kernel(abstract=lambda x, *, times: torch.empty_like(x), backward=lambda x, out, grad, *, times: grad * times)
-def scaled(x, *, times):
+def scaled_by_option(x, *, times):
     return x * times
 
 
@@ -83,7 +83,7 @@ def _local_map(k):
 
 def _kernel(k):
     def program(h, ws):
-        return scaled(h, times=k) + h
+        return scaled_by_option(h, times=k) + h
 
     return program
 
