@@ -2,11 +2,13 @@
 
 A residual tanh layer (``h + tanh(h @ w)``, D = 64) applied N times, forward + backward,
 compiled with inductor's on-disk caches disabled (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``:
-a warm cache hides the cost a user pays), in one process after one warm-up compile:
+a warm cache hides the cost a user pays), each program and length in a fresh process (the
+kernels one compile builds stay in memory and would make the next program's compile look
+cheap) after one warm-up compile of an unrelated function (inductor's own start-up):
 
 - ``hops.scan`` over stacked weights (``unroll`` left to the lowering, the default):
   inductor receives the scan node and lowers it to one ``while_loop`` whose body is one
-  graph whatever N; this step has little work, so the body runs it a few times per
+  graph whatever N; this step has little work, so the body runs it twice per
   iteration (``hops/scan.py``, ``_inductor_unroll``);
 - ``hops.scan(unroll=1)``: one step per iteration, to show the loop's own per-iteration cost;
 - torch's own scan HOP (``torch._higher_order_ops.scan``), which inductor also lowers to a
@@ -22,6 +24,7 @@ programs: the machine is shared and noisy, and CPU time on one thread is what lo
 least.
 
     python benchmarks/inductor_scan.py [--lengths 4 16 64] [--unrolled-lengths 4 16]
+    python benchmarks/inductor_scan.py --one NAME LENGTH   (one measurement, a JSON line)
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ import os
 os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
 
 import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
@@ -106,17 +112,27 @@ def compile_once(name, length):
     return (compiled, h, ws), compile_seconds, error
 
 
-def run_times(programs, rounds, repeats):
-    """Per program: the best over ``rounds`` (alternating the programs) of the CPU seconds
-    one forward + backward takes, averaged over ``repeats`` calls."""
-    best = dict.fromkeys(programs, float("inf"))
+def run_time(compiled, h, ws, rounds, repeats):
+    """The best over ``rounds`` of the CPU seconds one forward + backward takes, averaged over
+    ``repeats`` calls."""
+    best = float("inf")
     for _ in range(rounds):
-        for name, (compiled, h, ws) in programs.items():
-            start = time.process_time()
-            for _ in range(repeats):
-                forward_backward(compiled, h, ws)
-            best[name] = min(best[name], (time.process_time() - start) / repeats)
+        start = time.process_time()
+        for _ in range(repeats):
+            forward_backward(compiled, h, ws)
+        best = min(best, (time.process_time() - start) / repeats)
     return best
+
+
+def measure_one(name, length, rounds, repeats):
+    """This process's measurement of ``name`` at ``length``, as a dict."""
+    torch.set_num_threads(1)
+    torch.compile(lambda x: torch.sin(x) * 2)(torch.randn(3))  # inductor's start-up, not this program's kernels
+    outcome = compile_once(name, length)
+    if isinstance(outcome, str):
+        return {"outcome": outcome}
+    (compiled, h, ws), compile_s, error = outcome
+    return {"compile": compile_s, "run": run_time(compiled, h, ws, rounds, repeats), "error": error}
 
 
 def main() -> None:
@@ -125,54 +141,56 @@ def main() -> None:
     parser.add_argument("--unrolled-lengths", type=int, nargs="+", default=[4, 16], help="the unrolled compile is linear in N")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--one", nargs=2, metavar=("NAME", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    if args.one:
+        print(json.dumps(measure_one(args.one[0], int(args.one[1]), args.rounds, args.repeats)))
+        return
     print(f"torch {torch.__version__}, inductor caches disabled, D={WIDTH}, batch {BATCH}, forward + backward, one thread")
-    compile_once("unrolled", 1)  # warm-up: inductor's own first-compile costs
     results = {}
     for length in args.lengths:
-        torch._dynamo.reset()  # each length compiles afresh (no automatic dynamic shapes)
-        compiled = {}
         for name in PROGRAMS:
             if name == "unrolled" and length not in args.unrolled_lengths:
                 continue
-            outcome = compile_once(name, length)
-            if isinstance(outcome, str):
-                results[name, length] = outcome
+            command = [sys.executable, __file__, "--one", name, str(length), "--rounds", str(args.rounds), "--repeats", str(args.repeats)]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            result = json.loads(lines[-1]) if lines else {"outcome": f"fails: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
+            results[name, length] = result
+            if "outcome" in result:
+                print(f"N={length:3d} {name:10s} {result['outcome']}", flush=True)
             else:
-                compiled[name], compile_s, error = outcome
-                results[name, length] = [compile_s, None, error]
-        for name, run_s in run_times(compiled, args.rounds, args.repeats).items():
-            results[name, length][1] = run_s
-        for name in PROGRAMS:
-            outcome = results.get((name, length))
-            if isinstance(outcome, str):
-                print(f"N={length:3d} {name:10s} {outcome}")
-            elif outcome is not None:
-                compile_s, run_s, error = outcome
-                print(f"N={length:3d} {name:10s} compile {compile_s:6.2f} s   run {run_s * 1e3:7.3f} ms   max error {error:.1e}")
+                print(
+                    f"N={length:3d} {name:10s} compile {result['compile']:6.2f} s   run {result['run'] * 1e3:7.3f} ms   "
+                    f"max error {result['error']:.1e}",
+                    flush=True,
+                )
 
     def measured(name, length, what):
-        outcome = results.get((name, length))
-        return None if outcome is None or isinstance(outcome, str) else outcome[what]
+        return results.get((name, length), {}).get(what)
 
     print("ratios (one run):")
     first, last = min(args.lengths), max(args.lengths)
-    ours_first, ours_last = measured("hops.scan", first, 0), measured("hops.scan", last, 0)
+    ours_first, ours_last = measured("hops.scan", first, "compile"), measured("hops.scan", last, "compile")
     if ours_first and ours_last:
         print(f"  hops.scan compile T({last})/T({first}) = {ours_last / ours_first:.2f}   (target <= 1.5)")
     for length in args.lengths:
-        ours, theirs = measured("hops.scan", length, 0), measured("torch scan", length, 0)
+        ours, theirs = measured("hops.scan", length, "compile"), measured("torch scan", length, "compile")
         if ours and theirs:
-            print(f"  N={length}: hops.scan / torch scan compile = {ours / theirs:.2f}   (target <= 1.0)")
+            one_step = measured("unroll=1", length, "compile")
+            print(
+                f"  N={length}: hops.scan / torch scan compile = {ours / theirs:.2f}   (target <= 1.0)"
+                + (f"; unroll=1 {one_step / theirs:.2f}" if one_step else "")
+            )
         elif ours:
             print(f"  N={length}: torch scan does not compile here; hops.scan does ({ours:.2f} s)")
-        unrolled_compile, unrolled_run = measured("unrolled", length, 0), measured("unrolled", length, 1)
+        unrolled_compile, unrolled_run = measured("unrolled", length, "compile"), measured("unrolled", length, "run")
         if ours and unrolled_run:
+            one_step = measured("unroll=1", length, "run")
             print(
                 f"  N={length}: hops.scan / unrolled: compile {ours / unrolled_compile:.2f}, "
-                f"run {measured('hops.scan', length, 1) / unrolled_run:.2f}   (target run <= 1.2); "
-                f"unroll=1 run {measured('unroll=1', length, 1) / unrolled_run:.2f}"
+                f"run {measured('hops.scan', length, 'run') / unrolled_run:.2f}   (target run <= 1.2)"
+                + (f"; unroll=1 run {one_step / unrolled_run:.2f}" if one_step else "")
             )
 
 

@@ -64,8 +64,8 @@ class ScanSpec(_FxLiteral):
     ``remat`` makes the backward recompute each step instead of saving its residuals;
     ``unroll`` is how many steps one loop iteration runs where the scan lowers to a loop
     (values do not depend on it, as in ``jax.lax.scan``); ``None`` leaves it to the
-    lowering (one step on XLA; inductor runs a step with little work several times per
-    iteration, see ``_inductor_unroll``).
+    lowering (one step on XLA; inductor runs a step with little work twice per iteration,
+    see ``_inductor_unroll``).
     """
 
     none_when_symbolic: ClassVar[tuple[str, ...]] = ("length",)  # see hops/_dynamo.py
@@ -311,8 +311,8 @@ def scan(
     carry keeps its init's dtype, one returned as y gets torch's default dtype.
     ``unroll`` runs that many steps per loop iteration where the scan lowers to a loop
     (``True``: all of them), with the same values; by default (``None``) the lowering
-    chooses (inductor runs a step with little work a few times per iteration, to amortize
-    the loop's per-iteration cost; XLA one). ``remat`` recomputes each step in the
+    chooses (inductor runs a step with little work twice per iteration, to amortize the
+    loop's per-iteration cost; XLA one). ``remat`` recomputes each step in the
     backward instead of saving its activations.
 
     torch_xla's ``scan(fn, init, xs, partition_fn, is_fn_pure)`` works too:
@@ -839,14 +839,15 @@ _dynamo.register_subgraph_hop(scan_hop)
 # Inductor runs each iteration from its wrapper: the condition and body graphs are called,
 # their inputs checked, the condition read back to the host (a device sync on a GPU); on
 # CPU that is ~10 us, as much as a small step's math. A scan that leaves ``unroll`` to the
-# lowering (``None``) therefore runs a step with less work than ``_SMALL_STEP_FLOPS`` a few
-# times per iteration: the loop then costs what the unrolled program costs (measured by
-# benchmarks/inductor_scan.py) while its body is still one graph whatever the length. Only a
-# count of steps that divides the length is chosen, so no step is left for after the loop.
+# lowering (``None``) therefore runs a step with less work than ``_SMALL_STEP_FLOPS`` twice
+# per iteration, halving that cost (measured by benchmarks/inductor_scan.py), while its body
+# is still one graph whatever the length; more steps per iteration would cost more compile
+# time than they save. Only a count of steps dividing the length is chosen, so no step is
+# left for after the loop.
 
 _SMALL_STEP_FLOPS = {"cpu": 4e6}  # other devices (a sync per iteration): _SMALL_STEP_FLOPS_ACCELERATOR
 _SMALL_STEP_FLOPS_ACCELERATOR = 1e9
-_MAX_AUTO_UNROLL = 4
+_MAX_AUTO_UNROLL = 2  # each step more in the body costs compile time: 4 doubled it, 2 adds ~25%
 
 
 def _inductor_unroll(flops: Any, length: Any, device: torch.device) -> int:

@@ -185,10 +185,10 @@ def lowered_forward(length, unroll, width=4):
 
 def test_a_scan_leaving_unroll_to_inductor_runs_a_small_step_several_times_per_iteration():
     # A step with little work costs as much as the loop's own per-iteration work in
-    # inductor's wrapper: run the most steps (up to 4) dividing the length per iteration.
-    assert steps_per_iteration(lowered_forward(8, None)) == 4
-    assert steps_per_iteration(lowered_forward(6, None)) == 3
-    assert steps_per_iteration(lowered_forward(7, None)) == 1  # no count divides 7: no remainder steps
+    # inductor's wrapper: run two steps per iteration where two divide the length.
+    assert steps_per_iteration(lowered_forward(8, None)) == 2
+    assert steps_per_iteration(lowered_forward(6, None)) == 2
+    assert steps_per_iteration(lowered_forward(7, None)) == 1  # 2 does not divide 7: no remainder steps
     assert steps_per_iteration(lowered_forward(8, 1)) == 1  # an explicit unroll is kept
     # Whatever the length, the same loop: the body is one graph.
     sizes = [sum(len(m.graph.nodes) for m in lowered_forward(length, None).modules() if isinstance(m, torch.fx.GraphModule)) for length in (16, 32)]
