@@ -17,9 +17,9 @@ the walk is linear in the number of nodes.
 
 The targets are not the only per-HOP tables: the solver's view of a HOP (``placement_graph``:
 what it fixes, its body's scope; the shapes of its results), ``check_placements``' rule and
-``format_placements``' rule are tables of the same shape, made with ``hop_table(name)``, and
-hops/_inductor.py holds the inductor lowering. ``hop_tables()`` finds every one of them (a
-test checks that every HOP has a row in each). A HOP a table need not treat specially gets the
+``format_placements``' rule are tables of the same shape, made with ``hop_table(name)``;
+hops/_inductor.py holds the inductor lowering (``hops.lowering.inductor_rule``).
+``hop_tables()`` finds every one of them (a test checks that every HOP has a row in each). A HOP a table need not treat specially gets the
 explicit row ``ordinary_op``, so a missing row always means a forgotten one.
 """
 
@@ -66,7 +66,6 @@ TABLE_MODULES = (
     "passes.unroll",
     "passes.check",
     "passes.solver",
-    "hops._inductor",
 )
 
 
@@ -106,13 +105,13 @@ def hop_tables() -> dict[str, Callable[[Any], Any]]:
     'xla'"``), each ``hop_table``, and the inductor lowering (``"inductor"``)."""
     for module in TABLE_MODULES:
         importlib.import_module(module)
-    from hops import _inductor
+    from hops.lowering import inductor_rule
 
     tables: dict[str, Callable[[Any], Any]] = {
         f"target {target!r}": (lambda hop, target=target: rule_for(target, hop)) for target in RULES
     }
     tables.update({name: (lambda hop, table=table: table_row(table, hop)) for name, table in HOP_TABLES.items()})
-    tables["inductor"] = _inductor.inductor_rule
+    tables["inductor"] = inductor_rule
     return tables
 
 
