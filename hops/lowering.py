@@ -35,6 +35,9 @@ Errors (the package's convention, ``hops._errors``): ``hop_prefix(hop, body)`` i
 ``scan(step)`` an error about a HOP's call starts with; ``leaf_name(argument, path)`` names a
 leaf by its key path (``xs[0]['w']``).
 
+Inductor: ``inductor_rule(hop)``: the HOP's inductor lowering (``hops._inductor``, a per-HOP
+table each HOP module fills), or None; ``passes._infra.hop_tables`` lists it with the passes'.
+
 Devices: ``register_graph_compiler(device, compiler, prepare=...)`` (how ``hops.assume_pure``
 runs graphs traced for that device's tensors; see ``hops._targets``).
 """
@@ -45,6 +48,7 @@ from hops._body import distinct_tensors
 from hops._body_record import across_calls_key, plan_body_key, traced_graph
 from hops._errors import hop_prefix, leaf_name
 from hops._flat_body import flat_body
+from hops._inductor import inductor_rule
 from hops._layout import device_coordinates, global_shape, local_shape, replicated
 from hops._subgraph import body_name, clone_aliased_outputs, is_view
 from hops._targets import register_graph_compiler
@@ -59,6 +63,7 @@ __all__ = [
     "flat_body",
     "global_shape",
     "hop_prefix",
+    "inductor_rule",
     "is_view",
     "leaf_name",
     "local_shape",

@@ -14,10 +14,18 @@ naming the node and the target, never a node silently left in a "lowered" graph.
 read only node args (never ``node.meta``), so deleting meta cannot change a result. Every
 changed graph is linted, loses submodules nothing refers to any more, and is recompiled;
 the walk is linear in the number of nodes.
+
+The targets are not the only per-HOP tables: the solver's view of a HOP (``placement_graph``:
+what it fixes, its body's scope; the shapes of its results), ``check_placements``' rule and
+``format_placements``' rule are tables of the same shape, made with ``hop_table(name)``;
+hops/_inductor.py holds the inductor lowering (``hops.lowering.inductor_rule``).
+``hop_tables()`` finds every one of them (a test checks that every HOP has a row in each). A HOP a table need not treat specially gets the
+explicit row ``ordinary_op``, so a missing row always means a forgotten one.
 """
 
 from __future__ import annotations
 
+import importlib
 import operator
 from typing import Any, Callable, Iterator
 
@@ -47,6 +55,72 @@ def register_rule(target: str, *hops: Any) -> Callable[[Rule], Rule]:
     return register
 
 
+# name -> {HOP (or HOP class) -> row}: every per-HOP table besides the targets' (``hop_table``)
+HOP_TABLES: dict[str, dict[Any, Any]] = {}
+
+# The modules whose import registers a per-HOP table (targets included): ``hop_tables`` imports them.
+TABLE_MODULES = (
+    "passes.inline",
+    "passes.xla",
+    "passes.dtensor",
+    "passes.unroll",
+    "passes.check",
+    "passes.solver",
+)
+
+
+def hop_table(name: str) -> dict[Any, Any]:
+    """The per-HOP table ``name`` (created empty and registered on first use): its module fills it
+    with one row per HOP (or HOP class, serving every instance), ``ordinary_op`` where the HOP
+    is an ordinary op for it."""
+    return HOP_TABLES.setdefault(name, {})
+
+
+def ordinary_op(*args: Any) -> None:
+    """The row of a table that treats the HOP as any other op (e.g. a kernel in the solver's view)."""
+
+
+def table_row(table: dict[Any, Any], hop: Any) -> Any:
+    """``hop``'s row in ``table``: its own, else its class's, else None."""
+    row = table.get(hop)
+    if row is None:
+        row = next((table[cls] for cls in type(hop).__mro__ if cls in table), None)
+    return row
+
+
+def hop_row(name: str, hop: Any, where: str, node: fx.Node | None = None) -> Any:
+    """``hop``'s row in the table ``name``, or ``PassError`` (naming ``where`` and the node): a
+    HOP without a row was forgotten, never silently treated as an ordinary op."""
+    row = table_row(HOP_TABLES.get(name, {}), hop)
+    if row is None:
+        what = node.format_node() if node is not None else hop.__name__
+        raise PassError(
+            f"{where}: no {name!r} row for {what} ({hop.__name__}); add one to its table (passes._infra.hop_table({name!r}))"
+        )
+    return row
+
+
+def hop_tables() -> dict[str, Callable[[Any], Any]]:
+    """Every per-HOP table, by name, as a lookup ``hop -> row or None``: each target (``"target
+    'xla'"``), each ``hop_table``, and the inductor lowering (``"inductor"``)."""
+    for module in TABLE_MODULES:
+        importlib.import_module(module)
+    from hops.lowering import inductor_rule
+
+    tables: dict[str, Callable[[Any], Any]] = {
+        f"target {target!r}": (lambda hop, target=target: rule_for(target, hop)) for target in RULES
+    }
+    tables.update({name: (lambda hop, table=table: table_row(table, hop)) for name, table in HOP_TABLES.items()})
+    tables["inductor"] = inductor_rule
+    return tables
+
+
+def missing_rows(hops: Any) -> list[tuple[str, str]]:
+    """``(table, HOP name)`` for every HOP of ``hops`` that has no row in a table of ``hop_tables()``."""
+    tables = hop_tables()
+    return [(name, hop.__name__) for name, lookup in tables.items() for hop in hops if lookup(hop) is None]
+
+
 def keep(node: fx.Node) -> None:
     """The rule of a target that leaves this HOP as it is (its bodies are still visited)."""
 
@@ -63,11 +137,7 @@ def refuse(why: str) -> Rule:
 
 def rule_for(target: str, hop: Any) -> Rule | None:
     """``target``'s rule for ``hop``: its own, else its class's, else None."""
-    table = RULES.get(target, {})
-    rule = table.get(hop)
-    if rule is None:
-        rule = next((table[cls] for cls in type(hop).__mro__ if cls in table), None)
-    return rule
+    return table_row(RULES.get(target, {}), hop)
 
 
 def is_package_hop(target: Any) -> bool:

@@ -15,33 +15,74 @@ verifier must catch. Reads node args only; recurses into subgraphs.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from hops.kernel import Kernel
 from hops.local_map import local_map_hop
+from hops.named_scope import named_scope_hop
+from hops.scan import scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import LocalMapSpec, ShardingSpec
-from passes._infra import PassError, check_spec, graph_modules, is_package_hop, typed_spec
+from passes._infra import PassError, check_spec, graph_modules, hop_row, hop_table, is_package_hop, ordinary_op, typed_spec
+
+Stated = tuple  # (what, mesh, placements, grad placements)
 
 
-def _stated_layout(value: Any) -> tuple[str, Any, Any, Any] | None:
-    """(what, mesh, placements, grad placements) a producer node states for ``value``."""
-    if not isinstance(value, fx.Node) or value.op != "call_function":
-        return None
-    if value.target is sharding_annotation_hop:
-        spec = typed_spec(value, "check_placements", ShardingSpec)
-        return (f"annotation {value.name}", spec.mesh, spec.placements, spec.grad_placements)
-    if value.target is operator.getitem and _is_region(value.args[0]):
-        region, index = value.args
-        spec = typed_spec(region, "check_placements", LocalMapSpec)
-        return (f"output {index} of {region.name}", spec.mesh, spec.out_placements[index], None)
+class CheckRule(NamedTuple):
+    """``check_placements``' row of a HOP: ``states(node, index)`` is the layout the node states
+    for its output ``index`` (``None``: the node's single value), as ``(what, mesh, placements,
+    grad placements)``, or None; ``problems(node)`` lists where the node disagrees with the
+    layouts stated for what it reads and what reads it."""
+
+    states: Callable[[fx.Node, int | None], Stated | None]
+    problems: Callable[[fx.Node], list[str]]
+
+
+def _states_nothing(node: fx.Node, index: int | None) -> None:
     return None
 
 
-def _is_region(node: Any) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is local_map_hop
+def _no_problems(node: fx.Node) -> list[str]:
+    return []
+
+
+def _annotation_states(node: fx.Node, index: int | None) -> Stated | None:
+    if index is not None:
+        return None
+    spec = typed_spec(node, "check_placements", ShardingSpec)
+    return (f"annotation {node.name}", spec.mesh, spec.placements, spec.grad_placements)
+
+
+def _region_states(region: fx.Node, index: int | None) -> Stated | None:
+    if index is None:
+        return None
+    spec = typed_spec(region, "check_placements", LocalMapSpec)
+    return (f"output {index} of {region.name}", spec.mesh, spec.out_placements[index], None)
+
+
+def _rule(node: Any) -> CheckRule | None:
+    """The check row of ``node``'s HOP (``ordinary_op`` rows state nothing), None if not a HOP node."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and is_package_hop(node.target)):
+        return None
+    row = hop_row(CHECK_PLACEMENTS, node.target, "check_placements", node)
+    return _ORDINARY if row is ordinary_op else row
+
+
+def _stated_layout(value: Any) -> Stated | None:
+    """(what, mesh, placements, grad placements) a producer node states for ``value``."""
+    if not isinstance(value, fx.Node) or value.op != "call_function":
+        return None
+    rule = _rule(value)
+    if rule is not None:
+        return rule.states(value, None)
+    if value.target is operator.getitem:
+        rule = _rule(value.args[0])
+        if rule is not None:
+            return rule.states(value.args[0], value.args[1])
+    return None
 
 
 def _mismatches(region: fx.Node) -> list[str]:
@@ -75,15 +116,34 @@ def _mismatches(region: fx.Node) -> list[str]:
             continue
         index = user.args[1]
         for consumer in user.users:
-            if consumer.op == "call_function" and consumer.target is sharding_annotation_hop:
-                # Its gradient layout is the region's business.
-                annotation = typed_spec(consumer, "check_placements", ShardingSpec)
-                if annotation.mesh != spec.mesh or annotation.placements != spec.out_placements[index]:
+            # A consumer stating the layout of the very value it reads (an annotation); its
+            # gradient layout is the region's business.
+            rule = _rule(consumer)
+            stated = rule.states(consumer, None) if rule is not None else None
+            if stated is not None:
+                what, mesh, placements, _ = stated
+                if mesh != spec.mesh or placements != spec.out_placements[index]:
                     problems.append(
-                        f"{region.name} output {index}: annotation {consumer.name} lays it out as "
-                        f"{annotation.placements}, the region's out_placements give {spec.out_placements[index]}"
+                        f"{region.name} output {index}: {what} lays it out as "
+                        f"{placements}, the region's out_placements give {spec.out_placements[index]}"
                     )
     return problems
+
+
+_ORDINARY = CheckRule(_states_nothing, _no_problems)
+
+# ``check_placements``' row of each HOP: what layout it states, what it checks (a region
+# checks the layouts stated for its inputs and outputs), or ``ordinary_op``: neither.
+CHECK_PLACEMENTS = "check_placements"
+hop_table(CHECK_PLACEMENTS).update(
+    {
+        sharding_annotation_hop: CheckRule(_annotation_states, _no_problems),
+        local_map_hop: CheckRule(_region_states, _mismatches),
+        scan_hop: ordinary_op,
+        named_scope_hop: ordinary_op,
+        Kernel: ordinary_op,
+    }
+)
 
 
 class CheckPlacements(PassBase):
@@ -99,8 +159,7 @@ class CheckPlacements(PassBase):
             for node in module.graph.nodes:
                 if node.op == "call_function" and is_package_hop(node.target):
                     check_spec(node, "check_placements")
-                if _is_region(node):
-                    problems += _mismatches(node)
+                    problems += _rule(node).problems(node)
         if problems:
             raise PassError("check_placements found layouts that disagree:\n  " + "\n  ".join(problems))
         return PassResult(graph_module, False)

@@ -117,7 +117,8 @@ def test_a_scan_plan_costs_its_objective_when_every_step_is_priced_on_its_own():
     # scan's objective, and per-step freedom does no worse.
     from hypothesis import given, settings
     from hypothesis import strategies as st
-    from snapshot import aot_trace
+
+    from tests.helpers.snapshot import aot_trace
 
     grid = hops.Mesh((2, 2), ("data", "model"))
     models = [

@@ -94,6 +94,7 @@ class TestRuleTables(TestCase):
 
     def test_a_target_can_refuse_a_hop_with_its_reason(self):
         passes.register_rule("refusing", hops.sharding_annotation_hop)(passes.refuse("annotations are not taken here"))
+        self.addCleanup(passes.RULES.pop, "refusing")  # a test target, not one every HOP must join
         gm = make_fx(lambda x: hops.annotate_sharding(x, ROWS))(torch.randn(4, 4))
         with self.assertRaisesRegex(passes.PassError, r"hops_sharding_annotation.*annotations are not taken here"):
             passes.HopRulePass("refusing")(gm)

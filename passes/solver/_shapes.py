@@ -17,10 +17,12 @@ import torch
 import torch.fx as fx
 
 from hops import lowering as _layout  # its layout functions
+from hops.kernel import Kernel
 from hops.local_map import local_map_hop
 from hops.named_scope import named_scope_hop
 from hops.scan import scan_hop
-from passes._infra import PassError
+from hops.sharding_annotation import sharding_annotation_hop
+from passes._infra import PassError, hop_row, hop_table, is_package_hop, ordinary_op
 
 ValueMeta = dict  # fx.Node -> fake tensor, tuple of them, or a Python value
 
@@ -64,14 +66,15 @@ class _FakeRun(fx.Interpreter):
         return result
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if target is scan_hop:
-            return self._scan(args)
-        if target is local_map_hop:
-            return self._local_map(args)
-        if target is named_scope_hop:
-            body, *inputs, _ = args
-            return tuple(_run(body, inputs, self.values))
+        if is_package_hop(target):
+            shapes = hop_row(SOLVER_SHAPES, target, "solver shapes")
+            if shapes is not ordinary_op:
+                return shapes(self, args)
         return super().call_function(target, args, kwargs)
+
+    def _named_scope(self, args: Sequence[Any]) -> tuple:
+        body, *inputs, _ = args
+        return tuple(_run(body, inputs, self.values))
 
     def _scan(self, args: Sequence[Any]) -> tuple:
         body, *inputs, spec = args
@@ -105,6 +108,21 @@ class _FakeRun(fx.Interpreter):
                 )
             )
         return results[(spec.active or 0) if len(bodies) > 1 else 0]
+
+
+# How each HOP's results are made on fake tensors: a method of ``_FakeRun`` running its
+# body on what the body sees, or ``ordinary_op``: the HOP runs on fake tensors as it is (an
+# annotation, a kernel's abstract implementation).
+SOLVER_SHAPES = "solver shapes"
+hop_table(SOLVER_SHAPES).update(
+    {
+        scan_hop: _FakeRun._scan,
+        local_map_hop: _FakeRun._local_map,
+        named_scope_hop: _FakeRun._named_scope,
+        sharding_annotation_hop: ordinary_op,
+        Kernel: ordinary_op,
+    }
+)
 
 
 def _run(module: fx.GraphModule, inputs: Sequence[Any], values: ValueMeta) -> list:

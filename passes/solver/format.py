@@ -8,10 +8,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from hops.kernel import Kernel
 from hops.local_map import local_map_hop
 from hops.named_scope import named_scope_hop
 from hops.scan import scan_hop
+from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import LocalMapSpec, ShardingSpec
+from passes._infra import hop_row, hop_table, is_package_hop, ordinary_op
 from passes.solver.graph import as_program, format_placement
 from passes.solver.solve import PlacementSolution, node_costs
 
@@ -63,34 +66,45 @@ class _Printer:
             key = self.key(node, scope)
             text = self._call_text(node)
             self.lines.append(f"{indent}{node.name} = {text}{self._comment(key)}")
-            body = node.args[0] if node.op == "call_function" and node.args else None
-            if node.target is local_map_hop and isinstance(body, (tuple, list)):
-                # One body per alternative, each on its own local shapes.
-                for index, attr in enumerate(body):
-                    submodule = module.get_submodule(str(attr.target))
-                    count = sum(1 for n in submodule.graph.nodes if n.op == "call_function")
-                    self.lines.append(
-                        f"{indent}  # body {attr.target} (alternative {index}): {count} ops on each device's local shards"
-                    )
-                continue
-            if not (isinstance(body, fx.Node) and body.op == "get_attr"):
-                continue
-            submodule = module.get_submodule(str(body.target))
-            body_scope = f"{scope}{body.target}/"
-            if node.target is scan_hop:
-                scan = next(s for s in self.graph.graph.get("scans", []) if s["node"] is node)
-                total = self._scope_seconds(body_scope)
-                self.lines.append(
-                    f"{indent}  # body {body.target}, once for {scan['length']} steps "
-                    f"(placements hold at every step; {_microseconds(total)} per step):"
-                )
-                self.module(submodule, body_scope, indent + "    ")
-            elif node.target is named_scope_hop:
-                self.lines.append(f"{indent}  # body {body.target}:")
-                self.module(submodule, body_scope, indent + "    ")
-            elif node.target is local_map_hop:
+            if node.op == "call_function" and is_package_hop(node.target):
+                body_text = hop_row(FORMAT_PLACEMENTS, node.target, "format_placements", node)
+                if body_text is not ordinary_op:
+                    body_text(self, node, module, scope, indent)
+
+    def _region_body(self, node: fx.Node, module: fx.GraphModule, scope: str, indent: str) -> None:
+        body = node.args[0]
+        if isinstance(body, (tuple, list)):
+            # One body per alternative, each on its own local shapes.
+            for index, attr in enumerate(body):
+                submodule = module.get_submodule(str(attr.target))
                 count = sum(1 for n in submodule.graph.nodes if n.op == "call_function")
-                self.lines.append(f"{indent}  # body {body.target}: {count} ops on each device's local shards")
+                self.lines.append(
+                    f"{indent}  # body {attr.target} (alternative {index}): {count} ops on each device's local shards"
+                )
+        elif _is_body(body):
+            submodule = module.get_submodule(str(body.target))
+            count = sum(1 for n in submodule.graph.nodes if n.op == "call_function")
+            self.lines.append(f"{indent}  # body {body.target}: {count} ops on each device's local shards")
+
+    def _scan_body(self, node: fx.Node, module: fx.GraphModule, scope: str, indent: str) -> None:
+        body = node.args[0]
+        if not _is_body(body):
+            return
+        body_scope = f"{scope}{body.target}/"
+        scan = next(s for s in self.graph.graph.get("scans", []) if s["node"] is node)
+        total = self._scope_seconds(body_scope)
+        self.lines.append(
+            f"{indent}  # body {body.target}, once for {scan['length']} steps "
+            f"(placements hold at every step; {_microseconds(total)} per step):"
+        )
+        self.module(module.get_submodule(str(body.target)), body_scope, indent + "    ")
+
+    def _scope_body(self, node: fx.Node, module: fx.GraphModule, scope: str, indent: str) -> None:
+        body = node.args[0]
+        if not _is_body(body):
+            return
+        self.lines.append(f"{indent}  # body {body.target}:")
+        self.module(module.get_submodule(str(body.target)), f"{scope}{body.target}/", indent + "    ")
 
     def _scope_seconds(self, scope: str) -> float:
         return sum(
@@ -131,6 +145,25 @@ class _Printer:
         elif key in self.solution.placements:
             parts.append(f"placement={format_placement(self.solution.placements[key])}")
         return ("  # " + ", ".join(parts)) if parts else ""
+
+
+def _is_body(value: Any) -> bool:
+    return isinstance(value, fx.Node) and value.op == "get_attr"
+
+
+# What ``format_placements`` prints under each HOP's line: a method of ``_Printer`` (a scan's
+# body once with its trip count, a named scope's body, a region's body size per alternative),
+# or ``ordinary_op``: nothing more than the line (an annotation, a kernel).
+FORMAT_PLACEMENTS = "format_placements"
+hop_table(FORMAT_PLACEMENTS).update(
+    {
+        local_map_hop: _Printer._region_body,
+        scan_hop: _Printer._scan_body,
+        named_scope_hop: _Printer._scope_body,
+        sharding_annotation_hop: ordinary_op,
+        Kernel: ordinary_op,
+    }
+)
 
 
 def format_placements(gm: Any, solution: PlacementSolution) -> str:

@@ -78,7 +78,7 @@ from hops.named_scope import named_scope_hop
 from hops.scan import ScanSpec, scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import LocalMapSpec, Mesh, Partial, Replicate, Shard, ShardingSpec
-from passes._infra import PassError
+from passes._infra import PassError, hop_row, hop_table, is_package_hop, ordinary_op
 from passes.solver import _dtensor
 from passes.solver._shapes import split_backward_inputs, value_metadata
 
@@ -417,15 +417,12 @@ class _Builder:
                 key = self._add(node, scope, module, multiplier, op="getitem")
                 self._set_alias(key, source, node.args[1])
             return
-        if target is sharding_annotation_hop:
-            self._annotation(node, scope, module, multiplier)
-        elif target is local_map_hop:
-            self._region(node, scope, module, multiplier)
-        elif target is scan_hop:
-            self._scan(node, scope, module, multiplier)
-        elif target is named_scope_hop:
-            self._named_scope(node, scope, module, multiplier)
-        elif self._is_tensor(node) or self._tensor_tuple(node):
+        if is_package_hop(target):
+            view = hop_row(SOLVER_VIEW, target, "placement_graph", node)
+            if view is not ordinary_op:
+                view(self, node, scope, module, multiplier)
+                return
+        if self._is_tensor(node) or self._tensor_tuple(node):
             self._op(node, scope, module, multiplier)
 
     def _tensor_tuple(self, node: fx.Node) -> bool:
@@ -686,6 +683,21 @@ class _Builder:
             if placements is None or not _dtensor.splits_evenly(placements, shape, self.mesh):
                 return None
         return Strategy(tuple(outputs), tuple(inputs))
+
+
+# The solver's view of each HOP: a method of ``_Builder`` adding the node (what placements it
+# fixes, its body's scope and how the body's values are bound), or ``ordinary_op``: an op
+# with DTensor strategies (a kernel; einsum's come from DTensor's einsum rule).
+SOLVER_VIEW = "solver view"
+hop_table(SOLVER_VIEW).update(
+    {
+        sharding_annotation_hop: _Builder._annotation,
+        local_map_hop: _Builder._region,
+        scan_hop: _Builder._scan,
+        named_scope_hop: _Builder._named_scope,
+        Kernel: ordinary_op,
+    }
+)
 
 
 def _signature(value: Any) -> Any:
