@@ -285,8 +285,8 @@ class _Reducer:
         sub._next = self._next
         return sub
 
-    def expand(self, options: dict[int, int]) -> list[int]:
-        """Options of every choice from those of the choices left in the ILP."""
+    def _expanded(self, options: dict[int, int]) -> dict[int, int]:
+        """Options of the choices left in the ILP, the fixed and the eliminated ones."""
         chosen = dict(self.fixed)
         chosen.update(options)
         for choice, kind, data in reversed(self.eliminated):
@@ -296,19 +296,16 @@ class _Reducer:
             else:
                 first, cols_a, second, cols_b, best = data
                 chosen[choice] = int(best[cols_a[chosen[first]], cols_b[chosen[second]]])
+        return chosen
+
+    def expand(self, options: dict[int, int]) -> list[int]:
+        """Options of every choice from those of the choices left in the ILP."""
+        chosen = self._expanded(options)
         return [chosen[i] for i in range(len(self.choices))]
 
     def expand_partial(self, options: dict[int, int], keep: Sequence[int]) -> dict[int, int]:
         """Options of the choices ``keep`` (those a restricted copy started from) from those left in its ILP."""
-        chosen = dict(self.fixed)
-        chosen.update(options)
-        for choice, kind, data in reversed(self.eliminated):
-            if kind == "leaf":
-                first, cols, best = data
-                chosen[choice] = int(best[cols[chosen[first]]])
-            else:
-                first, cols_a, second, cols_b, best = data
-                chosen[choice] = int(best[cols_a[chosen[first]], cols_b[chosen[second]]])
+        chosen = self._expanded(options)
         return {i: chosen[i] for i in keep}
 
     def reduce(self, eliminate: bool = True) -> None:
