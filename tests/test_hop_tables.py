@@ -19,7 +19,7 @@ from tests.helpers.hop_db import MESH, ROWS
 
 
 @hops.kernel(abstract=lambda x: torch.empty_like(x))
-def doubled(x):
+def doubled_for_tables(x):
     return x * 2
 
 
@@ -48,7 +48,7 @@ def test_every_hop_has_a_row_in_every_table():
     hops_now = package_hops()
     names = {hop.__name__ for hop in hops_now}
     assert {"hops_sharding_annotation", "hops_local_map", "hops_scan", "hops_named_scope", "hops_kernel_einsum"} <= names
-    assert doubled in hops_now  # a kernel defined after import is a HOP too
+    assert doubled_for_tables in hops_now  # a kernel defined after import is a HOP too
     assert missing_rows(hops_now) == []
 
 
@@ -73,7 +73,7 @@ def test_a_table_missing_a_row_is_found():
         missing = missing_rows(package_hops())
         assert ("test partial table", "hops_local_map") in missing
         assert ("test partial table", "hops_scan") not in missing
-        assert ("test partial table", doubled.__name__) in missing
+        assert ("test partial table", doubled_for_tables.__name__) in missing
     finally:
         del passes._infra.HOP_TABLES["test partial table"]
     assert missing_rows(package_hops()) == []
