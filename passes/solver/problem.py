@@ -28,8 +28,9 @@ forbidden choices). This is the problem of XLA's auto-sharding and of the IOPDDL
 3. HiGHS's MILP (one binary per strategy; per edge a continuous variable per finite pair whose
    row and column sums equal the two nodes' binaries; a row per memory constraint), on the whole
    reduced problem when it is small, and otherwise on neighbourhoods of the incumbent (large
-   neighbourhood search: a connected set of nodes around a random node, or one where the
-   incumbent pays most, is freed and the rest stay fixed; one memory row per stretch of time in
+   neighbourhood search: a connected set of nodes around a random node, or, two rounds in
+   three, one started where the incumbent pays most above the node minima and grown towards
+   such nodes, is freed and the rest stay fixed; one memory row per stretch of time in
    which the same freed nodes are live), each started from the incumbent, which is never made
    worse. While the incumbent still has a forbidden pair, or breaks the memory limit, those
    are priced instead of excluded, so each neighbourhood is feasible and repairs what it can.
