@@ -22,7 +22,8 @@ MILP: every one gets a feasible solution within its limit, A below XLA's cost (1
 within 6% of the best team, S within 32%; their lower bounds come from min-sum diffusion and
 are weak. Runs vary with the load (the neighbourhood search gets fewer rounds): A measured
 0.854, 0.864 and 0.871 of XLA's cost in three runs at load 5 to 6 (the commit before, 0.858
-at the same load, 1.065 at load 7 to 12).
+at the same load, 1.065 at load 7 to 12); the commit before reached 1.065 of the best team on
+M and 1.415 on S at load 3 to 4 (one run each).
 
 Usage: python benchmarks/iopddl.py [PATH ...] [--time-limit SECONDS]
 (default: the four public instances A, G, M, S in ../shared/iopddl relative to the repository)
