@@ -6,22 +6,24 @@ limit over liveness intervals and the contest's time limit. Per instance this pr
 the seconds taken (reading the file excluded), and, beside them, the cost XLA's auto-sharding
 reached and the best contest team's (the figures in ``../shared/iopddl/README.md``).
 
-Measured on the project's 2-core machine while other jobs shared it (load average 7 to 12, so
+Measured on the project's 2-core machine while other jobs shared it (load average 5 to 7, so
 the search got a fraction of two cores and the figures are pessimistic), torch 2.13 venv,
-HiGHS 1.16, commit "More room before the time limit":
+HiGHS 1.16, commit "IOPDDL search: neighbourhoods grow towards the incumbent's excess cost":
 
 | instance | limit | cost | lower bound | gap | seconds | XLA | best team | vs XLA | vs best |
 |---|---|---|---|---|---|---|---|---|---|
-| A | 60 s | 14,070,457,038 | 1,120,903,159 | 92.03% | 57.3 | 13,214,846,074 | 6,548,641,531 | 1.065 | 2.149 |
-| G | 120 s | 217,039 | 217,039 | 0.00% | 5.0 | 1,264,777 | 217,039 | 0.172 | 1.000 |
-| M | 180 s | 53,086,637,918 | 35,005,712,021 | 34.06% | 166.5 | - | 49,928,460,991 | - | 1.063 |
-| S | 240 s | 2,275,256,590 | 310,094,694 | 86.37% | 220.4 | - | 1,534,613,444 | - | 1.483 |
+| A | 60 s | 11,280,255,679 | 1,304,379,650 | 88.44% | 54.6 | 13,214,846,074 | 6,548,641,531 | 0.854 | 1.723 |
+| G | 120 s | 217,039 | 217,039 | 0.00% | 2.5 | 1,264,777 | 217,039 | 0.172 | 1.000 |
+| M | 180 s | 52,765,288,327 | 38,413,198,699 | 27.20% | 168.5 | - | 49,928,460,991 | - | 1.057 |
+| S | 240 s | 2,014,984,025 | 316,123,064 | 84.31% | 221.4 | - | 1,534,613,444 | - | 1.313 |
 
 G is solved to optimality (the best contest cost) in seconds. A, M and S are too large for one
-MILP: every one gets a feasible solution within its limit, M within 7% of the best team, S
-within 50%, A 6.5% above XLA's cost (not below it); their lower bounds come from min-sum
-diffusion and are weak. Runs vary with the load: M measured 1.063 to 1.224 of the best
-team's cost in three runs, S 1.483 to 1.535, A 1.065 each time.
+MILP: every one gets a feasible solution within its limit, A below XLA's cost (15% less), M
+within 6% of the best team, S within 32%; their lower bounds come from min-sum diffusion and
+are weak. Runs vary with the load (the neighbourhood search gets fewer rounds): A measured
+0.854, 0.864 and 0.871 of XLA's cost in three runs at load 5 to 6 (the commit before, 0.858
+at the same load, 1.065 at load 7 to 12); the commit before reached 1.065 of the best team on
+M and 1.415 on S at load 3 to 4 (one run each).
 
 Usage: python benchmarks/iopddl.py [PATH ...] [--time-limit SECONDS]
 (default: the four public instances A, G, M, S in ../shared/iopddl relative to the repository)

@@ -264,3 +264,55 @@ class TestTimeLimit:
         check_solution(problem, solution)
         assert took < 4.0 + 6.0  # the limit, and slack for a shared machine
         assert solution.gap > 0  # not proven optimal in that time: the limit cut it short
+
+
+class TestNeighbourhood:
+    """The neighbourhoods the large-problem search re-solves: connected, around their seeds,
+    within their budget, and (with weights) grown towards the heavy nodes."""
+
+    @staticmethod
+    def _search(edges, strategies=2):
+        n = 1 + max(max(e) for e in edges)
+        costs = [np.arange(strategies, dtype=float) for _ in range(n)]
+        usages = [np.zeros(strategies) for _ in range(n)]
+        matrices = [np.arange(strategies * strategies, dtype=float).reshape(strategies, strategies) for _ in edges]
+        problem = StrategyProblem(costs, usages, [[0, 1]] * n, np.array(edges), matrices)
+        reduced = problem_module._Reduced(problem)  # unreduced: every node and edge stays
+        reduced.memory_rows(None)
+        return problem_module._Search(reduced, seed=0)
+
+    @settings(max_examples=30, deadline=None)
+    @given(seed=st.integers(0, 10_000), budget=st.integers(1, 40), weighted=st.booleans())
+    def test_connected_around_the_seed_within_budget(self, seed, budget, weighted):
+        rng = np.random.default_rng(seed)
+        edges = [(i, int(rng.integers(i + 1, 12))) for i in range(11)] + [(0, 5), (3, 9)]
+        search = self._search(edges)
+        weights = rng.uniform(0, 5, size=12) if weighted else None
+        free = search.neighbourhood(budget, seeds=[3], weights=weights)
+        assert 3 in free.tolist() and len(set(free.tolist())) == len(free)
+        # Connected: every free node is reachable from the seed through free nodes.
+        inside, reached, stack = set(free.tolist()), {3}, [3]
+        while stack:
+            v = stack.pop()
+            for a, b in edges:
+                for x, y in ((a, b), (b, a)):
+                    if x == v and y in inside and y not in reached:
+                        reached.add(y)
+                        stack.append(y)
+        assert reached == inside
+        # Each node added brings its edge's 4 pairs; growth stops once the budget is met.
+        assert len(free) <= 1 + max(1, math.ceil(budget / 4)) + 4
+
+    def test_weights_pull_growth_towards_heavy_nodes(self):
+        # Node 0 between two paths; the budget admits about one path's worth of nodes.
+        heavy = list(range(1, 6))
+        light = list(range(6, 11))
+        edges = [(0, 1), (0, 6)] + [(v, v + 1) for v in heavy[:-1]] + [(v, v + 1) for v in light[:-1]]
+        search = self._search(edges)
+        weights = np.zeros(11)
+        weights[heavy] = 100.0
+        took_heavy = 0
+        for _ in range(40):
+            free = set(search.neighbourhood(16, seeds=[0], weights=weights).tolist())
+            took_heavy += len(free & set(heavy)) - len(free & set(light))
+        assert took_heavy > 10  # more heavy than light nodes (the uniform growth: as many of each)

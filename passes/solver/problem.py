@@ -28,8 +28,9 @@ forbidden choices). This is the problem of XLA's auto-sharding and of the IOPDDL
 3. HiGHS's MILP (one binary per strategy; per edge a continuous variable per finite pair whose
    row and column sums equal the two nodes' binaries; a row per memory constraint), on the whole
    reduced problem when it is small, and otherwise on neighbourhoods of the incumbent (large
-   neighbourhood search: a connected set of nodes around a random node, or one where the
-   incumbent pays most, is freed and the rest stay fixed; one memory row per stretch of time in
+   neighbourhood search: a connected set of nodes around a random node, or, two rounds in
+   three, one started where the incumbent pays most above the node minima and grown towards
+   such nodes, is freed and the rest stay fixed; one memory row per stretch of time in
    which the same freed nodes are live), each started from the incumbent, which is never made
    worse. While the incumbent still has a forbidden pair, or breaks the memory limit, those
    are priced instead of excluded, so each neighbourhood is feasible and repairs what it can.
@@ -474,6 +475,8 @@ class _Search:
             li, lj = local[i], local[j]
             self.edges.append((li, lj, m))
             finite_max += float(np.max(m[np.isfinite(m)], initial=0.0))
+        self.edge_i = np.array([e[0] for e in self.edges], dtype=np.int64)
+        self.edge_j = np.array([e[1] for e in self.edges], dtype=np.int64)
         # A forbidden (infinite) choice costs more than any solution without one.
         self.big = 10.0 * (abs(finite_max) + abs(reduced.constant) + 1.0)
         self.penalized_cost = [np.where(np.isfinite(c), c, self.big) for c in self.cost]
@@ -677,16 +680,25 @@ class _Search:
     def pair_count(self) -> int:
         return sum(int(np.isfinite(m).sum()) for _, _, m in self.edges)
 
-    def neighbourhood(self, budget: int, seeds: np.ndarray | None = None) -> np.ndarray:
-        """Nodes connected to ``seeds`` (default: a random node), up to ``budget`` pair variables."""
+    def neighbourhood(self, budget: int, seeds: np.ndarray | None = None, weights: np.ndarray | None = None) -> np.ndarray:
+        """Nodes connected to ``seeds`` (default: a random node), up to ``budget`` pair variables.
+        The frontier grows from a random node of it, with ``weights`` (>= 0, one per node) in
+        proportion to its weight plus the mean weight (uniformly without)."""
         n = len(self.nodes)
         if seeds is None:
             seeds = [int(self.rng.integers(n))]
         free = {int(v) for v in seeds}
         frontier = list(free)
         pairs = 0
+        floor = float(weights.mean()) if weights is not None and len(weights) else 0.0
         while frontier and pairs < budget:
-            v = frontier.pop(int(self.rng.integers(len(frontier))))
+            if weights is None or floor <= 0:
+                pick = int(self.rng.integers(len(frontier)))
+            else:
+                # Where the incumbent pays most is likeliest to gain from being re-solved.
+                p = weights[frontier] + floor
+                pick = int(self.rng.choice(len(frontier), p=p / p.sum()))
+            v = frontier.pop(pick)
             for w, _, m in self.adjacent[v]:
                 if w in free:
                     continue
@@ -705,8 +717,10 @@ class _Search:
         penalty: float | None = None,
         soft_forbidden: bool = False,
         deadline: float = math.inf,
+        want_bound: bool = True,
     ) -> tuple[str, np.ndarray | None, float]:
-        """Optimize ``free`` with the others fixed: (status, strategies of ``free`` or None, bound).
+        """Optimize ``free`` with the others fixed: (status, strategies of ``free`` or None, bound;
+        without ``want_bound`` the bound leaves out the fixed nodes' and edges' cost).
         With ``penalty`` the memory limit is soft: each unit above it costs ``penalty``; with
         ``soft_forbidden`` a forbidden pair with a fixed neighbour costs the search's ``big``
         instead of being excluded."""
@@ -727,12 +741,12 @@ class _Search:
         ncols = 0
         x_start = {}
         constant = self.reduced.constant
-        for v in range(len(self.nodes)):
-            if not is_free[v]:
+        if want_bound:
+            for v in np.flatnonzero(~is_free).tolist():
                 c = self.cost[v][s[v]]
                 constant += float(c) if np.isfinite(c) else self.big
-        for li, lj, m in self.edges:
-            if not is_free[li] and not is_free[lj]:
+            for k in np.flatnonzero(~is_free[self.edge_i] & ~is_free[self.edge_j]).tolist():
+                li, lj, m = self.edges[k]
                 value = m[s[li], s[lj]]
                 constant += float(value) if np.isfinite(value) else self.big
         for v in free.tolist():
@@ -756,9 +770,8 @@ class _Search:
             row_upper.append(1.0)
             ncols += len(cost)
         pair_start = []
-        for li, lj, m in self.edges:
-            if not (is_free[li] and is_free[lj]):
-                continue
+        for k in np.flatnonzero(is_free[self.edge_i] & is_free[self.edge_j]).tolist():
+            li, lj, m = self.edges[k]
             a_idx, b_idx = np.nonzero(np.isfinite(m))
             k = len(a_idx)
             pair_cols = np.arange(ncols, ncols + k)
@@ -1022,15 +1035,20 @@ def _large_neighbourhood_search(search: _Search, deadline: float) -> tuple[int, 
             k = int(search.rng.choice(len(over), p=over / over.sum()))
             live = np.flatnonzero(search.memory & (search.lo <= k) & (search.hi > k))
             seeds = search.rng.choice(live, size=min(len(live), 16), replace=False)
-        if seeds is None and rounds % 2:
-            # Every other round, start where the incumbent pays most above the node minima.
+        weights = None
+        if seeds is None and rounds % 3:
+            # Two rounds in three start, and grow, where the incumbent pays most above the node
+            # minima; the third is uniform (gains the excess does not point at).
             excess = search.excess()
             if excess.sum() > 0:
                 seeds = [int(search.rng.choice(len(excess), p=excess / excess.sum()))]
-        free = search.neighbourhood(budget, seeds)
+                weights = excess
+        free = search.neighbourhood(budget, seeds, weights)
         rounds += 1
         began = time.perf_counter()
-        status, chosen, _ = search.solve_milp(free, 10.0, warm=True, penalty=penalty, soft_forbidden=forbidden, deadline=deadline)
+        status, chosen, _ = search.solve_milp(
+            free, 10.0, warm=True, penalty=penalty, soft_forbidden=forbidden, deadline=deadline, want_bound=False
+        )
         took = time.perf_counter() - began
         if status == "optimal" and took < 2.0:
             budget = min(int(budget * 1.3), 400_000)
