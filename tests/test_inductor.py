@@ -125,20 +125,25 @@ def test_inductor_receives_the_hops_and_lowers_them_itself(sample):
         assert "while_loop" in after, after
 
 
-def scan_program(length, unroll=1):
+def scan_program(length, unroll=1, width=4):
+    """A scan of ``length`` residual tanh layers of ``width`` (seeded inputs) and its inputs."""
+
     def layer(h, w):
         return h + torch.tanh(h @ w), h.sum(-1)
 
     def program(h, ws):
         return hops.scan(layer, h, ws, unroll=unroll)
 
-    h = torch.randn(3, 4, requires_grad=True)
-    ws = (torch.randn(length, 4, 4) / 2).requires_grad_()
+    g = torch.Generator().manual_seed(length)
+    h = torch.randn(3 if width == 4 else 32, width, generator=g, requires_grad=True)
+    ws = (torch.randn(length, width, width, generator=g) / width).requires_grad_()
     return program, (h, ws)
 
 
-def lowered_size(length, unroll=1):
-    program, inputs = scan_program(length, unroll)
+def lowered_graphs(length, unroll=1, width=4):
+    """The forward and backward graphs inductor lowers for ``scan_program``, after checking
+    the compiled values and gradients against eager."""
+    program, inputs = scan_program(length, unroll, width)
     torch._dynamo.reset()
     with inductor_graphs() as (backend, received, lowered):
         compiled = torch.compile(program, backend=backend, fullgraph=True)
@@ -146,7 +151,15 @@ def lowered_size(length, unroll=1):
     expected, expected_grads = forward_backward(program, fresh(inputs))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4)
-    return [sum(len(m.graph.nodes) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)) for gm in lowered]
+    return lowered
+
+
+def graph_size(gm):
+    return sum(len(m.graph.nodes) for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
+
+
+def lowered_size(length, unroll=1):
+    return [graph_size(gm) for gm in lowered_graphs(length, unroll)]
 
 
 def test_a_scan_is_one_loop_whatever_its_length():
@@ -164,23 +177,7 @@ def steps_per_iteration(gm):
 
 
 def lowered_forward(length, unroll, width=4):
-    def layer(h, w):
-        return h + torch.tanh(h @ w), h.sum(-1)
-
-    def program(h, ws):
-        return hops.scan(layer, h, ws, unroll=unroll)
-
-    g = torch.Generator().manual_seed(length)
-    h = torch.randn(3 if width == 4 else 32, width, generator=g, requires_grad=True)
-    ws = (torch.randn(length, width, width, generator=g) / width).requires_grad_()
-    torch._dynamo.reset()
-    with inductor_graphs() as (backend, received, lowered):
-        compiled = torch.compile(program, backend=backend, fullgraph=True)
-        got, got_grads = forward_backward(compiled, fresh([h, ws]))
-    expected, expected_grads = forward_backward(program, fresh([h, ws]))
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4)
-    return lowered[0]
+    return lowered_graphs(length, unroll, width)[0]
 
 
 def test_a_scan_leaving_unroll_to_inductor_runs_a_small_step_several_times_per_iteration():
@@ -191,7 +188,7 @@ def test_a_scan_leaving_unroll_to_inductor_runs_a_small_step_several_times_per_i
     assert steps_per_iteration(lowered_forward(7, None)) == 1  # 2 does not divide 7: no remainder steps
     assert steps_per_iteration(lowered_forward(8, 1)) == 1  # an explicit unroll is kept
     # Whatever the length, the same loop: the body is one graph.
-    sizes = [sum(len(m.graph.nodes) for m in lowered_forward(length, None).modules() if isinstance(m, torch.fx.GraphModule)) for length in (16, 32)]
+    sizes = [graph_size(lowered_forward(length, None)) for length in (16, 32)]
     assert sizes[0] == sizes[1], sizes
 
 
