@@ -8,9 +8,9 @@ cheap) after one warm-up compile of an unrelated function (inductor's own start-
 
 - ``hops.scan`` over stacked weights (``unroll`` left to the lowering, the default):
   inductor receives the scan node and lowers it to one ``while_loop`` whose body is one
-  graph whatever N; this step has little work, so the body runs it twice per
-  iteration (``hops/scan.py``, ``_inductor_unroll``);
-- ``hops.scan(unroll=1)``: one step per iteration, to show the loop's own per-iteration cost;
+  graph whatever N, one step per iteration;
+- ``hops.scan(unroll=2)``: two steps per iteration, to show what the loop's own
+  per-iteration cost is worth against the compile time a second step costs;
 - torch's own scan HOP (``torch._higher_order_ops.scan``), which inductor also lowers to a
   ``while_loop``; its outcome is printed beside ours (where it fails, the error);
 - the Python loop (the layers unrolled into the graph): compile time linear in N.
@@ -18,13 +18,16 @@ cheap) after one warm-up compile of an unrelated function (inductor's own start-
 Prints, per N, each compile time and run time, then the ratios the targets are stated in:
 T(64)/T(4) for hops.scan (target <= 1.5), hops.scan / torch's scan compile time (target
 <= 1.0 where torch's compiles), hops.scan / unrolled run time (target <= 1.2). Run time is
-one forward + backward of the compiled program, in CPU seconds of this process on one
-thread (``torch.set_num_threads(1)``), the best of several rounds that alternate the
-programs: the machine is shared and noisy, and CPU time on one thread is what load changes
-least.
+one forward + backward of the compiled program, in CPU seconds on one thread
+(``torch.set_num_threads(1)``), measured for all programs of one N in one process (its own,
+after the compile measurements): the best of many rounds that alternate the programs. The
+machine is shared and noisy, CPU time on one thread is what load changes least, and one
+process for all programs removes the process-to-process spread (allocation, layout) that
+separate processes showed (+-15% for the same program).
 
-    python benchmarks/inductor_scan.py [--lengths 4 16 64] [--unrolled-lengths 4 16]
-    python benchmarks/inductor_scan.py --one NAME LENGTH   (one measurement, a JSON line)
+    python benchmarks/inductor_scan.py [--lengths 4 16 64] [--unrolled-lengths 4 16 64]
+    python benchmarks/inductor_scan.py --one NAME LENGTH   (one compile measurement, a JSON line)
+    python benchmarks/inductor_scan.py --run-times LENGTH NAME...   (run times, a JSON line)
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ def hops_program(h, ws):
     return h
 
 
-def hops_one_step_program(h, ws):
-    h, _ = hops.scan(lambda c, w: (layer(c, w), None), h, ws, unroll=1)
+def hops_two_step_program(h, ws):
+    h, _ = hops.scan(lambda c, w: (layer(c, w), None), h, ws, unroll=2)
     return h
 
 
@@ -78,7 +81,7 @@ def unrolled_program(h, ws):
     return h
 
 
-PROGRAMS = {"hops.scan": hops_program, "unroll=1": hops_one_step_program, "torch scan": torch_program, "unrolled": unrolled_program}
+PROGRAMS = {"hops.scan": hops_program, "unroll=2": hops_two_step_program, "torch scan": torch_program, "unrolled": unrolled_program}
 
 
 def inputs(length):
@@ -112,59 +115,80 @@ def compile_once(name, length):
     return (compiled, h, ws), compile_seconds, error
 
 
-def run_time(compiled, h, ws, rounds, repeats):
-    """The best over ``rounds`` of the CPU seconds one forward + backward takes, averaged over
-    ``repeats`` calls."""
-    best = float("inf")
+def run_times(programs, rounds, repeats):
+    """For each name: the best over ``rounds`` (which alternate the programs) of the CPU
+    seconds one forward + backward takes, averaged over ``repeats`` calls."""
+    best = dict.fromkeys(programs, float("inf"))
     for _ in range(rounds):
-        start = time.process_time()
-        for _ in range(repeats):
-            forward_backward(compiled, h, ws)
-        best = min(best, (time.process_time() - start) / repeats)
+        for name, (compiled, h, ws) in programs.items():
+            start = time.process_time()
+            for _ in range(repeats):
+                forward_backward(compiled, h, ws)
+            best[name] = min(best[name], (time.process_time() - start) / repeats)
     return best
 
 
-def measure_one(name, length, rounds, repeats):
-    """This process's measurement of ``name`` at ``length``, as a dict."""
+def measure_one(name, length):
+    """This process's compile measurement of ``name`` at ``length``, as a dict."""
     torch.set_num_threads(1)
     torch.compile(lambda x: torch.sin(x) * 2)(torch.randn(3))  # inductor's start-up, not this program's kernels
     outcome = compile_once(name, length)
     if isinstance(outcome, str):
         return {"outcome": outcome}
-    (compiled, h, ws), compile_s, error = outcome
-    return {"compile": compile_s, "run": run_time(compiled, h, ws, rounds, repeats), "error": error}
+    _, compile_s, error = outcome
+    return {"compile": compile_s, "error": error}
+
+
+def measure_run_times(length, names, rounds, repeats):
+    """Run times of the programs ``names`` at ``length``, compiled and run in this process."""
+    torch.set_num_threads(1)
+    programs = {}
+    for name in names:
+        outcome = compile_once(name, length)
+        if not isinstance(outcome, str):
+            programs[name] = outcome[0]
+    return run_times(programs, rounds, repeats)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4, 16, 64])
-    parser.add_argument("--unrolled-lengths", type=int, nargs="+", default=[4, 16], help="the unrolled compile is linear in N")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--unrolled-lengths", type=int, nargs="+", default=[4, 16, 64], help="the unrolled compile is linear in N")
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--one", nargs=2, metavar=("NAME", "LENGTH"), help=argparse.SUPPRESS)
+    parser.add_argument("--run-times", nargs="+", metavar="LENGTH NAME", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure_one(args.one[0], int(args.one[1]), args.rounds, args.repeats)))
+        print(json.dumps(measure_one(args.one[0], int(args.one[1]))))
+        return
+    if args.run_times:
+        print(json.dumps(measure_run_times(int(args.run_times[0]), args.run_times[1:], args.rounds, args.repeats)))
         return
     print(f"torch {torch.__version__}, inductor caches disabled, D={WIDTH}, batch {BATCH}, forward + backward, one thread")
     results = {}
+
+    def subprocess_json(*arguments):
+        command = [sys.executable, __file__, *arguments, "--rounds", str(args.rounds), "--repeats", str(args.repeats)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        return json.loads(lines[-1]) if lines else {"outcome": f"fails: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
+
     for length in args.lengths:
-        for name in PROGRAMS:
-            if name == "unrolled" and length not in args.unrolled_lengths:
-                continue
-            command = [sys.executable, __file__, "--one", name, str(length), "--rounds", str(args.rounds), "--repeats", str(args.repeats)]
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            result = json.loads(lines[-1]) if lines else {"outcome": f"fails: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
-            results[name, length] = result
+        names = [name for name in PROGRAMS if name != "unrolled" or length in args.unrolled_lengths]
+        for name in names:
+            results[name, length] = subprocess_json("--one", name, str(length))
+        compiled = [name for name in names if "outcome" not in results[name, length]]
+        for name, seconds in subprocess_json("--run-times", str(length), *compiled).items():
+            if name in compiled:  # (a failed run-time process answers {"outcome": ...})
+                results[name, length]["run"] = seconds
+        for name in names:
+            result = results[name, length]
             if "outcome" in result:
                 print(f"N={length:3d} {name:10s} {result['outcome']}", flush=True)
             else:
-                print(
-                    f"N={length:3d} {name:10s} compile {result['compile']:6.2f} s   run {result['run'] * 1e3:7.3f} ms   "
-                    f"max error {result['error']:.1e}",
-                    flush=True,
-                )
+                run = f"{result['run'] * 1e3:7.3f} ms" if "run" in result else "not measured"
+                print(f"N={length:3d} {name:10s} compile {result['compile']:6.2f} s   run {run}   max error {result['error']:.1e}", flush=True)
 
     def measured(name, length, what):
         return results.get((name, length), {}).get(what)
@@ -177,20 +201,20 @@ def main() -> None:
     for length in args.lengths:
         ours, theirs = measured("hops.scan", length, "compile"), measured("torch scan", length, "compile")
         if ours and theirs:
-            one_step = measured("unroll=1", length, "compile")
+            two_steps = measured("unroll=2", length, "compile")
             print(
                 f"  N={length}: hops.scan / torch scan compile = {ours / theirs:.2f}   (target <= 1.0)"
-                + (f"; unroll=1 {one_step / theirs:.2f}" if one_step else "")
+                + (f"; unroll=2 {two_steps / theirs:.2f}" if two_steps else "")
             )
         elif ours:
             print(f"  N={length}: torch scan does not compile here; hops.scan does ({ours:.2f} s)")
         unrolled_compile, unrolled_run = measured("unrolled", length, "compile"), measured("unrolled", length, "run")
         if ours and unrolled_run:
-            one_step = measured("unroll=1", length, "run")
+            two_steps = measured("unroll=2", length, "run")
             print(
                 f"  N={length}: hops.scan / unrolled: compile {ours / unrolled_compile:.2f}, "
                 f"run {measured('hops.scan', length, 'run') / unrolled_run:.2f}   (target run <= 1.2)"
-                + (f"; unroll=1 run {one_step / unrolled_run:.2f}" if one_step else "")
+                + (f"; unroll=2 run {two_steps / unrolled_run:.2f}" if two_steps else "")
             )
 
 

@@ -64,8 +64,7 @@ class ScanSpec(_FxLiteral):
     ``remat`` makes the backward recompute each step instead of saving its residuals;
     ``unroll`` is how many steps one loop iteration runs where the scan lowers to a loop
     (values do not depend on it, as in ``jax.lax.scan``); ``None`` leaves it to the
-    lowering (one step on XLA; inductor runs a step with little work twice per iteration,
-    see ``_inductor_unroll``).
+    lowering (XLA and inductor run one step per iteration).
     """
 
     none_when_symbolic: ClassVar[tuple[str, ...]] = ("length",)  # see hops/_dynamo.py
@@ -311,9 +310,8 @@ def scan(
     carry keeps its init's dtype, one returned as y gets torch's default dtype.
     ``unroll`` runs that many steps per loop iteration where the scan lowers to a loop
     (``True``: all of them), with the same values; by default (``None``) the lowering
-    chooses (inductor runs a step with little work twice per iteration, to amortize the
-    loop's per-iteration cost; XLA one). ``remat`` recomputes each step in the
-    backward instead of saving its activations.
+    chooses (XLA and inductor run one step per iteration). ``remat`` recomputes each step
+    in the backward instead of saving its activations.
 
     torch_xla's ``scan(fn, init, xs, partition_fn, is_fn_pure)`` works too:
     ``functorch.compile.min_cut_rematerialization_partition`` as ``partition_fn`` means
@@ -836,36 +834,17 @@ _dynamo.register_subgraph_hop(scan_hop)
 # counter indexes the xs and the ys buffers as a tensor (``index_select`` / ``index_copy_``),
 # so no step reads a number out of a tensor.
 #
-# Inductor runs each iteration from its wrapper: the condition and body graphs are called,
-# their inputs checked, the condition read back to the host (a device sync on a GPU); on
-# CPU that is ~10 us, as much as a small step's math. A scan that leaves ``unroll`` to the
-# lowering (``None``) therefore runs a step with less work than ``_SMALL_STEP_FLOPS`` twice
-# per iteration, halving that cost (measured by benchmarks/inductor_scan.py), while its body
-# is still one graph whatever the length; more steps per iteration would cost more compile
-# time than they save. Only a count of steps dividing the length is chosen, so no step is
-# left for after the loop.
-
-_SMALL_STEP_FLOPS = {"cpu": 4e6}  # other devices (a sync per iteration): _SMALL_STEP_FLOPS_ACCELERATOR
-_SMALL_STEP_FLOPS_ACCELERATOR = 1e9
-_MAX_AUTO_UNROLL = 2  # each step more in the body costs compile time: 4 doubled it, 2 adds ~25%
-
-
-def _inductor_unroll(flops: Any, length: Any, device: torch.device) -> int:
-    """Steps per loop iteration for a scan leaving ``unroll`` to inductor: the most (up to
-    ``_MAX_AUTO_UNROLL``) dividing ``length`` whose work stays under a small step's."""
-    if not isinstance(length, int) or not isinstance(flops, int):  # symbolic shapes: no guess
-        return 1
-    small = _SMALL_STEP_FLOPS.get(device.type, _SMALL_STEP_FLOPS_ACCELERATOR)
-    for steps in range(min(_MAX_AUTO_UNROLL, length), 1, -1):
-        if length % steps == 0 and steps * flops <= small:
-            return steps
-    return 1
+# Inductor runs each iteration from its wrapper (the condition and body graphs are called,
+# their inputs checked, the condition read back to the host): ~10 us per iteration on CPU.
+# A scan leaving ``unroll`` to the lowering (``None``) still runs one step per iteration:
+# measured by benchmarks/inductor_scan.py, two steps per iteration saved 4-12% of a small
+# step's run time for 35-50% more compile time (the last step's kernels fuse with the ys
+# write, so the steps of one iteration do not share their kernels' code).
 
 
 @_inductor.register_inductor_rule(scan_hop)
 def _inductor_rule(body: Callable, *inputs_and_spec: Any) -> tuple:
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-    from torch.utils.flop_counter import FlopCounterMode
 
     inputs, spec = scan_hop.split_args(inputs_and_spec)
     carry, xs, additional = split_scan_operands(inputs, spec)
@@ -873,26 +852,30 @@ def _inductor_rule(body: Callable, *inputs_and_spec: Any) -> tuple:
     length = scan_length(xs, spec)
     step = _inductor.inlined(body)
     with disable_proxy_modes_tracing():
-        with FlopCounterMode(display=False) as flop_counter:
-            ys_like = step(*scan_hop.body_inputs(inputs, spec))[nc:]
-        flops = flop_counter.get_total_flops()  # symbolic with dynamic shapes
+        ys_like = step(*scan_hop.body_inputs(inputs, spec))[nc:]
     device = next(t.device for t in (*carry, *xs, *ys_like, *additional) if isinstance(t, torch.Tensor))
     ys = [torch.empty((length, *y.shape), dtype=y.dtype, device=device) for y in ys_like]
-    if spec.unroll is None:
-        per_iteration = _inductor_unroll(flops, length, device)
-    else:
-        per_iteration = spec.unroll if isinstance(length, int) and spec.unroll <= max(length, 1) else 1
+    unroll = spec.unroll or 1
+    per_iteration = unroll if isinstance(length, int) and unroll <= max(length, 1) else 1
     iterations = length // per_iteration
 
-    def run_step(position: Any, carry: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], ys: Sequence[Any], in_place: bool) -> tuple:
-        """One step at ``position``: the new carries, and ``ys`` with the step's outputs
-        written at its index (into the buffers inside the loop, into copies after it)."""
-        index = (length - 1 - position) if spec.reverse else position
-        index = index.reshape(1)
-        outputs = step(*carry, *(x.index_select(0, index).squeeze(0) for x in xs), *additional)
+    def run_steps(positions: torch.Tensor, carry: Sequence[Any], xs: Sequence[Any], additional: Sequence[Any], ys: Sequence[Any], in_place: bool) -> tuple:
+        """The steps at ``positions`` (a 1-d tensor), in order: the new carries, and ``ys``
+        with the steps' outputs written at their indices (into the buffers inside the loop,
+        into copies after it). The steps' xs are read in one block and their ys written in
+        one block, so each step reads and writes views at fixed offsets: its kernels are the
+        same code for every step, and inductor compiles them once however many steps an
+        iteration runs."""
+        indices = (length - 1 - positions) if spec.reverse else positions
+        blocks = [x.index_select(0, indices) for x in xs]
+        outputs = []
+        for k in range(positions.shape[0]):
+            step_outputs = step(*carry, *(block[k] for block in blocks), *additional)
+            carry = step_outputs[:nc]
+            outputs.append(step_outputs[nc:])
         write = torch.Tensor.index_copy_ if in_place else torch.Tensor.index_copy
-        ys = [write(buffer, 0, index, y.unsqueeze(0)) for buffer, y in zip(ys, outputs[nc:])]
-        return list(outputs[:nc]), ys
+        ys = [write(buffer, 0, indices, torch.stack(step_ys)) for buffer, step_ys in zip(ys, zip(*outputs))]
+        return list(carry), ys
 
     def cond_fn(counter: torch.Tensor, *state: Any) -> torch.Tensor:
         return counter < iterations
@@ -901,8 +884,8 @@ def _inductor_rule(body: Callable, *inputs_and_spec: Any) -> tuple:
         # The loop's body reads what it is given (a traced subgraph closes over nothing).
         ny = len(ys_like)
         carry, ys, xs, additional = state[:nc], state[nc : nc + ny], state[nc + ny : nc + ny + nx], state[nc + ny + nx :]
-        for k in range(per_iteration):
-            carry, ys = run_step(counter * per_iteration + k, carry, xs, additional, ys, in_place=True)
+        positions = counter * per_iteration + torch.arange(per_iteration, device=counter.device)
+        carry, ys = run_steps(positions, carry, xs, additional, ys, in_place=True)
         return (counter + 1, *carry, *ys)
 
     if not (isinstance(iterations, int) and iterations == 0):  # a static zero-length loop is no loop
@@ -910,7 +893,7 @@ def _inductor_rule(body: Callable, *inputs_and_spec: Any) -> tuple:
         _, *state = torch.ops.higher_order.while_loop(cond_fn, body_fn, (counter, *carry, *ys), (*xs, *additional))
         carry, ys = state[:nc], state[nc:]
     if isinstance(length, int):
-        for k in range(iterations * per_iteration, length):  # what the loop's iterations leave
-            position = torch.full((), k, dtype=torch.int64, device=device)
-            carry, ys = run_step(position, carry, xs, additional, ys, in_place=False)
+        if iterations * per_iteration < length:  # what the loop's iterations leave
+            positions = torch.arange(iterations * per_iteration, length, device=device)
+            carry, ys = run_steps(positions, carry, xs, additional, ys, in_place=False)
     return (*carry, *ys)
