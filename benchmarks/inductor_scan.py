@@ -81,7 +81,7 @@ def unrolled_program(h, ws):
     return h
 
 
-PROGRAMS = {"hops.scan": hops_program, "unroll=2": hops_two_step_program, "torch scan": torch_program, "unrolled": unrolled_program}
+PROGRAMS = {"hops.scan": hops_program, "unroll=2": hops_two_step_program, "torch_scan": torch_program, "unrolled": unrolled_program}
 
 
 def inputs(length):
@@ -199,7 +199,7 @@ def main() -> None:
     if ours_first and ours_last:
         print(f"  hops.scan compile T({last})/T({first}) = {ours_last / ours_first:.2f}   (target <= 1.5)")
     for length in args.lengths:
-        ours, theirs = measured("hops.scan", length, "compile"), measured("torch scan", length, "compile")
+        ours, theirs = measured("hops.scan", length, "compile"), measured("torch_scan", length, "compile")
         if ours and theirs:
             two_steps = measured("unroll=2", length, "compile")
             print(
