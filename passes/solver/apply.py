@@ -91,6 +91,8 @@ def apply_placements(gm: Any, solution: PlacementSolution) -> Any:
             if required == produced:
                 continue
             reader: fx.Node = use.reader
+            if use.kind == "carry":
+                continue  # stated by the carry input's own annotation, at the top of every step
             if reader.target is sharding_annotation_hop:
                 continue  # the reader is itself the statement
             if not _stateable(required):
