@@ -100,7 +100,7 @@ def plan_auto_shard(config=None, mesh: Mesh = MESH, *, device_type: str = "cpu")
     tokens, targets, params, consts = example.example_inputs(config)
     forward, backward = example.trace_training_step(loss, tokens, targets, params, consts)
     solution = passes.solve_placements((forward, backward), mesh, cost_model=passes.CostModel.preset("tpu-v5e"))
-    passes.apply_placements((forward, backward), solution)
+    passes.apply_placements((forward, backward), solution, pending_sums=True)
     inputs = [tokens, targets, *params.values(), *consts.values()]
     placeholders = [node.name for node in forward.graph.find_nodes(op="placeholder")]
     names = list(params)

@@ -257,3 +257,51 @@ def test_the_applied_solution_runs_on_4_xla_devices_like_eager_with_the_chosen_s
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+def test_pending_sums_states_the_reads_that_keep_a_pending_sum():
+    # The solved decoder reads values made with a pending sum on one mesh axis in another
+    # layout of the other axis ((S(0), P) read as (R, P)). With pending_sums=True each such
+    # read is stated (an annotation keeping the sum); by default none is (XLA cannot state
+    # a pending sum).
+    import importlib
+
+    from hops.specs import Partial
+    from passes.solver.solve import read_as, required_placement
+    from tests.helpers.dtensor_scenarios import AUTO_SHARD_CONFIG, run_on_dtensor  # (puts examples/ on the path)
+
+    auto_shard = importlib.import_module("auto_shard")
+    MESH = run_on_dtensor.MESH
+
+    def solved_decoder():
+        config = auto_shard.Config(**AUTO_SHARD_CONFIG)
+        graphs = auto_shard.trace_training_step(auto_shard.make_loss(config, MESH), *auto_shard.example_inputs(config))
+        return graphs, passes.solve_placements(graphs, MESH, cost_model=CostModel.preset("tpu-v5e"))
+
+    def keeps_a_sum(produced, required):
+        return produced != required and any(isinstance(p, Partial) for p in required) and all(
+            not isinstance(p, Partial) or produced[axis] == p for axis, p in enumerate(required)
+        )
+
+    def partial_annotations(graphs):
+        return [spec for gm in graphs for _, spec in annotations(gm) if any(isinstance(p, Partial) for p in spec)]
+
+    graphs, solution = solved_decoder()
+    reads = {
+        (u, required)
+        for u, v, edge in solution.graph.edges(data=True)
+        if u in solution.placements
+        for use in edge["uses"]
+        if use.kind != "carry"
+        and use.reader.target is not hops.sharding_annotation_hop
+        and keeps_a_sum(read_as(use, solution.placements[u]), required := required_placement(solution, v, use, solution.placements[u]))
+    }
+    assert reads, "the decoder plan reads no pending sum in another layout: the test proves nothing"
+    passes.apply_placements(graphs, solution)
+    assert partial_annotations(graphs) == []
+
+    graphs, solution = solved_decoder()
+    passes.apply_placements(graphs, solution, pending_sums=True)
+    stated = partial_annotations(graphs)
+    assert sorted(map(repr, {required for _, required in reads})) == sorted(map(repr, set(stated)))
+    assert len(stated) >= len(reads)

@@ -154,7 +154,7 @@ class TestScan(TestCase):
         self.assertExpectedInline(summary(graph), """\
 h_1: input placeholder [4, 8] x1
 ws_1: input placeholder [7, 8, 8] x1
-step_body_0/arg0_1: alias placeholder [4, 8] x7 = step_body_0/tanh[0]
+step_body_0/arg0_1: input placeholder [4, 8] x7
 step_body_0/arg1_1: input placeholder [8, 8] x7
 step_body_0/mm: op aten.mm.default [4, 8] x7
 step_body_0/tanh: op aten.tanh.default [4, 8] x7
@@ -167,15 +167,24 @@ sum_2: op aten.sum.default [] x1
 add: op aten.add.Tensor [] x1
 output: output output - x1
 """)
-        # The init is laid out like the carry once; each step lays its slice of the stacked
-        # weights out like the body's slice (one slice's bytes).
-        self.assertEqual(uses(graph, "step_body_0/arg0_1"), [("h_1", "value", 0, 1)])
-        self.assertEqual(uses(graph, "step_body_0/arg1_1"), [("ws_1", "value", 1, 7)])
+        # The carry input has its own layout: the init is laid out like it once, before the
+        # loop, and each later step's carry input is the step before's carry output, laid out
+        # like it (6 times for 7 steps). The stacked weights are laid out once, before the
+        # loop, like the body's slice with a leading dim (all the steps' bytes).
+        self.assertEqual(
+            uses(graph, "step_body_0/arg0_1"), [("h_1", "value", 0, 1), ("step_body_0/tanh", "carry", 0, 6)]
+        )
+        self.assertTrue(graph.edges["step_body_0/tanh", "step_body_0/arg0_1"]["loop"])
+        self.assertEqual(uses(graph, "step_body_0/arg1_1"), [("ws_1", "value", 1, 1)])
         (slice_read,) = graph.edges["ws_1", "step_body_0/arg1_1"]["uses"]
-        self.assertEqual(slice_read.shape, (8, 8))
+        self.assertIsNone(slice_read.shape)
         # Reads inside the body happen at every step.
         self.assertEqual(uses(graph, "step_body_0/mm"), [("step_body_0/arg0_1", "input", 0, 7), ("step_body_0/arg1_1", "input", 1, 7)])
-        self.assertTrue(graph.edges["step_body_0/tanh", "step_body_0/arg0_1"]["loop"])
+        # The final carry left its step whole; the stacked ys keep their steps' pending sums;
+        # the body's output reads its carry (reduced at every step), not its ys.
+        self.assertTrue(graph.nodes["getitem"]["whole"])
+        self.assertFalse(graph.nodes["getitem_1"]["whole"])
+        self.assertEqual(uses(graph, "step_body_0/output"), [("step_body_0/tanh", "output", 0, 7)])
 
     def test_a_stacked_input_is_not_split_along_the_scanned_dim(self):
         gm = make_fx(scanned)(torch.randn(4, 8), torch.randn(4, 8, 8))

@@ -26,8 +26,13 @@ from passes.solver.solve import PlacementSolution, required_placement
 __all__ = ["apply_placements"]
 
 
-def _stateable(placements: Any) -> bool:
-    return placements is not None and not any(isinstance(p, Partial) for p in placements)
+def _stateable(placements: Any, produced: Any = None) -> bool:
+    """Whether an annotation can state ``placements``: no pending sum, or (for a read of a
+    value placed ``produced``) only the pending sums the value already has, on the same mesh
+    axes (gathering or sharding the other axes keeps them)."""
+    if placements is None:
+        return False
+    return all(not isinstance(p, Partial) or (produced is not None and produced[axis] == p) for axis, p in enumerate(placements))
 
 
 def choose_alternative(spec: Any, index: int) -> Any:
@@ -45,13 +50,20 @@ def _replace_leaf(reader: fx.Node, position: int, value: fx.Node) -> None:
     reader.args, reader.kwargs = pytree.tree_unflatten(leaves, treespec)
 
 
-def apply_placements(gm: Any, solution: PlacementSolution) -> Any:
+def apply_placements(gm: Any, solution: PlacementSolution, *, pending_sums: bool = False) -> Any:
     """Insert the annotations and region choices that state ``solution`` into ``gm`` (in place).
 
     ``gm`` is what the solution was solved for (a GraphModule, or ``(forward, backward)``);
     returns it. Afterwards ``passes.check_placements`` passes and ``passes.lower_to_xla``
     lowers the stated layouts to XLA shardings. Raises ``PassError`` if ``gm`` is not the
     solved program.
+
+    ``pending_sums=True`` (for ``passes.lower_to_dtensor``) also states the reads that keep
+    a value's pending sums on some mesh axes while laying out its other axes (a value placed
+    ``(S(0), P)`` read as ``(R, P)``): DTensor then runs the plan's redistributions, which
+    ``PlacementSolution.collectives`` predicts; left unstated, DTensor's own propagation
+    chooses where those sums are reduced. An XLA sharding describes a whole value and cannot
+    state a pending sum (``lower_to_xla`` refuses one): the default leaves them to XLA.
     """
     if not isinstance(solution, PlacementSolution):
         raise TypeError(f"apply_placements(solution=...) must be a PlacementSolution, got {type(solution).__name__}")
@@ -91,9 +103,11 @@ def apply_placements(gm: Any, solution: PlacementSolution) -> Any:
             if required == produced:
                 continue
             reader: fx.Node = use.reader
+            if use.kind == "carry":
+                continue  # stated by the carry input's own annotation, at the top of every step
             if reader.target is sharding_annotation_hop:
                 continue  # the reader is itself the statement
-            if not _stateable(required):
+            if not _stateable(required, produced if pending_sums else None):
                 # A pending sum cannot be stated: the reader (a region entering it as Partial)
                 # reads the value as made, not the statement of another layout.
                 if stated[u] is not graph.nodes[u]["fx_node"]:

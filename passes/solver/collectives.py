@@ -13,8 +13,7 @@ from typing import Any, Sequence
 
 from hops.specs import Mesh, Partial, Replicate, Shard
 from passes.solver.cost import redistribution_steps
-from passes.solver.graph import materialized
-from passes.solver.solve import PlacementSolution, required_placement
+from passes.solver.solve import PlacementSolution, read_as, required_placement
 
 __all__ = ["COLLECTIVE_KINDS", "predicted_collectives", "redistribution_collectives"]
 
@@ -48,33 +47,6 @@ def redistribution_collectives(
     return kinds
 
 
-def _whole_on_arrival(solution: PlacementSolution) -> set[str]:
-    """Values that alias a value as it *left* its graph: a saved forward value read by the
-    backward, a scan's carry into the next step, a scan's stacked results. A graph's outputs
-    are reduced before they leave it, so these hold no pending ``Partial`` sum."""
-    graph = solution.graph
-    keys = {
-        key
-        for key, data in graph.nodes(data=True)
-        if data["kind"] == "alias" and data["scope"] == "backward" and data["fx_node"].op == "placeholder"
-    }
-    for scan in graph.graph.get("scans", []):
-        keys.update(k for k in scan["carry_in"] if k is not None)
-        keys.update(scan["results"].values())
-    return keys
-
-
-def _runtime_placement(solution: PlacementSolution, key: str, whole: set[str]) -> Any:
-    placements = solution.placements[key]
-    current = key
-    while current is not None:
-        if current in whole:
-            return materialized(placements)
-        alias = solution.graph.nodes[current]["alias"]
-        current = alias[0] if alias is not None else None
-    return placements
-
-
 def predicted_collectives(
     solution: PlacementSolution, graph: str | None = None, *, device_type: str | None = None
 ) -> dict[str, int]:
@@ -82,7 +54,6 @@ def predicted_collectives(
     scopes = {data["scope"].split("/")[0] for _, data in solution.graph.nodes(data=True)}
     if graph is not None and graph not in scopes:
         raise ValueError(f"PlacementSolution.collectives(graph={graph!r}): the program's graphs are {sorted(scopes)}")
-    whole = _whole_on_arrival(solution)
     counts: Counter = Counter()
     for u, v, edge in solution.graph.edges(data=True):
         if not edge["uses"] or u not in solution.placements:
@@ -90,13 +61,15 @@ def predicted_collectives(
         source = solution.graph.nodes[u]
         if graph is not None and source["scope"].split("/")[0] != graph:
             continue
-        produced = _runtime_placement(solution, u, whole)
         for use in edge["uses"]:
+            # A value that arrives whole (a saved value, a final carry) is placed without its
+            # pending sum; a carry is read as it left the step before.
+            produced = read_as(use, solution.placements[u])
             required = required_placement(solution, v, use, solution.placements[u])
             if use.kind == "value" and any(isinstance(p, Partial) for p in required):
                 continue  # a pending sum is not stated: the reader takes the value as made
-            # The redistribution runs where the value is read, as often as that graph runs (a
-            # scan's operands once before its loop, a value in its body once per step).
+            # The redistribution runs as often as the read: a scan's operands once, before its
+            # loop; a value in its body once per step; a carry between steps, one fewer.
             for kind in redistribution_collectives(produced, required, solution.mesh, device_type=device_type):
-                counts[kind] += source["multiplier"]
+                counts[kind] += use.multiplier
     return dict(counts)

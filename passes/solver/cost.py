@@ -2,9 +2,10 @@
 
 Compute is a roofline on each device's local shapes: ``max(flops / peak_flops, bytes /
 memory_bandwidth)``, with FLOPs from torch's own table (``torch.utils.flop_counter``) or an
-einsum's equation, and views free. Communication is priced per mesh axis with an
-alpha-beta model: a collective over an axis of ``n`` devices costs the axis's
-``link_latency`` plus the bytes each device sends over its ``link_bandwidth``:
+einsum's equation; views (and their functional ``*_copy`` forms) and allocations are free.
+Communication is priced per mesh axis with an alpha-beta model: a collective over an axis of
+``n`` devices costs the axis's ``link_latency`` plus the bytes each device sends over its
+``link_bandwidth``:
 
 - ``Shard -> Replicate`` (all-gather): ``(n - 1) * local_bytes``;
 - ``Partial -> Replicate`` (all-reduce): ``2 (n - 1) / n * local_bytes``;
@@ -96,7 +97,7 @@ class CostModel:
         """Roofline time of one call of ``target`` on these (local) shapes."""
         from passes.solver.graph import is_view
 
-        if is_view(target):
+        if is_view(target) or _is_allocation(target):
             return 0.0
         moved = sum(math.prod(s) for s in (*input_shapes, *output_shapes) if s is not None) * itemsize
         flops = _flops(target, input_shapes, output_shapes, params)
@@ -213,6 +214,14 @@ class CostModel:
         fixed[~valid] = 0.0
         per_byte[~valid] = 0.0
         return fixed.reshape(ns, nt), per_byte.reshape(ns, nt)
+
+
+# Ops that only allocate (their values are undefined): no byte is read or written.
+ALLOCATION_OPS = frozenset(("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"))
+
+
+def _is_allocation(target: Any) -> bool:
+    return getattr(getattr(target, "overloadpacket", None), "__name__", None) in ALLOCATION_OPS
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,7 +15,7 @@ from typing import Any
 import networkx as nx
 
 from passes.solver.graph import format_placement
-from passes.solver.solve import PlacementSolution, _itemsize, required_placement
+from passes.solver.solve import PlacementSolution, _itemsize, read_as, required_placement
 
 __all__ = ["draw_placements"]
 
@@ -134,7 +134,8 @@ def _edge_seconds(solution: PlacementSolution, u: str, v: str, data: dict) -> fl
     produced = solution.placements[u]
     return sum(
         solution.cost_model.redistribute_seconds(
-            source["shape"], _itemsize(source["dtype"]), produced, required_placement(solution, v, use, produced), solution.mesh
+            source["shape"], _itemsize(source["dtype"]), read_as(use, produced),
+            required_placement(solution, v, use, produced), solution.mesh,
         )
         for use in data["uses"]
     )

@@ -20,6 +20,10 @@ Node attributes:
 - ``alias``: ``(node, output_index, dim_shift)``: this value is output ``output_index`` of
   ``node``'s placement with every ``Shard(d)`` moved to ``Shard(d + dim_shift)`` (a scan's stacked
   ys are their step's value with a leading dim);
+- ``whole``: this alias is the value as it left its graph (a saved forward value the backward
+  reads, a scan's final carry): a graph's outputs are reduced before they leave it, so its
+  placement is the aliased one with each ``Partial`` made ``Replicate`` (``arrives_whole``), and
+  it is read without a second reduction;
 - ``multiplier``: how many times the value is computed per program run (a scan body's values:
   the trip count);
 - ``fallback``: DTensor has no rule for the op (or its rule refuses every layout the op's inputs
@@ -34,16 +38,24 @@ Node attributes:
 Edges ``u -> v`` are data dependencies, with ``bytes`` (of ``u``) and ``uses``: how ``v`` reads
 ``u``, each a ``Use``: ``("input", slot)`` (``v`` is a node with strategies; its chosen strategy says
 which placement ``u`` must have) or ``("value", dim_shift)`` (``u`` must be laid out like ``v``, e.g. a
-scan's init like its carry, a gradient like its parameter) or ``("output", 0)`` (``v`` is the
+scan's init like its carry, a gradient like its parameter: how the gradient leaves the backward,
+in place of its output's reduction) or ``("output", 0)`` (``v`` is the
 ``"output"`` node of a program or a scan body: ``u`` leaves it whole, so a pending ``Partial``
-sum is reduced first), with the ``multiplier`` of that read.
-Edges that only tie placements (``getitem``, a carry from one step to the next, a forward value
-the backward reads) have no uses and ``tie=True``.
+sum is reduced first; a scan body's ys are not read so) or ``("carry", 0)`` (``v`` is a scan's
+carry input, ``u`` its carry output of the step before, as it left that step: whole), with the
+``multiplier`` of that read. Edges that only tie placements (``getitem``, a forward value the
+backward reads) have no uses and ``tie=True``.
 
-A scan body appears once: its carry inputs alias its carry outputs, its slices are free inputs
-fed by the stacked xs (one slice redistributed per step, as a loop's body does), the stacked ys
-alias the body's ys with a leading dim, and every value in the body has the scan's trip count
-as multiplier. Nothing is read from ``node.meta`` except the ``val`` every tracer records
+A scan body appears once, and every value in it has the scan's trip count as multiplier. Its
+carry inputs are free: the init is redistributed to one once, before the loop, and each later
+step's carry input is the step before's carry output (edge ``loop=True``) redistributed to it
+(trip count - 1 times, a no-op when they are laid out alike); the final carry is the last
+step's carry output, as it left the step (whole). Its slices are free inputs fed by the stacked
+xs, which are redistributed once, before the loop (a slice is laid out as its stacked value
+without the leading dim). The stacked ys alias the body's ys with a leading dim: a y may leave
+its step with a pending ``Partial`` sum (stacking keeps it, as a loop accumulating per-layer
+gradients keeps it), and the stacked ys are reduced once, after the loop, where they are read
+in another layout. Nothing is read from ``node.meta`` except the ``val`` every tracer records
 (recomputed from ``example_inputs`` when missing).
 """
 
@@ -70,7 +82,10 @@ from passes._infra import PassError, hop_row, hop_table, is_package_hop, ordinar
 from passes.solver import _dtensor
 from passes.solver._shapes import split_backward_inputs, value_metadata
 
-__all__ = ["placement_graph", "Strategy", "Use", "RegionChoice", "region_choices", "shift_placements", "format_placement"]
+__all__ = [
+    "placement_graph", "Strategy", "Use", "RegionChoice", "region_choices", "shift_placements", "format_placement",
+    "arrives_whole",
+]
 
 Placements = tuple  # one hops placement per mesh axis
 
@@ -99,7 +114,7 @@ class Use(NamedTuple):
     argument it is (the op, the scan, the backward's output) and ``position`` the index of that
     argument among the leaves of ``(reader.args, reader.kwargs)``."""
 
-    kind: str  # "input" or "value"
+    kind: str  # "input", "value", "output" or "carry"
     index: int  # the input slot ("input"), or a dim shift ("value")
     multiplier: int
     reader: Any = None
@@ -174,6 +189,18 @@ def shift_placements(placements: Placements | None, shift: int) -> Placements | 
     return _SHIFTED[key]
 
 
+def arrives_whole(graph: nx.DiGraph, key: str) -> bool:
+    """``key`` is a value as it left its graph (a saved forward value the backward reads, a scan's
+    final carry), or aliases one: a pending ``Partial`` sum of what it aliases was reduced on the
+    way, so its placement is that one ``materialized``."""
+    while key is not None:
+        data = graph.nodes[key]
+        if data.get("whole"):
+            return True
+        key = data["alias"][0] if data["alias"] is not None else None
+    return False
+
+
 def _replicated(mesh: Mesh) -> Placements:
     return tuple(Replicate() for _ in mesh.shape)
 
@@ -198,7 +225,13 @@ VIEW_OPS = frozenset(
 
 
 def is_view(target: Any) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__ in VIEW_OPS
+    """A view op, or its functional ``*_copy`` form (``view_copy``, ``transpose_copy``: what
+    functionalization writes for the same view, e.g. in a region body traced inside a scan; a
+    compiler lowers both alike, so both are free here)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    name = target.overloadpacket.__name__
+    return name in VIEW_OPS or (name.endswith("_copy") and name[: -len("_copy")] in VIEW_OPS)
 
 
 class _Builder:
@@ -233,7 +266,7 @@ class _Builder:
         defaults = dict(
             kind="op", op=_target_name(node.target) if node.op == "call_function" else node.op, shape=shape,
             dtype=dtype, bytes=nbytes, strategies=None, fixed=False, alias=None, multiplier=multiplier,
-            fallback=False, role=None, fx_node=node, module=module, scope=scope.rstrip("/"),
+            fallback=False, role=None, fx_node=node, module=module, scope=scope.rstrip("/"), whole=False,
         )
         defaults.update(attrs)
         self.graph.add_node(key, **defaults)
@@ -248,13 +281,22 @@ class _Builder:
         else:
             self.graph.add_edge(source, key, bytes=self.graph.nodes[source]["bytes"], uses=[use], tie=False)
 
+    def drop_output_use(self, source: str, output: str, position: int) -> None:
+        """``output`` no longer reads ``source`` at leaf ``position`` as an ``"output"`` use."""
+        if not self.graph.has_edge(source, output):
+            return
+        uses = self.graph.edges[source, output]["uses"]
+        uses[:] = [u for u in uses if not (u.kind == "output" and u.position == position)]
+        if not uses:
+            self.graph.remove_edge(source, output)
+
     def _tie(self, source: str, key: str, **attrs: Any) -> None:
         if not self.graph.has_edge(source, key):
             self.graph.add_edge(source, key, bytes=self.graph.nodes[source]["bytes"], uses=[], tie=True, **attrs)
 
-    def _set_alias(self, key: str, target: str, index: int = 0, shift: int = 0) -> None:
+    def _set_alias(self, key: str, target: str, index: int = 0, shift: int = 0, whole: bool = False) -> None:
         data = self.graph.nodes[key]
-        data.update(kind="alias", alias=(target, index, shift), strategies=None)
+        data.update(kind="alias", alias=(target, index, shift), strategies=None, whole=whole)
         self._tie(target, key)
 
     def resolve(self, key: str) -> tuple[str, int, int]:
@@ -277,7 +319,8 @@ class _Builder:
         """The placements ``key`` can have (each strategy of its owner, projected)."""
         owner, index, shift = self.resolve(key)
         strategies = self.graph.nodes[owner]["strategies"]
-        seen = dict.fromkeys(shift_placements(s.outputs[index], shift) for s in strategies)
+        project = materialized if arrives_whole(self.graph, key) else canonical
+        seen = dict.fromkeys(project(shift_placements(s.outputs[index], shift)) for s in strategies)
         return [p for p in seen if p is not None]
 
     def free_input(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int, kind: str = "input") -> str:
@@ -296,12 +339,14 @@ class _Builder:
         multiplier: int,
         inputs: dict[fx.Node, Any] | None = None,
         local: bool = False,
-        materialize: bool = True,
+        materialize: bool | int = True,
     ) -> list[Any]:
         """Add ``module``'s values; ``inputs`` maps a placeholder to how it is bound (see
         ``_bind``). With ``materialize``, its outputs leave it as whole values (a program's
-        results, a loop step's carries and ys: no pending ``Partial`` sum). Returns the output
-        node's args (fx nodes of ``module``)."""
+        results, a loop step's carries: no pending ``Partial`` sum); an int: only that many
+        leading outputs (a scan step's ys may leave with their pending sums, which stacking keeps
+        and one reduction after the loop settles). Returns the output node's args (fx nodes of
+        ``module``)."""
         inputs = inputs or {}
         outputs: list[Any] = []
         for node in module.graph.nodes:
@@ -326,30 +371,29 @@ class _Builder:
             elif node.op == "output":
                 result = node.args[0]
                 outputs = list(result) if isinstance(result, (tuple, list)) else [result]
-                if materialize and not local:
-                    self._output(node, scope, module, multiplier)
+                if materialize is not False and not local:
+                    whole = None if materialize is True else materialize
+                    self._output(node, scope, module, multiplier, whole)
         return outputs
 
-    def _output(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int) -> None:
+    def _output(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int, whole: int | None) -> None:
+        """The graph's output node, reading its first ``whole`` outputs whole (``None``: all)."""
         key = self._add(node, scope, module, multiplier, kind="output", op="output")
-        for position, value in enumerate(pytree.tree_leaves((node.args, node.kwargs))):
+        for position, value in enumerate(pytree.tree_leaves((node.args, node.kwargs))[:whole]):
             if self._is_tensor(value) and self.key.get(value) is not None:
                 self._use(value, key, Use("output", 0, multiplier, node, position))
 
     def _bind(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int, binding: Any) -> None:
         kind, value = binding
-        if kind == "alias":  # the placeholder is ``value`` (named scope inputs, saved forward values)
+        if kind in ("alias", "saved"):  # the placeholder is ``value`` (named scope inputs; saved forward values, whole)
             key = self._add(node, scope, module, multiplier, op="placeholder")
-            self._set_alias(key, self.key[value])
+            self._set_alias(key, self.key[value], whole=kind == "saved")
         elif kind == "feed":  # a free input fed by operand ``position`` of ``reader`` (shifted)
             outer, shift, outer_multiplier, reader, position = value
             key = self.free_input(node, scope, module, multiplier)
-            if shift:
-                # A slice of stacked xs: each step reads its slice, and redistributes that slice.
-                use = Use("value", shift, multiplier, reader, position, self.graph.nodes[key]["shape"])
-            else:
-                use = Use("value", shift, outer_multiplier, reader, position)
-            self._use(outer, key, use)
+            # Once, before the loop: the init to the carry's layout, the stacked xs to their
+            # slices' (with a leading dim), an additional input to the body's.
+            self._use(outer, key, Use("value", shift, outer_multiplier, reader, position))
         else:
             raise AssertionError(kind)
 
@@ -456,16 +500,19 @@ class _Builder:
         self._hop_outputs(node, scope, module, multiplier, body_outputs, shift=0)
 
     def _hop_outputs(
-        self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int, body_outputs: list, shift: int | list
+        self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int, body_outputs: list, shift: int | list,
+        whole: list[bool] | None = None,
     ) -> None:
-        """The HOP's tuple output as an alias node of nothing; its getitems alias body outputs."""
+        """The HOP's tuple output as an alias node of nothing; its getitems alias body outputs
+        (``whole[i]``: output ``i`` as it left the body, pending sums reduced)."""
         self.key[node] = None  # getitems are resolved below, not through the tuple
         shifts = shift if isinstance(shift, list) else [shift] * len(body_outputs)
+        whole = whole or [False] * len(body_outputs)
         for user in node.users:
             if user.target is operator.getitem and self._is_tensor(user):
                 index = user.args[1]
                 key = self._add(user, scope, module, multiplier, op="getitem")
-                self._set_alias(key, self.key[body_outputs[index]], 0, shifts[index])
+                self._set_alias(key, self.key[body_outputs[index]], 0, shifts[index], whole[index])
                 self._hop_getitems.add(user)
 
     def _scan(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int) -> None:
@@ -485,16 +532,17 @@ class _Builder:
             if not self._is_tensor(value):
                 continue
             is_xs = spec.num_carry <= i < spec.num_carry + spec.num_xs
-            # A carry's placeholder becomes an alias of its carry output below.
+            # A carry's placeholder is fed by the init (and, below, by the step before).
             inputs[p] = ("feed", (value, 1 if is_xs else 0, multiplier, node, i + 1))
         body_scope = f"{scope}{node.args[0].target}/"
-        body_outputs = self.walk(body, body_scope, multiplier * max(length, 1), inputs)
-        # One step's carry output is the next step's carry input: one placement for both.
+        body_outputs = self.walk(body, body_scope, multiplier * max(length, 1), inputs, materialize=spec.num_carry)
+        # One step's carry output is the next step's carry input, redistributed between steps
+        # when the two are laid out apart (the first step's comes from the init).
         for p, out in zip(placeholders[: spec.num_carry], body_outputs[: spec.num_carry]):
-            carry_in, carry_out = self.key[p], self.key[out]
-            if carry_in == carry_out or self.resolve(carry_out)[0] == carry_in:
+            carry_in, carry_out = self.key.get(p), self.key.get(out)
+            if carry_in is None or carry_out is None or carry_in == carry_out or self.resolve(carry_out)[0] == carry_in:
                 continue
-            self._set_alias(carry_in, carry_out)
+            self._use(carry_out, carry_in, Use("carry", 0, multiplier * max(length - 1, 0)))
             self.graph.edges[carry_out, carry_in]["loop"] = True
         # A stacked input is never split along the scanned dim: every step reads one slice of it
         # on every device.
@@ -504,7 +552,8 @@ class _Builder:
                 data = self.graph.nodes[owner]
                 data["strategies"] = [s for s in data["strategies"] if Shard(0) not in s.outputs[0]]
         shifts = [0] * spec.num_carry + [1] * (len(body_outputs) - spec.num_carry)
-        self._hop_outputs(node, scope, module, multiplier, body_outputs, shifts)
+        whole = [True] * spec.num_carry + [False] * (len(body_outputs) - spec.num_carry)
+        self._hop_outputs(node, scope, module, multiplier, body_outputs, shifts, whole)
         getitems = {user.args[1]: self.key[user] for user in node.users if user in self._hop_getitems}
         self.graph.graph.setdefault("scans", []).append(
             dict(
@@ -728,7 +777,7 @@ def _build(program: list, mesh: Mesh, example_inputs: Any, rules: _dtensor.Strat
                 f"placement_graph: the backward reads {len(saved)} saved values but the forward returns {len(outputs)}"
             )
         saved_values = outputs[len(outputs) - len(saved) :]
-        bindings = {p: ("alias", v) for p, v in zip(saved, saved_values) if builder._is_tensor(v)}
+        bindings = {p: ("saved", v) for p, v in zip(saved, saved_values) if builder._is_tensor(v)}
         grads = builder.walk(backward, program[1][0], 1, bindings)
         for value in saved_values:
             key = builder.key.get(value) if isinstance(value, fx.Node) else None
@@ -744,6 +793,9 @@ def _build(program: list, mesh: Mesh, example_inputs: Any, rules: _dtensor.Strat
             builder.graph.nodes[key]["role"] = "parameter"
             builder._use(grad, key, Use("value", 0, 1, output, position))
             builder.graph.edges[builder.key[grad], key]["gradient"] = True
+            # That is how the gradient leaves the backward: one redistribution, to its
+            # parameter's (whole) layout, in place of reducing it first and moving it after.
+            builder.drop_output_use(builder.key[grad], builder.key[output], position)
     builder.graph.graph.update(
         program=program,
         unsupported_ops=dict(builder.unsupported),

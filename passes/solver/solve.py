@@ -14,7 +14,7 @@ import torch
 from hops.specs import Mesh, Shard
 from passes._infra import PassError
 from passes.solver.cost import CostModel
-from passes.solver.graph import Strategy, is_view, materialized, placement_graph, shift_placements
+from passes.solver.graph import Strategy, arrives_whole, is_view, materialized, placement_graph, shift_placements
 from passes.solver.ilp import Choice, Factor, InfeasiblePlacementError, Problem, evaluate, memory_of, solve_problem
 
 __all__ = ["PlacementSolution", "solve_placements", "InfeasiblePlacementError", "placement_problem"]
@@ -60,7 +60,8 @@ class PlacementSolution:
         stated by ``apply_placements``, runs lowered by ``lower_to_dtensor`` on inputs laid out as
         solved or replicated. ``graph``: ``"forward"`` or ``"backward"`` of a ``(forward, backward)``
         program; ``None``: all of it. A graph's outputs are reduced before they leave it, so a saved
-        value, a scan's carry and its stacked results arrive without a pending sum.
+        value and a scan's carry arrive without a pending sum; a scan's stacked ys keep their
+        steps' pending sums, reduced once after the loop where they are read in another layout.
         ``device_type="cpu"``: DTensor runs ``Shard(i) -> Shard(j)`` on CPU meshes as an all-gather
         and a local chunk (gloo has no all-to-all), so it is counted as ``"all_gather"``.
         """
@@ -104,6 +105,7 @@ class _ProblemBuilder:
         self.index = {n: i for i, n in enumerate(self.owners)}
         self._redistribute_cache: dict[tuple, float] = {}
         self._resolved: dict[str, tuple[str, int, int]] = {}
+        self._whole: dict[str, bool] = {}
         self._axis_codes: dict[tuple, int] = {}
         self._table_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._shapes: dict[str, tuple[list, list]] = {}
@@ -122,9 +124,20 @@ class _ProblemBuilder:
         self._resolved[key] = (current, index, shift)
         return current, index, shift
 
+    def whole(self, key: str) -> bool:
+        """``key`` arrives without a pending sum (``graph.arrives_whole``)."""
+        if key not in self._whole:
+            self._whole[key] = arrives_whole(self.graph, key)
+        return self._whole[key]
+
+    def project(self, key: str, placements: tuple | None, shift: int = 0) -> tuple | None:
+        """The placement of ``key`` when its owner's output is ``placements`` (``shift``: more dims in front)."""
+        placements = shift_placements(placements, shift)
+        return materialized(placements) if self.whole(key) else placements
+
     def placement(self, key: str, option: int) -> tuple | None:
         owner, index, shift = self.resolve(key)
-        return shift_placements(self.graph.nodes[owner]["strategies"][option].outputs[index], shift)
+        return self.project(key, self.graph.nodes[owner]["strategies"][option].outputs[index], shift)
 
     def redistribute(self, shape: tuple, itemsize: int, source: Any, target: Any) -> float:
         key = (shape, itemsize, id(source), id(target))  # placements are canonical objects
@@ -300,7 +313,7 @@ class _ProblemBuilder:
                 continue
             owner_u, index_u, shift_u = self.resolve(u)
             strategies_u = self.graph.nodes[owner_u]["strategies"]
-            produced = [shift_placements(s.outputs[index_u], shift_u) for s in strategies_u]
+            produced = [self.project(u, s.outputs[index_u], shift_u) for s in strategies_u]
             rows, row_values = _classes(produced)
             itemsize = _itemsize(source["dtype"])
             for use in data["uses"]:
@@ -317,10 +330,14 @@ class _ProblemBuilder:
                 else:
                     owner_v, index_v, shift_v = self.resolve(v)
                     strategies_v = self.graph.nodes[owner_v]["strategies"]
-                    required = [shift_placements(s.outputs[index_v], shift_v + use.index) for s in strategies_v]
+                    required = [self.project(v, s.outputs[index_v], shift_v + use.index) for s in strategies_v]
                 cols, col_values = _classes(required)
                 shape = use.shape or source["shape"]
-                table = self.redistribute_table(shape, itemsize, row_values, col_values) * use.multiplier
+                if use.kind == "carry":  # read as it left its step: fresh layouts, not the cached lists
+                    terms = self.cost_model.redistribute_terms_table([read_as(use, p) for p in row_values], col_values, self.mesh)
+                    table = (terms[0] + terms[1] * float(math.prod(shape) * itemsize)) * use.multiplier
+                else:
+                    table = self.redistribute_table(shape, itemsize, row_values, col_values) * use.multiplier
                 factors.append(Factor(self.index[owner_u], self.index[owner_v], rows, cols, table))
         factors.extend(self.residual_ties())
         return Problem(choices, factors)
@@ -457,7 +474,8 @@ def node_costs(solution: PlacementSolution) -> dict[str, tuple[float, float]]:
         source = graph.nodes[u]
         for use in data["uses"]:
             required = required_placement(solution, v, use, solution.placements[u])
-            seconds = builder.redistribute(use.shape or source["shape"], _itemsize(source["dtype"]), solution.placements[u], required)
+            produced = read_as(use, solution.placements[u])
+            seconds = builder.redistribute(use.shape or source["shape"], _itemsize(source["dtype"]), produced, required)
             if use.kind == "input":
                 target = v
             elif use.kind == "output":
@@ -467,6 +485,11 @@ def node_costs(solution: PlacementSolution) -> dict[str, tuple[float, float]]:
             if target in costs:
                 costs[target][1] += seconds * use.multiplier / max(graph.nodes[target]["multiplier"], 1)
     return {k: (c[0], c[1]) for k, c in costs.items()}
+
+
+def read_as(use: Any, produced: Any) -> Any:
+    """The layout ``use`` reads a value placed as ``produced`` in: a carry as it left its step (whole)."""
+    return materialized(produced) if use.kind == "carry" else produced
 
 
 def required_placement(solution: PlacementSolution, key: str, use: Any, produced: Any) -> Any:

@@ -3,12 +3,13 @@ take its own placements. Solving it gives the unrolled optimum a scan's shared p
 measured against, on the same values, strategies and cost model.
 
 Step ``i``'s copy of body value ``k`` is ``k@i``. The first step's carries are fed by the init,
-each later step's carries are the previous step's carry outputs; each step's slice is fed by
-its slice of the stacked xs; the stacked ys are the last step's ys with a leading dim, every
-other step's ys laid out like them (one slice each); values the body reads unchanged at every
-step (additional inputs) stay shared. Every read is priced as in the scan (a scan's reads of
-its slices are per step), so a scan plan costs the same here as in the scan, up to the stacked
-ys of steps whose layouts differ.
+each later step's carries by the previous step's carry outputs (each its own layout, a
+redistribution between steps where they differ); the stacked ys are the last step's ys with a
+leading dim, every other step's ys laid out like them (one slice each, pending sums kept). The
+values the body reads alike at every step stay shared: additional inputs, and the slices of
+stacked xs (one stacked value, laid out once before the loop; a step wanting its slice in
+another layout redistributes it where it reads it). Every read is priced as in the scan, so a
+scan plan costs the same here as in the scan, up to the stacked ys of steps whose layouts differ.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 import networkx as nx
 
 from passes._infra import PassError
-from passes.solver import _dtensor
 from passes.solver.graph import Strategy, Use
 
 __all__ = ["unrolled_graph", "scan_plan_on_unrolled"]
@@ -26,7 +26,6 @@ __all__ = ["unrolled_graph", "scan_plan_on_unrolled"]
 
 def unrolled_graph(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str]]:
     """``graph`` with every scan unrolled, and for each copy the body value it copies."""
-    mesh = graph.graph["mesh"]
     out = graph.copy()
     origin: dict[str, str] = {}
     for scan in graph.graph.get("scans", []):
@@ -59,19 +58,14 @@ def unrolled_graph(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str]]:
                     continue  # carries are rewired below
                 uses = [use._replace(multiplier=max(1, use.multiplier // length)) for use in data["uses"]]
                 out.add_edge(copy_u, copy_v, **{**data, "uses": uses})
-        carries = zip(scan["carry_in"], scan["carry_out"])
-        for carry_in, carry_out in carries:
-            if carry_in is None or carry_in == carry_out:
-                continue
-            first = f"{carry_in}@{order[0]}"
-            shape = graph.nodes[carry_in]["shape"]
-            out.nodes[first].update(
-                kind="input", alias=None,
-                strategies=[Strategy((p,), ()) for p in _dtensor.all_placements(shape, mesh)],
-            )
+        for carry_in, carry_out in zip(scan["carry_in"], scan["carry_out"]):
+            if not graph.has_edge(carry_out, carry_in) or not graph.edges[carry_out, carry_in].get("loop"):
+                continue  # a carry the body passes through unchanged
             for previous, step in zip(order, order[1:]):
-                out.nodes[f"{carry_in}@{step}"]["alias"] = (f"{carry_out}@{previous}", 0, 0)
-                out.add_edge(f"{carry_out}@{previous}", f"{carry_in}@{step}", bytes=0, uses=[], tie=True)
+                out.add_edge(
+                    f"{carry_out}@{previous}", f"{carry_in}@{step}", bytes=graph.nodes[carry_out]["bytes"],
+                    tie=False, loop=True, uses=[Use("carry", 0, scan["multiplier"])],
+                )
         # The scan's results: the last step's carries; the ys stacked from every step's.
         last = order[-1]
         for index, key in scan["results"].items():
@@ -96,12 +90,9 @@ def unrolled_graph(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str]]:
 
 
 def _is_shared_input(graph: nx.DiGraph, key: str, scan: dict) -> bool:
-    """A body input read unchanged at every step (an additional input)."""
+    """A body input every step reads alike: an additional input, or the slices of stacked xs."""
     data = graph.nodes[key]
-    return (
-        data["kind"] == "input" and data["fx_node"].op == "placeholder"
-        and key not in scan["slices"] and key not in scan["carry_in"]
-    )
+    return data["kind"] == "input" and data["fx_node"].op == "placeholder" and key not in scan["carry_in"]
 
 
 def scan_plan_on_unrolled(unrolled: nx.DiGraph, origin: dict[str, str], solution: Any) -> dict[str, Strategy]:

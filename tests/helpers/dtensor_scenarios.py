@@ -317,7 +317,7 @@ def plan_solved_mlp() -> dict:
     forward, backward, _ = aot_trace(loss, *(a.clone().requires_grad_() for a in args))
     cost_model = passes.CostModel(peak_flops=1e9, memory_bandwidth=1e12, link_bandwidth=1e12, link_latency=0.0)
     solution = passes.solve_placements((forward, backward), MESH, cost_model=cost_model)
-    passes.apply_placements((forward, backward), solution)
+    passes.apply_placements((forward, backward), solution, pending_sums=True)
     reference, grads = run_on_dtensor._reference(loss, args, range(3))
     placeholders = [node.name for node in forward.graph.find_nodes(op="placeholder")]
     return dict(
