@@ -268,8 +268,11 @@ def test_pending_sums_states_the_reads_that_keep_a_pending_sum():
 
     from hops.specs import Partial
     from passes.solver.solve import read_as, required_placement
-    from tests.helpers.dtensor_scenarios import AUTO_SHARD_CONFIG, run_on_dtensor  # (puts examples/ on the path)
+    from tests.helpers.dtensor_scenarios import AUTO_SHARD_CONFIG, UNSUPPORTED, run_on_dtensor  # (puts examples/ on the path)
 
+    if "example_auto_shard" in UNSUPPORTED:
+        # (and DTensor 2.9's rules give the decoder's plan no read that keeps a pending sum)
+        pytest.skip(UNSUPPORTED["example_auto_shard"])
     auto_shard = importlib.import_module("auto_shard")
     MESH = run_on_dtensor.MESH
 
