@@ -14,7 +14,7 @@ compared with the loop program's optimum under the same ``CostModel``.
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import os
 import sys
 
@@ -35,12 +35,11 @@ SMALL = dict(dim=128, heads=8, kv_heads=2, vocab=512, ffn=384, batch=8, seq=256)
 
 
 def load_example():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "auto_shard.py")
-    spec = importlib.util.spec_from_file_location("auto_shard", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
+    """examples/auto_shard.py, imported by name (the examples are scripts, not a package)."""
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    return importlib.import_module("auto_shard")
 
 
 @functools.lru_cache(maxsize=None)
