@@ -6,24 +6,23 @@ limit over liveness intervals and the contest's time limit. Per instance this pr
 the seconds taken (reading the file excluded), and, beside them, the cost XLA's auto-sharding
 reached and the best contest team's (the figures in ``../shared/iopddl/README.md``).
 
-Measured on the project's 2-core machine while other jobs shared it (load average 5 to 7, so
-the search got a fraction of two cores and the figures are pessimistic), torch 2.13 venv,
-HiGHS 1.16, commit "IOPDDL search: neighbourhoods grow towards the incumbent's excess cost":
+Measured on the project's 2-core machine with nothing else running, torch 2.13 venv, HiGHS
+1.16, commit "IOPDDL search: a neighbourhood no larger than the time left allows":
 
 | instance | limit | cost | lower bound | gap | seconds | XLA | best team | vs XLA | vs best |
 |---|---|---|---|---|---|---|---|---|---|
-| A | 60 s | 11,280,255,679 | 1,304,379,650 | 88.44% | 54.6 | 13,214,846,074 | 6,548,641,531 | 0.854 | 1.723 |
-| G | 120 s | 217,039 | 217,039 | 0.00% | 2.5 | 1,264,777 | 217,039 | 0.172 | 1.000 |
-| M | 180 s | 52,765,288,327 | 38,413,198,699 | 27.20% | 168.5 | - | 49,928,460,991 | - | 1.057 |
-| S | 240 s | 2,014,984,025 | 316,123,064 | 84.31% | 221.4 | - | 1,534,613,444 | - | 1.313 |
+| A | 60 s | 11,384,642,038 | 2,275,482,247 | 80.01% | 55.7 | 13,214,846,074 | 6,548,641,531 | 0.862 | 1.738 |
+| G | 120 s | 217,039 | 217,039 | 0.00% | 1.4 | 1,264,777 | 217,039 | 0.172 | 1.000 |
+| M | 180 s | 52,598,807,823 | 39,779,703,171 | 24.37% | 167.2 | - | 49,928,460,991 | - | 1.053 |
+| S | 240 s | 1,988,922,567 | 317,159,089 | 84.05% | 222.7 | - | 1,534,613,444 | - | 1.296 |
 
 G is solved to optimality (the best contest cost) in seconds. A, M and S are too large for one
-MILP: every one gets a feasible solution within its limit, A below XLA's cost (15% less), M
-within 6% of the best team, S within 32%; their lower bounds come from min-sum diffusion and
-are weak. Runs vary with the load (the neighbourhood search gets fewer rounds): A measured
-0.854, 0.864 and 0.871 of XLA's cost in three runs at load 5 to 6 (the commit before, 0.858
-at the same load, 1.065 at load 7 to 12); the commit before reached 1.065 of the best team on
-M and 1.415 on S at load 3 to 4 (one run each).
+MILP: every one gets a feasible solution within its limit, A below XLA's cost (14% less), M
+within 6% of the best team, S within 30%; their lower bounds come from min-sum diffusion and
+are weak. A run's rounds depend on timing, so costs vary between runs: A measured 10.59e9
+(0.802 of XLA's cost) in another run of this commit. Before it the search could run past its
+limit (A: 61.1 s for 60 s, a last round building a 470k-column model); each round's
+neighbourhood is now sized to the time left.
 
 Usage: python benchmarks/iopddl.py [PATH ...] [--time-limit SECONDS]
 (default: the four public instances A, G, M, S in ../shared/iopddl relative to the repository)
