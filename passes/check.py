@@ -2,12 +2,16 @@
 
 A graph states a layout wherever a typed spec meets a region directly:
 - a sharding annotation feeds a region input: its placements must be the input's
-  ``in_placements`` (and, if it has gradient placements, they must be the input's gradient
-  placements: the layout the region produces for that gradient);
+  ``in_placements`` (a ``Replicate`` placement may feed a ``Partial`` one: the region makes
+  the pending sum locally, one device keeping the value and the others adding zeros); if it
+  has gradient placements, they must be the layout the region produces for that gradient;
 - a region output is annotated: the annotation must match the output's ``out_placements``;
 - a region output feeds another region: ``out_placements`` must be the consumer's
-  ``in_placements``.
-A mismatch is not wrong arithmetic (global values are well defined), but it means the
+  ``in_placements`` (as for an annotation feeding it).
+Where a region makes a pending sum (an output, or a gradient placed ``Partial``), the
+statement says where the sum goes once reduced (``Replicate``: all-reduced, ``Shard``:
+reduce-scattered), since no XLA sharding can state the sum itself; its other mesh axes must
+agree. A mismatch is not wrong arithmetic (global values are well defined), but it means the
 plan asks for a redistribution nobody wrote down, which is what a sharding solver's
 verifier must catch. Reads node args only; recurses into subgraphs.
 """
@@ -25,7 +29,7 @@ from hops.local_map import local_map_hop
 from hops.named_scope import named_scope_hop
 from hops.scan import scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
-from hops.specs import LocalMapSpec, ShardingSpec
+from hops.specs import LocalMapSpec, Partial, Replicate, ShardingSpec
 from passes._infra import PassError, check_spec, graph_modules, hop_row, hop_table, is_package_hop, ordinary_op, typed_spec
 
 Stated = tuple  # (what, mesh, placements, grad placements)
@@ -85,6 +89,26 @@ def _stated_layout(value: Any) -> Stated | None:
     return None
 
 
+def _reduces(made: tuple, placements: tuple) -> bool:
+    """Whether a statement of ``placements`` agrees with a value a region makes as ``made``:
+    the same placement on every mesh axis, except that a pending sum may be reduced into any
+    placement that is not itself a pending sum."""
+    return len(made) == len(placements) and all(
+        was == stated or (isinstance(was, Partial) and not isinstance(stated, Partial))
+        for was, stated in zip(made, placements)
+    )
+
+
+def _enters(expected: tuple, placements: tuple) -> bool:
+    """Whether a value stated as ``placements`` is what a region input ``expected`` reads: the
+    same placement on every mesh axis, except that a replicated value enters as a pending sum
+    locally (one device keeps it, the others add zeros)."""
+    return len(expected) == len(placements) and all(
+        want == stated or (isinstance(want, Partial) and isinstance(stated, Replicate))
+        for want, stated in zip(expected, placements)
+    )
+
+
 def _mismatches(region: fx.Node) -> list[str]:
     spec = typed_spec(region, "check_placements", LocalMapSpec)
     if len(region.args) - 2 != len(spec.in_placements):
@@ -101,12 +125,12 @@ def _mismatches(region: fx.Node) -> list[str]:
         what, mesh, placements, grads = stated
         if mesh != spec.mesh:
             problems.append(f"{region.name} input {index}: {what} is on {mesh!r}, the region on {spec.mesh!r}")
-        elif placements != spec.in_placements[index]:
+        elif not _enters(spec.in_placements[index], placements):
             problems.append(
                 f"{region.name} input {index}: {what} lays it out as {placements}, the region's "
                 f"in_placements expect {spec.in_placements[index]}"
             )
-        elif grads is not None and grads != grad_placements[index]:
+        elif grads is not None and not _reduces(grad_placements[index], grads):
             problems.append(
                 f"{region.name} input {index}: {what} wants its gradient as {grads}, the region "
                 f"produces {grad_placements[index]}"
@@ -122,7 +146,7 @@ def _mismatches(region: fx.Node) -> list[str]:
             stated = rule.states(consumer, None) if rule is not None else None
             if stated is not None:
                 what, mesh, placements, _ = stated
-                if mesh != spec.mesh or placements != spec.out_placements[index]:
+                if mesh != spec.mesh or not _reduces(spec.out_placements[index], placements):
                     problems.append(
                         f"{region.name} output {index}: {what} lays it out as "
                         f"{placements}, the region's out_placements give {spec.out_placements[index]}"

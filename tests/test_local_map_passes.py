@@ -119,12 +119,28 @@ class TestCheckPlacements(TestCase):
         gm = make_fx(plan)(torch.randn(8, 6), torch.randn(6, 4))
         self.assertIs(passes.check_placements(gm), gm)
 
+    def test_an_annotation_on_a_pending_sum_states_its_reduction_and_nothing_else(self):
+        # sharded_matmul's output is (Shard(0), Partial()): an annotation may reduce the sum
+        # into any placement on "model" (all-reduce, reduce-scatter) or keep it, but must keep
+        # the rows as the region lays them out.
+        def annotated(placements):
+            def plan(x, w):
+                return hops.annotate_sharding(sharded_matmul(x, w), ShardingSpec(MESH, placements))
+
+            return make_fx(plan)(torch.randn(8, 6), torch.randn(6, 4))
+
+        for reduced in ((Shard(0), Replicate()), (Shard(0), Shard(1)), (Shard(0), Shard(0)), (Shard(0), Partial())):
+            passes.check_placements(annotated(reduced))
+        for changed in ((Replicate(), Replicate()), (Shard(1), Replicate()), (Partial(), Partial()), (Shard(0), Partial("max"))):
+            with self.assertRaisesRegex(passes.PassError, "hops_local_map output 0: annotation hops_sharding_annotation lays it out as"):
+                passes.check_placements(annotated(changed))
+
     def test_mismatches_are_reported_with_their_nodes(self):
         def plan(x, w):
             x = hops.annotate_sharding(x, ShardingSpec(MESH, (Shard(0), Replicate())))  # region wants Shard(1) on model
             w = hops.annotate_sharding(
-                w, ShardingSpec(MESH, (Replicate(), Shard(0))), grad_spec=ShardingSpec(MESH, (Shard(1), Shard(0)))
-            )  # the region produces (Partial, Shard(0)) for w's gradient
+                w, ShardingSpec(MESH, (Replicate(), Shard(0))), grad_spec=ShardingSpec(MESH, (Shard(1), Shard(1)))
+            )  # the region produces (Partial, Shard(0)) for w's gradient: its rows would move
             y = sharded_matmul(x, w)  # out (Shard(0), Partial) feeds a region that wants (Shard(0), Replicate)
             z = row_scale(y)
             return hops.annotate_sharding(z, ShardingSpec(MESH, (Replicate(), Replicate())))
@@ -134,7 +150,7 @@ class TestCheckPlacements(TestCase):
             passes.check_placements(gm)
         message = str(caught.exception)
         self.assertIn("hops_local_map input 0: annotation hops_sharding_annotation lays it out as (hops.Shard(0), hops.Replicate())", message)
-        self.assertIn("wants its gradient as (hops.Shard(1), hops.Shard(0)), the region produces (hops.Partial(), hops.Shard(0))", message)
+        self.assertIn("wants its gradient as (hops.Shard(1), hops.Shard(1)), the region produces (hops.Partial(), hops.Shard(0))", message)
         self.assertIn("hops_local_map_1 input 0: output 0 of hops_local_map lays it out as (hops.Shard(0), hops.Partial())", message)
         self.assertIn("hops_local_map_1 output 0: annotation hops_sharding_annotation_2", message)
         self.assertEqual(message.count("\n"), 4)

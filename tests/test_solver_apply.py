@@ -5,6 +5,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
@@ -17,6 +19,7 @@ LINE = Mesh((2,), ("data",))
 GRID = Mesh((2, 2), ("data", "model"))
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 SLOW_LINK = CostModel(peak_flops=1e9, memory_bandwidth=1e9, link_bandwidth=1e8, link_latency=1e-6)
+FAST_LINK = CostModel(peak_flops=1e9, memory_bandwidth=1e9, link_bandwidth=1e12, link_latency=1e-6)
 ROWS = ShardingSpec(LINE, (S0,))
 COLUMNS = ShardingSpec(LINE, (S1,))
 
@@ -255,9 +258,6 @@ def test_the_applied_solution_runs_on_4_xla_devices_like_eager_with_the_chosen_s
     assert '"SPMDFullToShardShape"' in forward_hlo and '"SPMDFullToShardShape"' in backward_hlo
 
 
-if __name__ == "__main__":
-    pytest.main([__file__])
-
 
 def test_pending_sums_states_the_reads_that_keep_a_pending_sum():
     # x split by rows and along the contracted dim makes the product a pending sum over
@@ -285,3 +285,65 @@ def test_pending_sums_states_the_reads_that_keep_a_pending_sum():
     gm, solution = solved()
     passes.apply_placements(gm, solution, pending_sums=True)
     assert [(value, placements) for value, placements in annotations(gm) if Partial() in placements] == [("mm", pending)]
+
+
+# A region's (input, output) placement on one mesh axis: elementwise it keeps a layout, and
+# scaling a replicated value is a valid pending sum (each device's part adds up to the result).
+AXIS_LAYOUTS = [(R, R), (S0, S0), (S1, S1), (R, hops.Partial()), (hops.Partial(), hops.Partial())]
+LAYOUTS = [(a, b) for a in (R, S0, S1) for b in (R, S0, S1)]
+
+
+PROGRAMS = dict(
+    axes=st.tuples(st.sampled_from(AXIS_LAYOUTS), st.sampled_from(AXIS_LAYOUTS)),
+    entering=st.sampled_from(LAYOUTS),
+    leaving=st.sampled_from(LAYOUTS),
+    matmul=st.booleans(),
+    slow_link=st.booleans(),
+)
+
+
+def applied(axes, entering, leaving, matmul, slow_link, pending_sums):
+    """A region whose output may be a pending sum between annotations, trained, solved and
+    applied: (forward, backward, forward's inputs, forward's outputs before apply)."""
+    region = hops.local_map(
+        lambda a: a * 2, mesh=GRID, in_placements=(tuple(a for a, _ in axes),), out_placements=tuple(b for _, b in axes)
+    )
+
+    def program(x, w):
+        y = region(hops.annotate_sharding(x, ShardingSpec(GRID, entering))).relu()
+        return hops.annotate_sharding(y @ w if matmul else y, ShardingSpec(GRID, leaving))
+
+    torch.manual_seed(0)
+    args = [torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)]
+    forward, backward, _ = aot_trace(program, *args)
+    inputs = [a.detach() for a in args]
+    before = forward(*inputs)
+    solution = passes.solve_placements((forward, backward), GRID, cost_model=SLOW_LINK if slow_link else FAST_LINK)
+    passes.apply_placements((forward, backward), solution, pending_sums=pending_sums)
+    return forward, backward, inputs, before
+
+
+@settings(max_examples=40, deadline=None)
+@given(pending_sums=st.booleans(), **PROGRAMS)
+def test_any_applied_solution_passes_check_placements_and_keeps_the_values(pending_sums, **program):
+    # The contract of apply_placements, for every way a region's pending sums can be read and
+    # written: check_placements passes afterwards (forward and backward) and the program
+    # computes what it computed before.
+    forward, backward, inputs, before = applied(pending_sums=pending_sums, **program)
+    passes.check_placements(forward)
+    passes.check_placements(backward)
+    for got, want in zip(forward(*inputs), before):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.xla
+@settings(max_examples=8, deadline=None)
+@given(**PROGRAMS)
+def test_any_applied_solution_lowers_to_xla_and_runs_like_eager(**program):
+    forward, _, inputs, before = applied(pending_sums=False, **program)
+    passes.lower_to_xla(forward)
+    device = xla_device()
+    outputs = forward(*(x.to(device) for x in inputs))
+    sync()
+    for got, want in zip(outputs, before):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)

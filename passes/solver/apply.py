@@ -5,20 +5,23 @@ produced (inside scan and named-scope bodies too); each read that needs another 
 consumer strategy's input placement, a scan operand laid out like its carry or slice, a
 gradient laid out like its parameter) gets a second annotation in front of the reader. A
 ``Partial`` layout is not stated (an XLA sharding describes a whole value); the next stated
-layout makes the partitioner reduce it, and a region entering a value as ``Partial`` reads it
-as made (its lowering lays it out itself). Regions keep their own placements, switched to the
+layout makes the partitioner reduce it (a region's output: first its sums alone, as
+``check_placements`` wants), and a region entering a value as ``Partial`` reads it replicated
+(its lowering makes the sum locally), or as made if the value already has that sum. Regions keep their own placements, switched to the
 chosen alternative. Values inside region bodies are per-device and are left alone.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from hops.local_map import local_map_hop
 from hops.sharding_annotation import sharding_annotation_hop
-from hops.specs import Partial, ShardingSpec
+from hops.specs import Partial, Replicate, ShardingSpec
 from passes._infra import PassError
 from passes.solver.graph import as_program
 from passes.solver.solve import PlacementSolution, required_placement
@@ -33,6 +36,29 @@ def _stateable(placements: Any, produced: Any = None) -> bool:
     if placements is None:
         return False
     return all(not isinstance(p, Partial) or (produced is not None and produced[axis] == p) for axis, p in enumerate(placements))
+
+
+def _is_region_output(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].target is local_map_hop
+    )
+
+
+def _reduced(produced: tuple, required: tuple) -> tuple:
+    """``produced`` with each pending sum reduced into ``required``'s placement on its mesh axis
+    (kept where ``required`` keeps it): the one step of a read that changes only the sums."""
+    return tuple(want if isinstance(made, Partial) else made for made, want in zip(produced, required))
+
+
+def _entered(produced: tuple, required: tuple) -> tuple:
+    """The layout a region entering ``required`` reads a value placed ``produced`` from: each
+    pending sum the value does not already have, replicated (the region makes it locally)."""
+    return tuple(
+        Replicate() if isinstance(want, Partial) and want != made else want for made, want in zip(produced, required)
+    )
 
 
 def choose_alternative(spec: Any, index: int) -> Any:
@@ -74,6 +100,7 @@ def apply_placements(gm: Any, solution: PlacementSolution, *, pending_sums: bool
     graph, mesh = solution.graph, solution.mesh
     changed: set[fx.GraphModule] = set()
     stated: dict[str, fx.Node] = {}  # value -> the node that holds it laid out as placed
+    reductions: dict[tuple, fx.Node] = {}  # (region output, layout) -> its pending sums reduced so
 
     # Producer side: every placed value, right after it is made.
     for key, placements in solution.placements.items():
@@ -105,19 +132,43 @@ def apply_placements(gm: Any, solution: PlacementSolution, *, pending_sums: bool
             reader: fx.Node = use.reader
             if use.kind == "carry":
                 continue  # stated by the carry input's own annotation, at the top of every step
-            if reader.target is sharding_annotation_hop:
-                continue  # the reader is itself the statement
-            if not _stateable(required, produced if pending_sums else None):
-                # A pending sum cannot be stated: the reader (a region entering it as Partial)
-                # reads the value as made, not the statement of another layout.
-                if stated[u] is not graph.nodes[u]["fx_node"]:
-                    _replace_leaf(reader, use.position, graph.nodes[u]["fx_node"])
+            statement = reader.target is sharding_annotation_hop  # the reader states its layout itself
+            if not statement and not _stateable(required, produced if pending_sums else None):
+                # A pending sum the target cannot state: the reader is a region entering the
+                # value as Partial, which it makes locally from a replicated value; state that.
+                required = _entered(produced, required)
+                if required == produced:
+                    continue
+                if not _stateable(required, produced if pending_sums else None):
+                    # It keeps a pending sum of the value: it reads the value as made.
+                    if stated[u] is not graph.nodes[u]["fx_node"]:
+                        _replace_leaf(reader, use.position, graph.nodes[u]["fx_node"])
+                        changed.add(reader.graph.owning_module)
+                    continue
+            source = stated[u]
+            if _is_region_output(source):
+                # The region's output is unstated (it has a pending sum): an annotation on it
+                # may only reduce the sum (what check_placements accepts), so a read that also
+                # moves its other mesh axes states the reduction first.
+                reduced = _reduced(produced, required)
+                if reduced == required and statement:
+                    continue
+                if not _stateable(reduced, produced if pending_sums else None):
+                    continue  # a statement keeping a pending sum the target cannot state
+                if (u, reduced) not in reductions:
+                    with source.graph.inserting_after(source):
+                        reductions[u, reduced] = source.graph.call_function(
+                            sharding_annotation_hop, (source, ShardingSpec(mesh, reduced))
+                        )
+                source = reductions[u, reduced]
+                if reduced == required or statement:
+                    _replace_leaf(reader, use.position, source)
                     changed.add(reader.graph.owning_module)
+                    continue
+            elif statement:
                 continue
             with reader.graph.inserting_before(reader):
-                annotation = reader.graph.call_function(
-                    sharding_annotation_hop, (stated[u], ShardingSpec(mesh, required))
-                )
+                annotation = reader.graph.call_function(sharding_annotation_hop, (source, ShardingSpec(mesh, required)))
             _replace_leaf(reader, use.position, annotation)
             changed.add(reader.graph.owning_module)
 
