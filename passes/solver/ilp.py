@@ -30,7 +30,9 @@ level's optimum, but not proven optimal; ``stats["status"]`` says so.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import time
 from typing import Any, Sequence
 
@@ -595,7 +597,9 @@ def _axis_search(
     1. Coarse: every choice keeps only the options that place alike on the first two mesh axes
        (the mesh with those two axes merged; the next pair if that is infeasible), solved exactly.
     2. Refine: every choice may change its layout on any one axis (each choice its own axis) from
-       the best plan so far, solved exactly; repeated while the plan gets cheaper.
+       the best plan so far, solved exactly, repeated while the plan gets cheaper; then (3 or
+       more axes) every plane of two axes at once, each a program of its own; back to one
+       axis while a plane finds a cheaper plan.
 
     Each step is an exact integer program over a subset of the options that holds the plan so
     far, so the plan only improves, but the result is the best of these neighbourhoods, not a
@@ -621,19 +625,25 @@ def _axis_search(
         except ImportError:
             pass
 
-    def run(masks: dict[int, np.ndarray], incumbent: dict[int, int] | None = None) -> tuple[dict[int, int], float]:
+    def run(masks: dict[int, np.ndarray], incumbent: dict[int, int] | None = None) -> tuple[dict[int, int], float, tuple]:
+        """The best plan in the neighbourhood ``masks``, its cost, and what the program took
+        (thread-safe: several neighbourhoods are solved at once)."""
         sub = reducer.restricted(masks)
         sub.reduce()
         left = None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - start))
-        began = time.process_time()
+        began = time.thread_time()
         options, _, variables, constraints, in_ilp = _solve_reduced(sub, memory_budget, solver, left, incumbent)
+        chosen = sub.expand_partial(options, keep)
+        return chosen, evaluate(problem, reducer.expand(chosen)), (time.thread_time() - began, variables, constraints, in_ilp)
+
+    def record(found: tuple) -> tuple[dict[int, int], float]:
+        seconds, variables, constraints, in_ilp = found[2]
         stats["ilps"] += 1
-        stats.setdefault("ilp_cpu_seconds", []).append(round(time.process_time() - began, 2))
+        stats.setdefault("ilp_cpu_seconds", []).append(round(seconds, 2))
         stats.setdefault("ilp_variables", []).append(variables)
         if variables > stats["variables"]:
             stats.update(variables=variables, constraints=constraints, choices_in_ilp=in_ilp)
-        chosen = sub.expand_partial(options, keep)
-        return chosen, evaluate(problem, reducer.expand(chosen))
+        return found[0], found[1]
 
     best: tuple[dict[int, int], float] | None = None
     for a, b in itertools.combinations(range(ndim), 2):
@@ -645,7 +655,7 @@ def _axis_search(
             if tied[reducer.alive[choice]].any():
                 masks[choice] = tied
         try:
-            found = run(masks)
+            found = record(run(masks))
         except InfeasiblePlacementError:
             continue
         stats["coarse_costs"].append(found[1])
@@ -653,31 +663,59 @@ def _axis_search(
             best = found
     if best is None:
         return None
-    # Neighbourhoods of the plan so far: each choice changes any one axis; then all choices
-    # change the same two axes (the third as in the plan). Cycled until none improves.
-    neighbourhoods = [None] + [pair for pair in itertools.combinations(range(ndim), 2)] if ndim == 3 else [None]
-    stale = 0
-    turn = 0
-    while stale < len(neighbourhoods) and (time_limit is None or time.perf_counter() - start < time_limit):
-        chosen = best[0]
-        pair = neighbourhoods[turn % len(neighbourhoods)]
-        turn += 1
-        if pair is None:
-            masks = {choice: (codes != codes[chosen[choice]]).sum(axis=1) <= 1 for choice, codes in axes.items()}
-        else:
-            fixed = [axis for axis in range(ndim) if axis not in pair]
-            masks = {choice: (codes[:, fixed] == codes[chosen[choice], fixed]).all(axis=1) for choice, codes in axes.items()}
-        try:
-            found = run(masks, chosen)
-        except RuntimeError:  # the time limit ran out inside this neighbourhood: keep the plan so far
+
+    def one_axis(chosen: dict[int, int]) -> dict[int, np.ndarray]:
+        """Each choice may change its layout on any one axis."""
+        return {choice: (codes != codes[chosen[choice]]).sum(axis=1) <= 1 for choice, codes in axes.items()}
+
+    def plane(chosen: dict[int, int], pair: tuple[int, int]) -> dict[int, np.ndarray]:
+        """Every choice may change its layout on the two axes of ``pair``, the others as in the plan."""
+        fixed = [axis for axis in range(ndim) if axis not in pair]
+        return {choice: (codes[:, fixed] == codes[chosen[choice], fixed]).all(axis=1) for choice, codes in axes.items()}
+
+    def better(found: tuple[dict[int, int], float]) -> bool:
+        return found[1] < best[1] - 1e-12 * abs(best[1])
+
+    def time_left() -> bool:
+        return time_limit is None or time.perf_counter() - start < time_limit
+
+    # Neighbourhoods of the plan so far: each choice changes any one axis (repeated from each
+    # new plan); then, on 3 or more axes, every plane of two axes (the others as in the plan),
+    # solved at once (they are independent programs from one plan, and HiGHS runs outside
+    # the GIL); back to one axis when a plane improves. Stops when neither does.
+    planes = list(itertools.combinations(range(ndim), 2)) if ndim >= 3 else []
+    one_axis_from = None  # the plan the one-axis neighbourhood was last solved from
+    while time_left():
+        if one_axis_from is not best[0]:
+            one_axis_from = best[0]
+            try:
+                found = record(run(one_axis(best[0]), best[0]))
+            except RuntimeError:  # the time limit ran out inside this neighbourhood: keep the plan so far
+                break
+            stats["refine_costs"].append(found[1])
+            if better(found):
+                best = found
+                continue
+        if not planes or not time_left():
             break
-        stats["refine_costs"].append(found[1])
-        if found[1] < best[1] - 1e-12 * abs(best[1]):
-            best = found
-            # Run again from its own optimum, a neighbourhood of both axes is the same one.
-            stale = 0 if pair is None else 1
-        else:
-            stale += 1
+        chosen = best[0]
+        neighbourhoods = [plane(chosen, pair) for pair in planes]
+        # The largest first: a worker that finishes a small one takes the next.
+        order = sorted(range(len(planes)), key=lambda i: -sum(int(m.sum()) for m in neighbourhoods[i].values()))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(planes), os.cpu_count() or 1)) as pool:
+            submitted = {i: pool.submit(run, neighbourhoods[i], chosen) for i in order}
+        futures = [submitted[i] for i in range(len(planes))]
+        results = []
+        for future in futures:
+            try:
+                results.append(record(future.result()))
+            except RuntimeError:  # out of time inside that plane
+                pass
+        stats["refine_costs"].extend(cost for _, cost in results)
+        improved = [found for found in results if better(found)]
+        if not improved:
+            break
+        best = min(improved, key=lambda found: found[1])
     stats["status"] = "best of the axis neighbourhoods (not proven optimal)"
     return best[0], stats
 
