@@ -4,8 +4,12 @@ The public functions, the shared rules and the device rules hand bodies to one a
 plain callables; what one of them learned about a body travels with it as a frozen
 ``BodyRecord`` (replaced, never mutated, when something more is learned):
 
-- ``trace_key``: equal keys reuse one inspection and one traced joint within a trace
-  (``set_trace_key``; default: the body object itself);
+- ``trace_key``: equal keys reuse one inspection within a trace (``set_trace_key``;
+  default: the body object itself), and one traced joint unless ``plan_key`` gives one;
+- ``plan_key``: computes the key under which equal calls reuse one traced joint within a
+  trace: the user function's ``code_key`` with the tensors it reads keyed by their place
+  among the lifted inputs (AOTAutograd's two passes call a new closure over new tensor
+  wrappers: the same plan), or None;
 - ``code_key``: computes the body's ``CodeKey`` (equal eager calls on XLA reuse across calls
   what was made from an equal body), or None;
 - ``known_functional``: the body was checked not to write into its inputs (or built by this
@@ -32,8 +36,10 @@ __all__ = [
     "body_record",
     "is_known_functional",
     "known_functional",
+    "lifted_plan_key",
     "plan_body",
     "plan_body_key",
+    "plan_key",
     "set_trace_key",
     "trace_key",
     "traced_graph",
@@ -47,6 +53,8 @@ class BodyRecord:
 
     trace_key: Any = None
     code_key: Callable[[], CodeKey | None] | None = None
+    plan_key: Callable[[], Any] | None = None
+    user_call: tuple | None = None  # (user function, call structure), from set_trace_key
     known_functional: bool = False
     plan_body: bool = False
     graph: fx.GraphModule | None = None
@@ -89,7 +97,35 @@ def set_trace_key(body: Callable, fn: Callable, *structure: Any, across_calls: b
     except TypeError:
         return
     make = functools.cache(lambda: code_key(fn, *structure)) if across_calls else None  # computed on first use
-    update_record(body, trace_key=key, code_key=make)
+    user_call = (fn, structure)
+    update_record(body, trace_key=key, code_key=make, user_call=user_call, plan_key=_plan_key_maker(user_call, ()))
+
+
+def _plan_key_maker(user_call: tuple, lifted: Any) -> Callable[[], Any]:
+    """Computes the plan key of a call of ``user_call`` whose closure tensors ``lifted`` are
+    trailing inputs (by place: their metadata is the operands'); a tensor it does not read
+    cannot change the trace (by metadata). Computed on first use."""
+    fn, structure = user_call
+    places = {id(t): place for place, t in enumerate(lifted)}
+
+    def tensor_key(t: torch.Tensor) -> Any:
+        return ("lifted", places[id(t)]) if id(t) in places else ("unread",)
+
+    return functools.cache(lambda: code_key(fn, *structure, tensor_key=tensor_key))
+
+
+def lifted_plan_key(body: Callable, lifted: Any) -> Callable[[], Any] | None:
+    """The plan key maker of ``body`` once the closure tensors ``lifted`` are its trailing inputs."""
+    user_call = body_record(body).user_call
+    return None if user_call is None else _plan_key_maker(user_call, lifted)
+
+
+def plan_key(body: Callable) -> Any:
+    """The key under which an equal call shares ``body``'s autograd plan within a trace
+    besides its ``trace_key`` (see the module docstring), or None."""
+    make = body_record(body).plan_key
+    key = make() if make is not None else None
+    return None if key is None else ("code", key)
 
 
 def across_calls_key(body: Callable) -> CodeKey | None:

@@ -13,7 +13,7 @@ import torch
 from torch._guards import detect_fake_mode
 
 from hops._body import BodyInfo, unwrap_functional
-from hops._body_record import across_calls_key, trace_key
+from hops._body_record import across_calls_key, plan_key, trace_key
 
 __all__ = ["ACROSS_CALLS_SIZE", "cached_per_trace", "cached_plan"]
 
@@ -79,8 +79,9 @@ def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operand
     then the joint): an equal call is inspected, traced and split once.
 
     Equal means the same body (or the same trace key, ``hops._body_record``: public
-    functions make a new body per call around one user function), operand metadata and
-    requires_grad, and spec. Eagerly on XLA tensors, a body keyed by ``code_key`` reuses what
+    functions make a new body per call around one user function; for a plan, the same plan
+    key: a new closure with the same code over tensors in the same places), operand metadata
+    and requires_grad, and spec. Eagerly on XLA tensors, a body keyed by ``code_key`` reuses what
     an equal earlier call made (bounded, least recently used evicted). Elsewhere outside a
     fake-tensor trace, or with symbolic shapes, nothing is reused."""
     metadata = []
@@ -98,7 +99,17 @@ def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operand
     key = (kind, trace_key(body), tuple(metadata), spec)
     value = cache.get(key)
     if value is None:
-        value = cache[key] = make()
+        code = plan_key(body) if kind == "plan" else None
+        if code is None:
+            value = cache[key] = make()
+        else:
+            # The same body, or another closure with the same code and state (a plan only:
+            # an inspection holds the tensors the closure reads, the wrappers of one pass).
+            alternative = (kind, code, tuple(metadata), spec)
+            value = cache.get(alternative)
+            if value is None:
+                value = cache[alternative] = make()
+            cache[key] = value
     return value
 
 

@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from hops._autograd import needs_traced_autograd
 from hops._body import describe_tensor, inspect_body, lift_closure, unwrap_functional
-from hops._body_record import body_record, known_functional, update_record
+from hops._body_record import body_record, known_functional, lifted_plan_key, update_record
 from hops._caches import cached_per_trace
 from hops._code_key import CodeKey
 from hops._dynamo import call_description
@@ -120,6 +120,7 @@ def call_body_hop(
             known_functional=True,
             trace_key=None if record.trace_key is None else (record.trace_key, tuple(id(t) for t in read)),
             code_key=None if code_key_of is None else functools.cache(lambda: _with_lifted(code_key_of(), read)),
+            plan_key=lifted_plan_key(body, read),
         )
         operands, spec = hop.fold_lifted(operands, spec, tuple(info.closed))
     return hop(body, *operands, spec)

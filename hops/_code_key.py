@@ -31,7 +31,7 @@ __all__ = ["code_key", "CodeKey"]
 
 # Code of these packages is treated as constant: keyed by identity, not walked.
 _LIBRARIES = ("torch", "hops", "passes", "functorch", "torch_xla", "numpy", "math", "operator", "functools", "builtins", "typing", "collections", "itertools", "enum", "dataclasses", "jax")
-_MAX_DEPTH = 8
+_MAX_DEPTH = 16  # nesting of functions and containers walked (a region built in a closure: ~10)
 
 _PLAIN = (type(None), bool, int, str, bytes, type(Ellipsis), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -66,8 +66,9 @@ def _names(code: types.CodeType) -> set[str]:
 
 
 class _Walker:
-    def __init__(self) -> None:
+    def __init__(self, tensor_key: Callable[[torch.Tensor], Any] | None = None) -> None:
         self.tensors: set[int] = set()
+        self.tensor_key = tensor_key
         self.active: set[int] = set()  # functions being keyed (recursion)
 
     def value(self, v: Any, depth: int) -> Any:
@@ -80,7 +81,8 @@ class _Walker:
             return (kind, repr(v))  # -0.0 and 0.0 trace differently; nan equals nan here
         if isinstance(v, torch.Tensor):
             self.tensors.add(id(v))
-            return ("tensor", id(v), tuple(v.shape), v.dtype, v.device, v.requires_grad, v.layout)
+            identity = id(v) if self.tensor_key is None else self.tensor_key(v)
+            return ("tensor", identity, tuple(v.shape), v.dtype, v.device, v.requires_grad, v.layout)
         if kind in (tuple, list) or isinstance(v, tuple):
             return (kind, tuple(self.value(item, depth + 1) for item in v))
         if kind is dict:
@@ -151,10 +153,11 @@ class _Walker:
             self.active.discard(id(fn))
 
 
-def code_key(fn: Callable, *structure: Any) -> CodeKey | None:
+def code_key(fn: Callable, *structure: Any, tensor_key: Callable[[torch.Tensor], Any] | None = None) -> CodeKey | None:
     """A key for ``fn`` (see the module docstring) with the hashable ``structure`` of the call,
-    and the torch state a trace depends on; ``None`` where ``fn`` reads state with no key."""
-    walker = _Walker()
+    and the torch state a trace depends on; ``None`` where ``fn`` reads state with no key.
+    ``tensor_key(t)`` keys a tensor in place of its identity (with its metadata)."""
+    walker = _Walker(tensor_key)
     try:
         if isinstance(fn, types.FunctionType):
             key = walker.function(fn, 0)

@@ -1,5 +1,8 @@
 """scan_hop: jax.lax.scan semantics, gradients, errors, and every frontend's graph."""
 
+import importlib
+import unittest.mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -142,6 +145,41 @@ class TestTraceReuse(TestCase):
         # A new trace (a new fake mode) traces again rather than reusing.
         aot_trace(program, *rnn_inputs(requires_grad=True))
         self.assertEqual(calls, {"rnn": 6, "other": 6})
+
+    def test_a_new_closure_per_pass_shares_one_plan_with_equal_code_and_state(self):
+        # A step written as a lambda inside the program is a new function object in each of
+        # AOTAutograd's passes, over new wrappers of the same tensors: its joint is traced
+        # once. The same code over other Python values is another plan; over other tensors in
+        # the same places (same metadata) the same plan, each call reading its own tensors.
+        scan_module = importlib.import_module("hops.scan")  # (hops.scan is the function)
+
+        def program(h, xs, w, v):
+            outputs = []
+            for weight, scale in ((w, 2.0), (v, 2.0), (w, 3.0)):
+                outputs.append(hops.scan(lambda c, x: (torch.tanh(c @ weight * scale + x), c.sum(-1)), h, xs)[0])
+            return sum(o.square().sum() for o in outputs)
+
+        def reference(h, xs, w, v):
+            return sum(
+                python_loop(lambda c, x, _: (torch.tanh(c @ weight * scale + x), c.sum(-1)), h, xs, None)[0].square().sum()
+                for weight, scale in ((w, 2.0), (v, 2.0), (w, 3.0))
+            )
+
+        plans = []
+        make_plan = scan_module._ScanPlan.__init__
+
+        def counted(plan, body, inputs, spec):
+            plans.append(body)
+            make_plan(plan, body, inputs, spec)
+
+        h, xs, w = rnn_inputs(requires_grad=True)
+        v = torch.randn_like(w).requires_grad_()
+        args = (h, xs, w, v)
+        with unittest.mock.patch.object(scan_module._ScanPlan, "__init__", counted):
+            _, _, out = aot_trace(program, *args)
+        self.assertEqual(len(plans), 2)  # scale 2.0 and 3.0, over both passes and both weights
+        self.assertEqual(out, reference(*args))
+        self.assertEqual(tuple(a.grad for a in args), torch.autograd.grad(reference(*args), args))
 
     def test_gradients_traced_with_symbolic_shapes_run_at_other_sizes(self):
         # Symbolic sizes in the step are recomputed by the backward step, not saved per step.
