@@ -96,6 +96,19 @@ def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operand
     if mode is None:
         return _cached_across_calls(kind, make, body, operands, spec)
     cache = _PER_TRACE.setdefault(mode, {})
+    if kind == "inspection":
+        # An inspection holds the tensors the body read (the wrappers of one AOTAutograd
+        # pass; a module's parameters as functional_call swapped them in): it is reused only
+        # under the body's code key, which holds those tensors by identity, never by the
+        # function object alone (a bound method reads new parameters under the same key).
+        code = across_calls_key(body)
+        if code is None:
+            return make()
+        key = (kind, code, tuple(metadata), spec)
+        value = cache.get(key)
+        if value is None:
+            value = cache[key] = make()
+        return value
     key = (kind, trace_key(body), tuple(metadata), spec)
     value = cache.get(key)
     if value is None:

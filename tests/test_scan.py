@@ -12,6 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import hops
 import passes
 from hops import Mesh, Replicate, Shard, ShardingSpec
+from hops._subgraph import body_name
 from tests.helpers.snapshot import TestCase, aot_trace, readable
 
 MESH = Mesh((2, 2), ("data", "model"))
@@ -111,40 +112,81 @@ class TestTraceReuse(TestCase):
     """AOTAutograd runs a program twice in one fake mode: a step's joint is traced once."""
 
     def test_both_aot_passes_and_equal_scans_share_one_trace_of_a_step(self):
-        # Each distinct step runs its Python three times in all: inspected, run for its output
-        # metadata, and traced with its vjp; AOTAutograd's second pass and a second scan of the
-        # same step reuse them.
-        calls = {"rnn": 0, "other": 0}
+        # Each distinct step is inspected once and its joint traced once: a second scan of it
+        # and AOTAutograd's second pass reuse them (the steps read no tensor but their inputs,
+        # so their code keys are equal in both passes).
+        call_module = importlib.import_module("hops._call")
+        scan_module = importlib.import_module("hops.scan")  # (hops.scan is the function)
+        inspected, plans = [], []
+        inspect_body, make_plan = call_module.inspect_body, scan_module._ScanPlan.__init__
 
-        def counting(name, step):
-            def counted(h, x, w):
-                calls[name] += 1
-                return step(h, x, w)
+        def counted_inspection(body, *args, **kwargs):
+            inspected.append(body_name(body))
+            return inspect_body(body, *args, **kwargs)
 
-            return counted
+        def counted_plan(plan, body, inputs, spec):
+            plans.append(body_name(body))
+            make_plan(plan, body, inputs, spec)
 
-        counted_rnn = counting("rnn", rnn_step)
-        counted_other = counting("other", lambda h, x, w: (torch.sin(h @ w - x), torch.sin(h @ w - x).sum(-1)))
+        def other(h, x, w):
+            return torch.sin(h @ w - x), torch.sin(h @ w - x).sum(-1)
 
         def program(h, xs, w):
-            first, _ = hops.scan(counted_rnn, h, xs, additional_inputs=(w,))
-            second, _ = hops.scan(counted_rnn, first, xs, additional_inputs=(w,))
-            return hops.scan(counted_other, second, xs, additional_inputs=(w,))[0].sum()
+            first, _ = hops.scan(rnn_step, h, xs, additional_inputs=(w,))
+            second, _ = hops.scan(rnn_step, first, xs, additional_inputs=(w,))
+            return hops.scan(other, second, xs, additional_inputs=(w,))[0].sum()
 
         def reference(h, xs, w):
             first, _ = python_loop(rnn_step, h, xs, w)
             second, _ = python_loop(rnn_step, first, xs, w)
-            other = python_loop(lambda h, x, w: (torch.sin(h @ w - x), torch.sin(h @ w - x).sum(-1)), second, xs, w)
-            return other[0].sum()
+            return python_loop(other, second, xs, w)[0].sum()
 
         args = rnn_inputs(requires_grad=True)
-        _, _, out = aot_trace(program, *args)
-        self.assertEqual(calls, {"rnn": 3, "other": 3})
+        with unittest.mock.patch.object(call_module, "inspect_body", counted_inspection), unittest.mock.patch.object(
+            scan_module._ScanPlan, "__init__", counted_plan
+        ):
+            _, _, out = aot_trace(program, *args)
+            self.assertEqual(sorted(inspected), ["other", "rnn_step"])
+            self.assertEqual(sorted(plans), ["other", "rnn_step"])
+            # A new trace (a new fake mode) traces again rather than reusing.
+            aot_trace(program, *rnn_inputs(requires_grad=True))
+            self.assertEqual(len(plans), 4)
         self.assertEqual(out, reference(*args))
         self.assertEqual(tuple(a.grad for a in args), torch.autograd.grad(reference(*args), args))
-        # A new trace (a new fake mode) traces again rather than reusing.
-        aot_trace(program, *rnn_inputs(requires_grad=True))
-        self.assertEqual(calls, {"rnn": 6, "other": 6})
+
+    def test_a_body_reading_module_parameters_gets_their_gradients_under_functional_call(self):
+        # A bound method is the same key in both of AOTAutograd's passes, but reads the
+        # parameters functional_call swapped in for that pass: what a body closes over is
+        # inspected per pass (reusing the first pass's wrappers lost the gradient, silently).
+        line = Mesh((2,), ("data",))
+
+        class Cell(torch.nn.Module):
+            def __init__(self, hop):
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.randn(4, 4) / 2)
+                self.hop = hop
+
+            def step(self, c, x):
+                return torch.tanh(c @ self.w + x), c.sum(-1)
+
+            def forward(self, h, xs):
+                if self.hop == "scan":
+                    return hops.scan(self.step, h, xs)[0].square().sum()
+                if self.hop == "named_scope":
+                    return hops.named_scope("cell")(self.step)(h, xs[0])[0].square().sum()
+                region = hops.local_map(self.step, mesh=line, in_placements=((Shard(0),), (Shard(0),)), out_placements=((Shard(0),), (Shard(0),)))
+                return region(h, xs[0])[0].square().sum()
+
+        for hop in ("scan", "named_scope", "local_map"):
+            with self.subTest(hop=hop):
+                cell = Cell(hop)
+                h, xs, _ = rnn_inputs()
+                params = {name: p.detach().requires_grad_() for name, p in cell.named_parameters()}
+                _, _, out = aot_trace(lambda params, h, xs: torch.func.functional_call(cell, params, (h, xs)), params, h, xs)
+                expected = cell(h, xs)
+                self.assertEqual(out, expected)
+                self.assertIsNotNone(params["w"].grad)
+                self.assertEqual(params["w"].grad, torch.autograd.grad(expected, cell.w)[0])
 
     def test_a_new_closure_per_pass_shares_one_plan_with_equal_code_and_state(self):
         # A step written as a lambda inside the program is a new function object in each of
