@@ -197,6 +197,9 @@ def run_production(name: str, layers: int | None = None) -> dict:
     ]
     return dict(
         name=name, layers=cfg.layers, variables=solution.stats["variables"], status=solution.stats["status"],
+        # The exact program's size: searched by axes, its pair variables after the reductions
+        # (the neighbourhoods' programs, ``variables``, follow the plan); else ``variables``.
+        problem=solution.stats.get("exact_pair_variables") or solution.stats["variables"],
         trace=traced - start, graph=placed - traced, build=solution.stats["build_seconds"],
         solve=solution.stats["solve_seconds"], apply=applied - solved, total=applied - start,
         cpu=time.process_time() - cpu,
@@ -219,7 +222,13 @@ def production() -> list[tuple[str, bool, str]]:
         "(seconds are wall time; 'cpu': this process's CPU seconds over the same span, which a shared machine's "
         "load does not inflate)"
     )
-    print("shape              layers  params variables   trace   graph   build   solve   apply   total     cpu  peak RSS")
+    print(
+        "('variables': of the largest integer program solved; 'problem': of the exact program, which a search by "
+        "axes stands for)"
+    )
+    print(
+        "shape              layers  params variables   problem   trace   graph   build   solve   apply   total     cpu  peak RSS"
+    )
     bars = []
     for name in PRODUCTION:
         full = production_in_subprocess(name)
@@ -233,7 +242,7 @@ def production() -> list[tuple[str, bool, str]]:
                 )
                 continue
             print(
-                f"{r['name']:18s} {r['layers']:6d} {r['parameters'] / 1e9:6.1f}B {r['variables']:9d} {r['trace']:7.2f} "
+                f"{r['name']:18s} {r['layers']:6d} {r['parameters'] / 1e9:6.1f}B {r['variables']:9d} {r['problem']:9d} {r['trace']:7.2f} "
                 f"{r['graph']:7.2f} {r['build']:7.2f} {r['solve']:7.2f} {r['apply']:7.2f} {r['total']:7.2f} {r['cpu']:7.2f} "
                 f"{r['peak_rss'] / 2**30:6.2f} GiB  {r['status'][:40]}",
                 flush=True,
@@ -247,8 +256,8 @@ def production() -> list[tuple[str, bool, str]]:
             (f"{name} end to end <= 10 s", full["total"] <= 10.0, f"{full['total']:.2f} s ({full['cpu']:.2f} s CPU)"),
             (f"{name} peak RSS < 2 GB", full["peak_rss"] < 2e9 and not full["materialized"],
              f"{full['peak_rss'] / 1e9:.2f} GB, materialized inputs: {full['materialized'] or 'none'}"),
-            (f"{name} variables at 1 layer == at {full['layers']}", one["variables"] == full["variables"],
-             f"{one['variables']} vs {full['variables']}"),
+            (f"{name} problem variables at 1 layer == at {full['layers']}", one["problem"] == full["problem"],
+             f"{one['problem']} vs {full['problem']} (largest program solved: {one['variables']} vs {full['variables']})"),
         ]
     return bars
 
