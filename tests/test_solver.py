@@ -2,6 +2,7 @@
 budgets bind or are refused, a scan solved once, the cost model, meta-free."""
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import hops
 import passes
 from hops import Mesh, Partial, Replicate, Shard, ShardingSpec
 from passes.solver import CostModel, InfeasiblePlacementError
-from passes.solver.ilp import Choice, Factor, Problem, evaluate, memory_of, solve_problem
+from passes.solver.ilp import Choice, Factor, MemoryTerm, Problem, evaluate, memory_of, peak_sets, solve_problem
 from passes.solver.solve import placement_problem, solve_graph
 from tests.helpers.snapshot import TestCase, aot_trace, delete_meta
 
@@ -73,6 +74,44 @@ class TestExactness(TestCase):
                 solved += 1
         self.assertGreater(solved, 20)
         self.assertGreater(infeasible, 0)
+
+    def test_random_problems_with_live_memory_match_brute_force(self):
+        # Memory over time: each term is live on [start, end) and the budget bounds the peak
+        # of the live terms' usages; choices may have several terms, or none.
+        rng = np.random.default_rng(2)
+        solved = infeasible = 0
+        for _ in range(40):
+            problem = random_problem(rng)
+            problem.memory_terms = [
+                MemoryTerm(int(c), int(start), int(start + rng.integers(1, 6)), rng.integers(0, 10, size=len(problem.choices[c].cost)).astype(float))
+                for c, start in zip(rng.integers(0, len(problem.choices), size=8), rng.integers(0, 10, size=8))
+            ]
+            for choice in problem.choices:
+                choice.memory = np.zeros(len(choice.cost))
+            for term in problem.memory_terms:
+                problem.choices[term.choice].memory += term.usage
+            budget = float(rng.integers(12, 36))
+            expected, _ = brute_force(problem, budget)
+            for reduce in (True, False):
+                if not np.isfinite(expected):
+                    with self.assertRaises(InfeasiblePlacementError):
+                        solve_problem(problem, memory_budget=budget, reduce=reduce)
+                    infeasible += 1
+                    continue
+                result = solve_problem(problem, memory_budget=budget, reduce=reduce)
+                self.assertAlmostEqual(result.cost, expected, places=6)
+                self.assertLessEqual(memory_of(problem, result.options), budget + 1e-9)
+                solved += 1
+        self.assertGreater(solved, 20)
+        self.assertGreater(infeasible, 0)
+
+    def test_the_peak_counts_the_terms_live_together(self):
+        usage = np.array([4.0, 1.0])
+        terms = [MemoryTerm(0, 0, 2, usage), MemoryTerm(1, 2, 4, usage), MemoryTerm(2, 1, 3, usage)]
+        problem = Problem([Choice(f"c{i}", np.zeros(2), np.zeros(2)) for i in range(3)], [], memory_terms=terms)
+        self.assertEqual(memory_of(problem, [0, 0, 0]), 8.0)  # two of the three at any time
+        self.assertEqual(memory_of(problem, [0, 1, 1]), 5.0)  # c0 with c2 at t = 1
+        self.assertEqual(peak_sets(terms), [[0, 2], [1, 2]])
 
     def test_a_chain_and_a_tree_need_no_integer_program(self):
         rng = np.random.default_rng(1)
@@ -149,6 +188,29 @@ class TestMemoryBudget(TestCase):
         self.assertGreater(bound.cost, free.cost)
         sharded = [k for k in ("forward/primals_2", "forward/primals_3") if bound.placements[k] != (R, R)]
         self.assertTrue(sharded, bound.placements)
+
+    def test_memory_is_the_peak_of_the_values_live_together(self):
+        # Two products are made and summed one after the other: the second is made after the
+        # first was read for the last time, so the peak holds the inputs and one product.
+        def program(x, w, v):
+            return (x @ w).sum() + (x @ v).sum()
+
+        x, w, v = torch.randn(64, 32), torch.randn(32, 128), torch.randn(32, 128)
+        gm = make_fx(program)(x, w, v)
+        solution = passes.solve_placements(gm, GRID, cost_model=SLOW_LINK)
+        placed = solution.placements
+
+        def local_bytes(key, shape):
+            ways = math.prod(n for n, p in zip(GRID.shape, placed[key]) if isinstance(p, Shard))
+            return 4 * math.prod(shape) / ways
+
+        inputs = local_bytes("x_1", x.shape) + local_bytes("w_1", w.shape) + local_bytes("v_1", v.shape)
+        products = [local_bytes(key, (64, 128)) for key in ("mm", "mm_1")]
+        scalars = 3 * 4  # two sums and their sum, replicated or pending: 4 bytes each at most
+        self.assertGreaterEqual(solution.memory, inputs + max(products))
+        self.assertLessEqual(solution.memory, inputs + max(products) + scalars)
+        # What the sum of every value would give instead: both products at once.
+        self.assertLess(solution.memory, inputs + sum(products))
 
     def test_an_infeasible_budget_is_refused_with_the_smallest_footprint(self):
         forward, backward = self.mlp_graphs()

@@ -123,7 +123,7 @@ class TestFormatAndDraw(TestCase):
         gm = make_fx(contracted_program)(torch.randn(64, 32), torch.randn(32, 16))
         solution = passes.solve_placements(gm, LINE, cost_model=SLOW_LINK)
         self.assertExpectedInline(passes.format_placements(gm, solution), """\
-# mesh {'data': 2}, cost 58.3us per step (cost model custom), 0.004883 MiB per device
+# mesh {'data': 2}, cost 58.3us per step (cost model custom), peak 0.01074 MiB per device
 x_1 = input()  # placement=S(1)
 w_1 = input()  # placement=S(0)
 hops_sharding_annotation = hops_sharding_annotation(x_1, ShardingSpec(S(1)))  # placement=(S(1)) -> S(1)

@@ -175,7 +175,7 @@ def format_placements(gm: Any, solution: PlacementSolution) -> str:
     mesh = solution.mesh
     printer.lines.append(
         f"# mesh {dict(zip(mesh.axis_names, mesh.shape))}, cost {_microseconds(solution.cost)} per step "
-        f"(cost model {solution.cost_model.name}), {solution.memory / 2**20:.4g} MiB per device"
+        f"(cost model {solution.cost_model.name}), peak {solution.memory / 2**20:.4g} MiB per device"
     )
     for scope, module in program:
         if scope:

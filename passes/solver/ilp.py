@@ -1,8 +1,9 @@
 """The placement problem as a pairwise cost model over choices, reduced exactly, solved as an ILP.
 
 Each node with strategies is a *choice* (one option per strategy) with a cost per option
-(compute, times how often it runs) and the bytes per device it keeps resident (for a memory
-budget). Each read of a value is a *factor* between the value's choice and the reader's: a
+(compute, times how often it runs) and the bytes per device it keeps (for a memory budget:
+with ``Problem.memory_terms``, per value over the interval it is live, the budget bounding
+the peak; else one sum). Each read of a value is a *factor* between the value's choice and the reader's: a
 table of redistribution seconds indexed by the value's placement and the placement the reader
 needs (``inf`` where two placements must be equal and are not).
 
@@ -15,7 +16,8 @@ Exact reductions before the ILP (each keeps the optimum):
 
 The rest is an integer program: a binary per option, one option per choice; per factor a
 continuous variable per (row, column) of its table whose row and column sums equal the
-options on each side (exact for binary options); a memory row when there is a budget. It is
+options on each side (exact for binary options); with a budget, a memory row per largest set
+of terms live together (``peak_sets``), or one row of every choice's memory. It is
 solved by HiGHS through ``scipy.optimize.milp`` (``milp_solver="scipy"``), or through HiGHS's
 own binding (``"highspy"``) or PuLP's CBC (``"cbc"``) for comparison.
 
@@ -79,10 +81,45 @@ class Factor:
 
 
 @dataclasses.dataclass
+class MemoryTerm:
+    """Bytes per device a value takes while it is live, ``[start, end)`` in program order,
+    per option of the choice that places it."""
+
+    choice: int
+    start: int
+    end: int
+    usage: np.ndarray
+
+
+@dataclasses.dataclass
 class Problem:
     choices: list[Choice]
     factors: list[Factor]
     constant: float = 0.0  # seconds that no choice changes
+    # With terms, the memory budget bounds the peak over time of the live terms' usages
+    # (each choice's ``memory`` is then the sum of its terms); without, the sum of every
+    # choice's ``memory``.
+    memory_terms: list[MemoryTerm] = dataclasses.field(default_factory=list)
+
+
+def peak_sets(terms: Sequence[MemoryTerm]) -> list[list[int]]:
+    """The sets of terms live together at the times where the live set is largest: each
+    start followed by an end (a time whose live set another's contains bounds nothing more)."""
+    events = sorted([(t.start, 1, i) for i, t in enumerate(terms)] + [(t.end, 0, i) for i, t in enumerate(terms)])
+    live: set[int] = set()
+    sets, growing = [], False
+    for _, is_start, i in events:  # at equal times ends come first: intervals are half-open
+        if is_start:
+            live.add(i)
+            growing = True
+        else:
+            if growing:
+                sets.append(sorted(live))
+            growing = False
+            live.discard(i)
+    if growing and live:
+        sets.append(sorted(live))
+    return sets
 
 
 @dataclasses.dataclass
@@ -105,6 +142,13 @@ class _Reducer:
         self.choices = problem.choices
         self.cost = [c.cost.astype(float).copy() for c in problem.choices]
         self.memory = [c.memory.astype(float).copy() for c in problem.choices]
+        self.memory_terms = problem.memory_terms
+        self.peak_sets = peak_sets(problem.memory_terms) if problem.memory_terms else None
+        # What tells a choice's options apart to the memory rows: each of its terms' usages.
+        by_choice: dict[int, list[np.ndarray]] = {}
+        for term in problem.memory_terms:
+            by_choice.setdefault(term.choice, []).append(term.usage)
+        self.memory_keys = [np.stack(by_choice[i], axis=1) if i in by_choice else m[:, None] for i, m in enumerate(self.memory)]
         self.alive = [np.ones(len(c.cost), dtype=bool) for c in problem.choices]
         self.constant = problem.constant
         self.keep_memory = keep_memory
@@ -181,7 +225,7 @@ class _Reducer:
         that some factor forbids whatever the neighbour does are dropped."""
         cost = self.cost[choice]
         alive = self.alive[choice] & np.isfinite(cost)
-        keys = [self.memory[choice]] if self.keep_memory else []
+        keys = list(self.memory_keys[choice].T) if self.keep_memory else []
         for fid in self.incident[choice]:
             oriented = self._oriented(fid, choice)
             row_allowed = np.isfinite(oriented.table).any(axis=1)
@@ -280,6 +324,7 @@ class _Reducer:
         sub.choices = self.choices
         sub.cost = [c.copy() for c in self.cost]
         sub.memory = self.memory
+        sub.memory_terms, sub.peak_sets, sub.memory_keys = self.memory_terms, self.peak_sets, self.memory_keys
         sub.alive = [a & masks[i] if i in masks else a.copy() for i, a in enumerate(self.alive)]
         sub.constant = self.constant
         sub.keep_memory = self.keep_memory
@@ -413,6 +458,26 @@ def _build_milp(reducer: _Reducer, memory_budget: float | None) -> _Milp | None:
     for choice in range(len(reducer.choices)):
         if reducer.removed[choice] and memory_budget is not None and choice in reducer.fixed:
             memory_constant += reducer.memory[choice][reducer.fixed[choice]]
+    if memory_budget is not None and reducer.peak_sets is not None:
+        # One row per largest live set: the live terms' usages under the options chosen.
+        memory_terms = []
+        for live_set in reducer.peak_sets:
+            coefficients: dict[int, np.ndarray] = {}
+            constant = 0.0
+            for i in live_set:
+                term = reducer.memory_terms[i]
+                if term.choice in option_columns:
+                    live = option_columns[term.choice][0]
+                    coefficients[term.choice] = coefficients.get(term.choice, 0.0) + term.usage[live]
+                elif term.choice in reducer.fixed:
+                    constant += float(term.usage[reducer.fixed[term.choice]])
+            if coefficients:
+                add_row(
+                    np.concatenate([option_columns[c][1] for c in coefficients]),
+                    np.concatenate(list(coefficients.values())),
+                    -np.inf,
+                    memory_budget - constant,
+                )
     for factor in reducer.factors.values():
         live_a, columns_a = option_columns[factor.a]
         live_b, columns_b = option_columns[factor.b]
@@ -750,12 +815,17 @@ def solve_problem(
     start = time.perf_counter()
     reducer = _Reducer(problem, keep_memory=memory_budget is not None)
     if memory_budget is not None:
-        smallest = sum(float(np.min(m)) for m in reducer.memory if len(m))
+        if reducer.peak_sets is not None:
+            smallest = max(
+                sum(float(np.min(problem.memory_terms[i].usage)) for i in live_set) for live_set in reducer.peak_sets
+            )
+        else:
+            smallest = sum(float(np.min(m)) for m in reducer.memory if len(m))
         if smallest > memory_budget:
             raise InfeasiblePlacementError(
                 f"memory_budget={memory_budget:.6g} bytes per device is below the smallest footprint any "
-                f"placement allows ({smallest:.6g} bytes: every parameter, gradient, optimizer state and saved "
-                "activation sharded as far as its strategies go)"
+                f"placement allows ({smallest:.6g} bytes at its peak: every parameter, gradient, optimizer state "
+                "and live value sharded as far as its strategies go)"
             )
     reducer.reduce(eliminate=reduce)
     per_axis = [c.axes for c in problem.choices if c.axes is not None]
@@ -794,4 +864,9 @@ def evaluate(problem: Problem, options: Sequence[int]) -> float:
 
 
 def memory_of(problem: Problem, options: Sequence[int]) -> float:
+    """Bytes per device of ``options``: the peak over time of the live terms' usages, or the
+    sum of every choice's memory when the problem has no terms."""
+    if problem.memory_terms:
+        terms = problem.memory_terms
+        return max(sum(float(terms[i].usage[options[terms[i].choice]]) for i in live_set) for live_set in peak_sets(terms))
     return sum(float(c.memory[o]) for c, o in zip(problem.choices, options))

@@ -10,12 +10,13 @@ from typing import Any, Sequence
 import networkx as nx
 import numpy as np
 import torch
+import torch.fx as fx
 
 from hops.specs import Mesh, Shard
 from passes._infra import PassError
 from passes.solver.cost import CostModel
 from passes.solver.graph import Strategy, arrives_whole, is_view, materialized, placement_graph, shift_placements
-from passes.solver.ilp import Choice, Factor, InfeasiblePlacementError, Problem, evaluate, memory_of, solve_problem
+from passes.solver.ilp import Choice, Factor, InfeasiblePlacementError, MemoryTerm, Problem, evaluate, memory_of, solve_problem
 
 __all__ = ["PlacementSolution", "solve_placements", "InfeasiblePlacementError", "placement_problem"]
 
@@ -27,8 +28,9 @@ class PlacementSolution:
     ``placements``: the placement of every tensor value, by ``placement_graph`` node name;
     ``strategies``: the chosen ``Strategy`` of every node that has strategies;
     ``cost``: seconds per run of the program under the cost model (compute + communication);
-    ``memory``: bytes per device the solution keeps resident (parameters with their gradients
-    and optimizer state, inputs, saved activations);
+    ``memory``: the peak bytes per device over the program's run (parameters with their
+    gradients and optimizer state and inputs all along, every other value of the program's
+    graphs while it is live; see ``memory_terms``);
     ``stats``: ``variables``, ``constraints``, ``build_seconds``, ``solve_seconds``,
     ``graph_seconds``, ``status``, ``unsupported_ops`` (ops without a DTensor rule, run replicated),
     and the sizes before and after the exact reductions; ``search``: ``"exact"`` or ``"axes"``
@@ -257,26 +259,67 @@ class _ProblemBuilder:
 
     # ---------------------------------------------------------------- memory
 
-    def memory(self, option_memory: list[np.ndarray]) -> None:
-        factor = {
-            "parameter": 2.0 + self.cost_model.optimizer_state_bytes,
-            "input": 1.0,
-            "activation": 1.0,
-        }
+    def memory_terms(self) -> list[MemoryTerm]:
+        """Each value of the program's graphs (forward, then backward) as a ``MemoryTerm``: live
+        from the node that makes it to its last reader (a saved activation to its last reader
+        in the backward; a view or an annotation keeps what it reads live), parameters (with
+        their gradients and optimizer state) and inputs for the whole program. Values inside a
+        HOP's body (a scan step's, a region's) live while it runs and are not counted."""
+        positions: dict[fx.Node, int] = {}
+        for _, module in self.graph.graph["program"]:
+            for node in module.graph.nodes:
+                positions[node] = len(positions)
+        end_of_program = len(positions)
+        factor = {"parameter": 2.0 + self.cost_model.optimizer_state_bytes, "input": 1.0}
+        storage: dict[str, list[int]] = {}  # value that holds its storage -> [start, end]
+        held_by: dict[str, str] = {}
         for key, data in self.graph.nodes(data=True):
-            role = data.get("role")
-            if role is None or data["shape"] is None:
+            node = data.get("fx_node")
+            if node not in positions or data["shape"] is None or data["kind"] in ("output", "region", "local"):
                 continue
+            start = end = positions[node]
+            for _, _, edge in self.graph.out_edges(key, data=True):
+                for use in edge["uses"]:
+                    if use.reader in positions:
+                        end = max(end, positions[use.reader])
+            holder = self._storage_of(key, positions)
+            held_by[key] = holder
+            span = storage.setdefault(holder, [start, end])
+            span[0], span[1] = min(span[0], start), max(span[1], end)
+        terms = []
+        for key, (start, end) in storage.items():
+            data = self.graph.nodes[key]
             owner, _, _ = self.resolve(key)
             if owner not in self.index:
                 continue
-            i = self.index[owner]
-            itemsize = _itemsize(data["dtype"])
-            for option in range(len(option_memory[i])):
+            role = data.get("role")
+            if role in factor:
+                start, end = 0, end_of_program
+            itemsize = _itemsize(data["dtype"]) * factor.get(role, 1.0)
+            options = len(self.graph.nodes[owner]["strategies"])
+            usage = np.zeros(options)
+            for option in range(options):
                 placements = self.placement(key, option)
-                if placements is None:
-                    continue
-                option_memory[i][option] += factor[role] * itemsize * _local_numel(data["shape"], placements, self.mesh)
+                if placements is not None:
+                    usage[option] = itemsize * _local_numel(data["shape"], placements, self.mesh)
+            terms.append(MemoryTerm(self.index[owner], start, end + 1, usage))
+        return terms
+
+    def _storage_of(self, key: str, positions: dict) -> str:
+        """The value whose storage ``key`` is: itself, or (a view of a value of the same graph,
+        an annotation) the value it reads."""
+        data = self.graph.nodes[key]
+        if data["kind"] == "annotation":
+            sources = [
+                u for u in self.graph.predecessors(key)
+                if self.graph.nodes[u].get("fx_node") in positions and self.graph.nodes[u]["shape"] is not None
+            ]
+            return self._storage_of(sources[0], positions) if sources else key
+        alias = data.get("alias")
+        target = None if alias is None else self.graph.nodes[alias[0]]
+        if target is not None and target.get("fx_node") in positions and target["shape"] is not None:
+            return self._storage_of(alias[0], positions)
+        return key
 
     # ---------------------------------------------------------------- the problem
 
@@ -303,7 +346,9 @@ class _ProblemBuilder:
             data = self.graph.nodes[key]
             cost = np.array([self.compute_cost(key, s) * data["multiplier"] for s in data["strategies"]], dtype=float)
             choices.append(Choice(key, cost, np.zeros(len(cost)), self.axis_codes(data["strategies"])))
-        self.memory([c.memory for c in choices])
+        memory_terms = self.memory_terms()
+        for term in memory_terms:
+            choices[term.choice].memory += term.usage
         factors = []
         for u, v, data in self.graph.edges(data=True):
             if not data["uses"]:
@@ -340,7 +385,7 @@ class _ProblemBuilder:
                     table = self.redistribute_table(shape, itemsize, row_values, col_values) * use.multiplier
                 factors.append(Factor(self.index[owner_u], self.index[owner_v], rows, cols, table))
         factors.extend(self.residual_ties())
-        return Problem(choices, factors)
+        return Problem(choices, factors, memory_terms=memory_terms)
 
 
 def _classes(values: Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
