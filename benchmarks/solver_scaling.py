@@ -49,26 +49,24 @@ materialized) and the plan applied to the program:
   llama3-70b @ 8x8x8  ("data", "fsdp", "tensor")   dim 8192, 80 layers, FFN 28672
 
 (32 / 64 heads, 8 kv heads, vocab 128256, batch 64, seq 2048), each at full depth and at one
-layer. Printed: variables, trace / graph / build / solve / apply seconds, end to end, peak RSS
-(``ru_maxrss``), next to autoparallel's published figures where there are some. Bars: end to
-end <= 10 s, peak RSS < 2 GB, variables at one layer == at full depth.
+layer. Printed: variables (of the largest integer program solved), the exact program's size
+(``problem``: on 3-D meshes the pair variables the axis search stands for), trace / graph /
+build / solve / apply seconds, end to end, peak RSS (``ru_maxrss``), next to autoparallel's
+published figures where there are some. Bars: end to end <= 10 s, peak RSS < 2 GB, problem
+variables at one layer == at full depth.
 
-Known (measured while writing this, on a shared 2-core machine at load 7-9, so wall seconds are
-3-4x the process's CPU seconds; CPU given): 8B on 8x8 is solved exactly, 75k variables (77k before the scan's carry got its own layout), 7.3 s of
-CPU end to end, 0.60 GB peak RSS, the same variables at 1 and 32 layers. On 3-D meshes a rank-4
-activation has up to 7^3 layouts and the exact program would be 1.75M variables for 8B on
-4x4x4 (HiGHS needs ~100 s to prove its optimum), so past 400k pair variables the solver searches
-mesh-axis neighbourhoods (``passes.solver.ilp._axis_search``: a coarse level with two axes
-tied, then every choice's one-axis changes and every two-axis plane, each an exact program of
-at most ~78k variables): 8B on 4x4x4, 77,966 variables at 1 and at 32 layers, 18.4 s of CPU
-(62 s wall), 0.68 GB; its plan at 1 layer costs 0.2075716 s, the proven optimum of the
-exact program (checked once, 101 s of HiGHS), but the status says "not proven optimal". 70B on
-8x8x8: largest program 75,192 variables at 80 layers and 77,944 at 1 (the neighbourhoods
-follow the plan, which depends on depth; the coarse level does not), 23.9 s of CPU (105 s
-wall), 0.92 GB. Bars: peak RSS passes everywhere; 10 s end to end fails on both 3-D meshes
-(and in wall time on this loaded machine for 8x8 too); "variables at 1 layer == at full
-depth" passes for 8B on 4x4x4, fails for 70B on 8x8x8 as above; "solved to optimality" fails
-by construction on 3-D meshes.
+Known (quiet 2-core machine, torch 2.13, issue 24's last session): 8B on 8x8 is solved exactly,
+74,930 variables at 1 and 32 layers, 3.7 s end to end, 0.55 GB. On 3-D meshes a rank-4
+activation has up to 7^3 layouts and the exact program has 1.64M pair variables after the
+reductions (the same at every depth), so the solver searches mesh-axis neighbourhoods
+(``passes.solver.ilp._axis_search``: a coarse level with two axes tied, then every choice's
+one-axis changes and every two-axis plane, solved at once, largest first): 8B on 4x4x4 7.9 s
+(trace 2.4, graph 1.9, build 0.8, solve 2.7), 70B on 8x8x8 8.1 s (2.8 / 1.9 / 0.8 / 2.6), peak
+RSS 0.79-0.82 GB; the largest neighbourhood program follows the plan (70B: 71,433 variables at
+80 layers, 71,512 at 1). Bars: all pass but "solved to optimality", which fails by
+construction on 3-D meshes (the status says "not proven optimal"). Before issue 24's last
+session: 12.5 s and 14.6 s (the trace traced the scan step's joint in both of AOTAutograd's
+passes; the planes were solved one after the other; HiGHS presolved every program).
 
 Usage: python benchmarks/solver_scaling.py [--layers 1,2,4,8,16,32] [--unrolled-up-to 32]
        python benchmarks/solver_scaling.py --production-only
