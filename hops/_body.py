@@ -455,6 +455,12 @@ class _SubstituteTensors(_ClosureMode):
         return func(*args, **kwargs)
 
 
+def active_closure_modes() -> tuple:
+    """The closure modes in effect, outermost first: what the tensors a body closes over
+    read as here (an enclosing inspection's stand-ins, a lifted body's inputs)."""
+    return tuple(_ACTIVE)
+
+
 def lift_closure(body: Callable, num_inputs: int, read: Sequence[torch.Tensor]) -> Callable:
     """``body`` taking one extra trailing input per tensor in ``read`` (tensors its code reads
     from its closure; named like ``body``): while it runs, every read of one of them reads the

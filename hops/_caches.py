@@ -12,8 +12,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._guards import detect_fake_mode
 
-from hops._body import BodyInfo, unwrap_functional
+from hops._body import BodyInfo, active_closure_modes, unwrap_functional
 from hops._body_record import across_calls_key, plan_key, trace_key
+from hops._code_key import CodeKey
 
 __all__ = ["ACROSS_CALLS_SIZE", "cached_per_trace", "cached_plan"]
 
@@ -73,6 +74,15 @@ def _cached_across_calls(kind: str, make: Callable[[], Any], body: Callable, ope
     return value
 
 
+def _closure_context(code: CodeKey | None) -> tuple:
+    """What a body's closure tensors read as where it is called: the closure modes in effect
+    (inside an enclosing body, a region in a scan step, they read as that level's stand-ins
+    or inputs), for a body that closes over tensors or may (no code key); else nothing."""
+    if code is not None and not code.tensors:
+        return ()
+    return active_closure_modes()
+
+
 def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operands: Sequence[Any], spec: Any) -> Any:
     """``make()``, or what it made for an equal call in the same fake mode (``kind`` names the
     cache: an inspection, an autograd plan). AOTAutograd runs a function twice (metadata,
@@ -104,12 +114,16 @@ def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operand
         code = across_calls_key(body)
         if code is None:
             return make()
-        key = (kind, code, tuple(metadata), spec)
+        key = (kind, code, _closure_context(code), tuple(metadata), spec)
         value = cache.get(key)
         if value is None:
             value = cache[key] = make()
         return value
-    key = (kind, trace_key(body), tuple(metadata), spec)
+    # Inside an enclosing body (a region in a scan step, both reading one closure tensor),
+    # the tensors a body closes over read as that level's stand-ins or inputs: what was made
+    # under other closure modes is not reused.
+    modes = _closure_context(across_calls_key(body))
+    key = (kind, trace_key(body), modes, tuple(metadata), spec)
     value = cache.get(key)
     if value is None:
         code = plan_key(body) if kind == "plan" else None
@@ -118,7 +132,7 @@ def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operand
         else:
             # The same body, or another closure with the same code and state (a plan only:
             # an inspection holds the tensors the closure reads, the wrappers of one pass).
-            alternative = (kind, code, tuple(metadata), spec)
+            alternative = (kind, code, modes, tuple(metadata), spec)
             value = cache.get(alternative)
             if value is None:
                 value = cache[alternative] = make()

@@ -159,12 +159,15 @@ def code_key(fn: Callable, *structure: Any, tensor_key: Callable[[torch.Tensor],
     ``tensor_key(t)`` keys a tensor in place of its identity (with its metadata)."""
     walker = _Walker(tensor_key)
     try:
-        if isinstance(fn, types.FunctionType):
-            key = walker.function(fn, 0)
-        elif isinstance(fn, functools.partial):
-            key = walker.value(fn, 0)
-        else:
-            return None
+        # Tensor metadata is read with torch function modes off: under an enclosing body's
+        # inspection, reading a closed-over tensor's shape would count as the body reading it.
+        with torch._C.DisableTorchFunction():
+            if isinstance(fn, types.FunctionType):
+                key = walker.function(fn, 0)
+            elif isinstance(fn, functools.partial):
+                key = walker.value(fn, 0)
+            else:
+                return None
         hash(structure)
     except (_Unkeyable, TypeError, RecursionError):
         return None

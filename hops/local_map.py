@@ -24,6 +24,7 @@ Rules:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -40,7 +41,7 @@ from hops import _compat, _dynamo, _inductor, _layout
 from hops._autograd import AutogradPlan
 from hops._base import BodyHOP
 from hops._body import version_counter
-from hops._body_record import plan_body, set_trace_key
+from hops._body_record import across_calls_key, plan_body, set_trace_key
 from hops._caches import cached_plan
 from hops._call import argument_names, call_body_hop
 from hops._errors import call_prefix, hop_prefix, leaf_names
@@ -669,7 +670,7 @@ def local_map(
         # the body's structure, and a body may not record anything on the side there).
         structured = torch.compiler.is_dynamo_compiling()
         body, returned = make_body(func, leaves, tensor_positions, args_treespec, plan, structured)
-        set_trace_key(body, func, args_treespec, plan, [leaf for p, leaf in enumerate(leaves) if p not in tensor_positions])
+        set_trace_key(body, func, args_treespec, plan, tuple(leaf for p, leaf in enumerate(leaves) if p not in tensor_positions))
         tensors = [leaves[p] for p in tensor_positions]
         # Leaves are named by key path in the caller's arguments (args[0]['w']), and where a
         # placement does not fit, also in in_placements (in_placements[0]['w']).
@@ -691,9 +692,30 @@ def local_map(
             user_function=func,
             device_names=names,
         )
-        return outputs if structured else plan.restructure(outputs, returned)
+        return outputs if structured else plan.restructure(outputs, _returned_by_equal_call(body, tensors, returned))
 
     return call
+
+
+# What the last body run under a code key returned besides its tensors: a call whose
+# inspection and plan are reused from an equal call (same code, Python state, tensor
+# metadata) does not run its own body, and returns what that call's body returned.
+_RETURNED: "collections.OrderedDict[tuple, _BodyReturned]" = collections.OrderedDict()
+_RETURNED_SIZE = 256
+
+
+def _returned_by_equal_call(body: Callable, tensors: Sequence[Any], returned: "_BodyReturned") -> "_BodyReturned":
+    code_key = across_calls_key(body)
+    if code_key is None or not all(isinstance(n, int) for t in tensors for n in t.shape):
+        return returned  # (nothing is reused with symbolic shapes: the body ran)
+    key = (code_key, tuple((tuple(t.shape), t.dtype) for t in tensors))
+    if returned.ran:
+        _RETURNED[key] = returned
+        _RETURNED.move_to_end(key)
+        while len(_RETURNED) > _RETURNED_SIZE:
+            _RETURNED.popitem(last=False)
+        return returned
+    return _RETURNED.get(key, returned)
 
 
 class _Placements:
@@ -878,6 +900,7 @@ class _BodyReturned:
 
     constants: list[Any] = dataclasses.field(default_factory=list)
     treespec: Any = None
+    ran: bool = False  # the body ran (else an equal call's inspection and plan were reused)
 
 
 def _make_body(
@@ -914,6 +937,7 @@ def _make_body(
             return plan.structure(outputs, result)
         returned.constants = [None if isinstance(o, torch.Tensor) else o for o in outputs]
         returned.treespec = None if isinstance(result, torch.Tensor) else pytree.tree_structure(result)
+        returned.ran = True
         return tuple(o for o in outputs if isinstance(o, torch.Tensor))
 
     return body, returned

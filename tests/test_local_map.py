@@ -478,6 +478,45 @@ def reduced(placements, dim, pending):
     return tuple(out)
 
 
+class TestTraceReuse(TestCase):
+    def test_equal_calls_share_one_plan_and_return_their_non_tensor_outputs(self):
+        # Two calls with the same body, Python arguments and tensor metadata, in both of
+        # AOTAutograd's passes, trace the region's joint once; each still returns what its
+        # body returns besides tensors (a call that reuses the plan does not run its body).
+        # Other Python arguments are another plan.
+        import importlib
+        import unittest.mock
+
+        plans = importlib.import_module("hops._region_plan")
+        built = []
+        make_plan = plans.RegionPlan.__init__
+
+        def counted(plan, *args, **kwargs):
+            built.append(1)
+            make_plan(plan, *args, **kwargs)
+
+        def scaled(x, factor):
+            return torch.tanh(x * factor), factor + 1
+
+        f = hops.local_map(scaled, out_placements=((Shard(0),), None), in_placements=((Shard(0),), None), mesh=LINE)
+
+        def program(x, y):
+            a, one = f(x, 3)
+            b, two = f(y, 3)
+            c, three = f(x, 5)
+            return a * one + b * two + c * three
+
+        def reference(x, y):
+            return torch.tanh(x * 3) * 4 + torch.tanh(y * 3) * 4 + torch.tanh(x * 5) * 6
+
+        x, y = spread((4, 6), 1).requires_grad_(), spread((4, 6), 2).requires_grad_()
+        with unittest.mock.patch.object(plans.RegionPlan, "__init__", counted):
+            _, _, out = aot_trace(program, x, y)
+        self.assertEqual(len(built), 2)
+        self.assertEqual(out, reference(x, y))
+        self.assertEqual((x.grad, y.grad), torch.autograd.grad(reference(x, y).sum(), (x, y)))
+
+
 class TestProperties(TestCase):
     @PROPERTY_SETTINGS
     @given(
