@@ -53,12 +53,13 @@ def random_problem(rng, choices=6, options=4, factors=8, forbid=0.15):
 
 
 class TestExactness(TestCase):
-    def test_random_problems_match_brute_force_with_and_without_reductions(self):
-        rng = np.random.default_rng(0)
+    def assert_random_problems_match_brute_force(self, make_problem, seed):
+        """40 problems from ``make_problem(rng) -> (problem, budget)``, solved with and without the
+        reductions: the brute-force optimum under the budget, or refused where none exists."""
+        rng = np.random.default_rng(seed)
         solved = infeasible = 0
         for _ in range(40):
-            problem = random_problem(rng)
-            budget = float(rng.integers(10, 40)) if rng.uniform() < 0.5 else None
+            problem, budget = make_problem(rng)
             expected, _ = brute_force(problem, budget)
             for reduce in (True, False):
                 if not np.isfinite(expected):
@@ -75,12 +76,16 @@ class TestExactness(TestCase):
         self.assertGreater(solved, 20)
         self.assertGreater(infeasible, 0)
 
+    def test_random_problems_match_brute_force_with_and_without_reductions(self):
+        def make_problem(rng):
+            return random_problem(rng), (float(rng.integers(10, 40)) if rng.uniform() < 0.5 else None)
+
+        self.assert_random_problems_match_brute_force(make_problem, seed=0)
+
     def test_random_problems_with_live_memory_match_brute_force(self):
         # Memory over time: each term is live on [start, end) and the budget bounds the peak
         # of the live terms' usages; choices may have several terms, or none.
-        rng = np.random.default_rng(2)
-        solved = infeasible = 0
-        for _ in range(40):
+        def make_problem(rng):
             problem = random_problem(rng)
             problem.memory_terms = [
                 MemoryTerm(int(c), int(start), int(start + rng.integers(1, 6)), rng.integers(0, 10, size=len(problem.choices[c].cost)).astype(float))
@@ -90,20 +95,9 @@ class TestExactness(TestCase):
                 choice.memory = np.zeros(len(choice.cost))
             for term in problem.memory_terms:
                 problem.choices[term.choice].memory += term.usage
-            budget = float(rng.integers(12, 36))
-            expected, _ = brute_force(problem, budget)
-            for reduce in (True, False):
-                if not np.isfinite(expected):
-                    with self.assertRaises(InfeasiblePlacementError):
-                        solve_problem(problem, memory_budget=budget, reduce=reduce)
-                    infeasible += 1
-                    continue
-                result = solve_problem(problem, memory_budget=budget, reduce=reduce)
-                self.assertAlmostEqual(result.cost, expected, places=6)
-                self.assertLessEqual(memory_of(problem, result.options), budget + 1e-9)
-                solved += 1
-        self.assertGreater(solved, 20)
-        self.assertGreater(infeasible, 0)
+            return problem, float(rng.integers(12, 36))
+
+        self.assert_random_problems_match_brute_force(make_problem, seed=2)
 
     def test_the_peak_counts_the_terms_live_together(self):
         usage = np.array([4.0, 1.0])
