@@ -62,7 +62,8 @@ reductions (the same at every depth), so the solver searches mesh-axis neighbour
 (``passes.solver.ilp._axis_search``: a coarse level with two axes tied, then every choice's
 one-axis changes and every two-axis plane, solved at once, largest first): 8B on 4x4x4 7.9 s
 (trace 2.4, graph 1.9, build 0.8, solve 2.7), 70B on 8x8x8 8.1 s (2.8 / 1.9 / 0.8 / 2.6), peak
-RSS 0.79-0.82 GB; the largest neighbourhood program follows the plan (70B: 71,433 variables at
+RSS 0.73-0.83 GB (at one layer: 9.8 and 8.3 s, the search running more rounds before no
+neighbourhood improves); the largest neighbourhood program follows the plan (70B: 71,433 variables at
 80 layers, 71,512 at 1). 8B on 4x4x4 at one layer: the search's plan costs 0.1978740 s, the
 exact program's proven optimum (``search="exact"``: 1.66M variables, 32 s of HiGHS). Bars: all pass but "solved to optimality", which fails by
 construction on 3-D meshes (the status says "not proven optimal"). Before issue 24's last
