@@ -276,6 +276,47 @@ class TestValidProgramsRun(TestCase):
         self.assertEqual(traced_w.grad, expected_grad[0])
 
 
+    def test_nested_bodies_closing_over_one_weight_trace_like_eager(self):
+        # Every pairing of an enclosing body (scan step, named scope) and a nested one (region,
+        # scan, named scope), both reading one traced weight from their closures, the nested
+        # one called twice alike (so what a trace makes for it may be reused): AOTAutograd's
+        # values and gradients are eager's. What a nested body's closure reads depends on the
+        # enclosing level (its stand-in, or the input a lifted tensor became).
+        def inner_of(kind, w):
+            if kind == "local_map":
+                return hops.local_map(lambda x: x * w, mesh=LINE, in_placements=((Shard(0),),), out_placements=(Shard(0),))
+            if kind == "scan":
+                return lambda x: hops.scan(lambda c, r: (c + r * w, c.sum()), torch.zeros(2), x)[0]
+            return hops.named_scope("inner")(lambda x: x * w.sin())
+
+        def reference_inner(kind, w):
+            if kind == "scan":
+                return lambda x: torch.zeros(2) + (x * w).sum(0)
+            return (lambda x: x * w) if kind == "local_map" else (lambda x: x * w.sin())
+
+        def program(outer, inner, w, xs):
+            nested = inner_of(inner, w)
+            step = lambda c, x: (c + nested(x).sum() * w + nested(x + 1).sum(), c.sum())  # noqa: E731
+            if outer == "scan":
+                return hops.scan(step, torch.zeros(2), xs)[0]
+            return hops.named_scope("outer")(lambda xs: python_loop(step, torch.zeros(2), xs)[0])(xs)
+
+        def reference(inner, w, xs):
+            nested = reference_inner(inner, w)
+            return python_loop(lambda c, x: (c + nested(x).sum() * w + nested(x + 1).sum(), c.sum()), torch.zeros(2), xs)[0]
+
+        xs = torch.randn(3, 4, 2)
+        w = torch.randn(2)
+        for outer in ("scan", "named_scope"):
+            for inner in ("local_map", "scan", "named_scope"):
+                with self.subTest(outer=outer, inner=inner):
+                    traced_w = w.clone().requires_grad_()
+                    _, _, out = aot_trace(lambda w, xs: program(outer, inner, w, xs), traced_w, xs)
+                    eager_w = w.clone().requires_grad_()
+                    expected = reference(inner, eager_w, xs)
+                    self.assertEqual(out, expected)
+                    self.assertEqual(traced_w.grad, torch.autograd.grad(expected.sum(), eager_w)[0])
+
 class TestKernelsCannotLieAboutTheirOutputs(TestCase):
     def test_an_abstract_rule_that_disagrees_is_refused_eager_and_compiled(self):
         lying = hops.kernel(lambda x: x * 2, abstract=lambda x: x.new_empty(x.shape[0], 1), name="lying_kernel")
