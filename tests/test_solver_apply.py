@@ -295,6 +295,7 @@ LAYOUTS = [(a, b) for a in (R, S0, S1) for b in (R, S0, S1)]
 
 PROGRAMS = dict(
     axes=st.tuples(st.sampled_from(AXIS_LAYOUTS), st.sampled_from(AXIS_LAYOUTS)),
+    then=st.none() | st.tuples(st.sampled_from(AXIS_LAYOUTS), st.sampled_from(AXIS_LAYOUTS)),
     entering=st.sampled_from(LAYOUTS),
     leaving=st.sampled_from(LAYOUTS),
     matmul=st.booleans(),
@@ -302,15 +303,21 @@ PROGRAMS = dict(
 )
 
 
-def applied(axes, entering, leaving, matmul, slow_link, pending_sums):
-    """A region whose output may be a pending sum between annotations, trained, solved and
-    applied: (forward, backward, forward's inputs, forward's outputs before apply)."""
-    region = hops.local_map(
-        lambda a: a * 2, mesh=GRID, in_placements=(tuple(a for a, _ in axes),), out_placements=tuple(b for _, b in axes)
+def scaling_region(axes, scale):
+    return hops.local_map(
+        lambda a: a * scale, mesh=GRID, in_placements=(tuple(a for a, _ in axes),), out_placements=tuple(b for _, b in axes)
     )
 
+
+def applied(axes, then, entering, leaving, matmul, slow_link, pending_sums):
+    """A region whose output may be a pending sum (read by a second region if ``then``) between
+    annotations, trained, solved and applied: (forward, backward, forward's inputs, forward's
+    outputs before apply)."""
+    region = scaling_region(axes, 2)
+    second = scaling_region(then, 3) if then is not None else (lambda a: a)
+
     def program(x, w):
-        y = region(hops.annotate_sharding(x, ShardingSpec(GRID, entering))).relu()
+        y = second(region(hops.annotate_sharding(x, ShardingSpec(GRID, entering)))).relu()
         return hops.annotate_sharding(y @ w if matmul else y, ShardingSpec(GRID, leaving))
 
     torch.manual_seed(0)

@@ -7,7 +7,8 @@ gradient laid out like its parameter) gets a second annotation in front of the r
 ``Partial`` layout is not stated (an XLA sharding describes a whole value); the next stated
 layout makes the partitioner reduce it (a region's output: first its sums alone, as
 ``check_placements`` wants), and a region entering a value as ``Partial`` reads it replicated
-(its lowering makes the sum locally), or as made if the value already has that sum. Regions keep their own placements, switched to the
+(its lowering makes the sum locally), or as made if the value already has that sum (another
+region's output with it, read in another layout: reduced, then replicated, as XLA runs it). Regions keep their own placements, switched to the
 chosen alternative. Values inside region bodies are per-device and are left alone.
 """
 
@@ -139,7 +140,12 @@ def apply_placements(gm: Any, solution: PlacementSolution, *, pending_sums: bool
                 required = _entered(produced, required)
                 if required == produced:
                     continue
-                if not _stateable(required, produced if pending_sums else None):
+                if not _stateable(required, produced if pending_sums else None) and _is_region_output(stated[u]):
+                    # It keeps a region output's pending sum in another layout of its other
+                    # axes: the target reduces the sum as the value leaves its region and the
+                    # reader makes it again; state both steps (reduced, then replicated).
+                    required = tuple(Replicate() if isinstance(p, Partial) else p for p in required)
+                elif not _stateable(required, produced if pending_sums else None):
                     # It keeps a pending sum of the value: it reads the value as made.
                     if stated[u] is not graph.nodes[u]["fx_node"]:
                         _replace_leaf(reader, use.position, graph.nodes[u]["fx_node"])
