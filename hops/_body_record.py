@@ -43,6 +43,7 @@ __all__ = [
     "set_trace_key",
     "trace_key",
     "traced_graph",
+    "typed_values",
     "update_record",
 ]
 
@@ -99,6 +100,12 @@ def set_trace_key(body: Callable, fn: Callable, *structure: Any, across_calls: b
     make = functools.cache(lambda: code_key(fn, *structure)) if across_calls else None  # computed on first use
     user_call = (fn, structure)
     update_record(body, trace_key=key, code_key=make, user_call=user_call, plan_key=_plan_key_maker(user_call, ()))
+
+
+def typed_values(values: Any) -> tuple:
+    """``values`` as a key that tells apart what traces differently though equal in Python:
+    ``2`` and ``2.0``, ``True`` and ``1``, ``0.0`` and ``-0.0``."""
+    return tuple((type(v), repr(v) if isinstance(v, (float, complex)) else v) for v in values)
 
 
 def _plan_key_maker(user_call: tuple, lifted: Any) -> Callable[[], Any]:

@@ -41,7 +41,7 @@ from hops import _compat, _dynamo, _inductor, _layout
 from hops._autograd import AutogradPlan
 from hops._base import BodyHOP
 from hops._body import version_counter
-from hops._body_record import across_calls_key, plan_body, set_trace_key
+from hops._body_record import across_calls_key, plan_body, set_trace_key, typed_values
 from hops._caches import cached_plan
 from hops._call import argument_names, call_body_hop
 from hops._errors import call_prefix, hop_prefix, leaf_names
@@ -670,7 +670,7 @@ def local_map(
         # the body's structure, and a body may not record anything on the side there).
         structured = torch.compiler.is_dynamo_compiling()
         body, returned = make_body(func, leaves, tensor_positions, args_treespec, plan, structured)
-        set_trace_key(body, func, args_treespec, plan, tuple(leaf for p, leaf in enumerate(leaves) if p not in tensor_positions))
+        set_trace_key(body, func, args_treespec, plan, typed_values(leaf for p, leaf in enumerate(leaves) if p not in tensor_positions))
         tensors = [leaves[p] for p in tensor_positions]
         # Leaves are named by key path in the caller's arguments (args[0]['w']), and where a
         # placement does not fit, also in in_placements (in_placements[0]['w']).

@@ -516,6 +516,26 @@ class TestTraceReuse(TestCase):
         self.assertEqual(out, reference(x, y))
         self.assertEqual((x.grad, y.grad), torch.autograd.grad(reference(x, y).sum(), (x, y)))
 
+    def test_python_arguments_equal_but_of_other_types_are_other_calls(self):
+        # 2 == 2.0 and 0.0 == -0.0 in Python, yet they trace differently: each call returns
+        # its own body's results, values, signs of zero and Python types alike.
+        def scaled(x, factor):
+            return x * factor, factor + 1
+
+        f = hops.local_map(scaled, out_placements=((Shard(0),), None), in_placements=((Shard(0),), None), mesh=LINE)
+
+        def program(x):
+            (a, two), (b, two_point_oh), (c, _), (d, _) = f(x, 2), f(x, 2.0), f(x, 0.0), f(x, -0.0)
+            self.assertIs(type(two), int)
+            self.assertIs(type(two_point_oh), float)
+            return a + b, c, d
+
+        x = spread((4, 6), 1).requires_grad_()
+        _, _, (summed, zero, negative_zero) = aot_trace(program, x)
+        self.assertEqual(summed, 4 * x)
+        self.assertFalse(torch.signbit(zero[x > 0]).any())
+        self.assertTrue(torch.signbit(negative_zero[x > 0]).all())
+
 
 class TestProperties(TestCase):
     @PROPERTY_SETTINGS
