@@ -8,8 +8,8 @@ gradient laid out like its parameter) gets a second annotation in front of the r
 layout makes the partitioner reduce it (a region's output: first its sums alone, as
 ``check_placements`` wants), and a region entering a value as ``Partial`` reads it replicated
 (its lowering makes the sum locally), or as made if the value already has that sum (another
-region's output with it, read in another layout: reduced, then replicated, as XLA runs it). Regions keep their own placements, switched to the
-chosen alternative. Values inside region bodies are per-device and are left alone.
+region's output with it, read in another layout: reduced, then replicated, as XLA runs it).
+Regions keep their own placements, switched to the chosen alternative. Values inside region bodies are per-device and are left alone.
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ def apply_placements(gm: Any, solution: PlacementSolution, *, pending_sums: bool
         if not edge["uses"] or u not in solution.placements:
             continue
         produced = solution.placements[u]
+        kept = produced if pending_sums else None  # the pending sums a statement may keep
         for use in edge["uses"]:
             required = required_placement(solution, v, use, produced)
             if required == produced:
@@ -134,23 +135,24 @@ def apply_placements(gm: Any, solution: PlacementSolution, *, pending_sums: bool
             if use.kind == "carry":
                 continue  # stated by the carry input's own annotation, at the top of every step
             statement = reader.target is sharding_annotation_hop  # the reader states its layout itself
-            if not statement and not _stateable(required, produced if pending_sums else None):
+            if not statement and not _stateable(required, kept):
                 # A pending sum the target cannot state: the reader is a region entering the
                 # value as Partial, which it makes locally from a replicated value; state that.
                 required = _entered(produced, required)
                 if required == produced:
                     continue
-                if not _stateable(required, produced if pending_sums else None) and _is_region_output(stated[u]):
-                    # It keeps a region output's pending sum in another layout of its other
-                    # axes: the target reduces the sum as the value leaves its region and the
-                    # reader makes it again; state both steps (reduced, then replicated).
-                    required = tuple(Replicate() if isinstance(p, Partial) else p for p in required)
-                elif not _stateable(required, produced if pending_sums else None):
-                    # It keeps a pending sum of the value: it reads the value as made.
-                    if stated[u] is not graph.nodes[u]["fx_node"]:
-                        _replace_leaf(reader, use.position, graph.nodes[u]["fx_node"])
-                        changed.add(reader.graph.owning_module)
-                    continue
+                if not _stateable(required, kept):
+                    if _is_region_output(stated[u]):
+                        # It keeps a region output's pending sum in another layout of its
+                        # other axes: the target reduces the sum as the value leaves its region
+                        # and the reader makes it again; state both steps (reduced, replicated).
+                        required = tuple(Replicate() if isinstance(p, Partial) else p for p in required)
+                    else:
+                        # It keeps a pending sum of the value: it reads the value as made.
+                        if stated[u] is not graph.nodes[u]["fx_node"]:
+                            _replace_leaf(reader, use.position, graph.nodes[u]["fx_node"])
+                            changed.add(reader.graph.owning_module)
+                        continue
             source = stated[u]
             if _is_region_output(source):
                 # The region's output is unstated (it has a pending sum): an annotation on it
@@ -159,7 +161,7 @@ def apply_placements(gm: Any, solution: PlacementSolution, *, pending_sums: bool
                 reduced = _reduced(produced, required)
                 if reduced == required and statement:
                     continue
-                if not _stateable(reduced, produced if pending_sums else None):
+                if not _stateable(reduced, kept):
                     continue  # a statement keeping a pending sum the target cannot state
                 if (u, reduced) not in reductions:
                     with source.graph.inserting_after(source):

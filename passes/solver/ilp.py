@@ -3,9 +3,9 @@
 Each node with strategies is a *choice* (one option per strategy) with a cost per option
 (compute, times how often it runs) and the bytes per device it keeps (for a memory budget:
 with ``Problem.memory_terms``, per value over the interval it is live, the budget bounding
-the peak; else one sum). Each read of a value is a *factor* between the value's choice and the reader's: a
-table of redistribution seconds indexed by the value's placement and the placement the reader
-needs (``inf`` where two placements must be equal and are not).
+the peak; else one sum). Each read of a value is a *factor* between the value's choice and
+the reader's: a table of redistribution seconds indexed by the value's placement and the
+placement the reader needs (``inf`` where two placements must be equal and are not).
 
 Exact reductions before the ILP (each keeps the optimum):
 - factors with a one-option side become option costs; factors between the same two choices merge;
@@ -452,7 +452,9 @@ def _build_milp(reducer: _Reducer, memory_budget: float | None) -> _Milp | None:
     row_lower, row_upper = [], []
     option_columns: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     pairs: list = []
-    memory_terms: list[tuple[np.ndarray, np.ndarray]] = []
+    # Without memory terms, one row of every choice's memory (its columns and the fixed part).
+    one_row = memory_budget is not None and reducer.peak_sets is None
+    memory_columns: list[tuple[np.ndarray, np.ndarray]] = []
     memory_constant = 0.0
 
     def new_columns(cost: np.ndarray, integer: bool) -> np.ndarray:
@@ -474,14 +476,13 @@ def _build_milp(reducer: _Reducer, memory_budget: float | None) -> _Milp | None:
         columns = new_columns(reducer.cost[choice][live] * _SCALE, True)
         option_columns[choice] = (live, columns)
         add_row(columns, np.ones(len(columns)), 1.0, 1.0)
-        if memory_budget is not None:
-            memory_terms.append((columns, reducer.memory[choice][live]))
+        if one_row:
+            memory_columns.append((columns, reducer.memory[choice][live]))
     for choice in range(len(reducer.choices)):
-        if reducer.removed[choice] and memory_budget is not None and choice in reducer.fixed:
+        if reducer.removed[choice] and one_row and choice in reducer.fixed:
             memory_constant += reducer.memory[choice][reducer.fixed[choice]]
     if memory_budget is not None and reducer.peak_sets is not None:
         # One row per largest live set: the live terms' usages under the options chosen.
-        memory_terms = []
         for live_set in reducer.peak_sets:
             coefficients: dict[int, np.ndarray] = {}
             constant = 0.0
@@ -522,9 +523,9 @@ def _build_milp(reducer: _Reducer, memory_budget: float | None) -> _Milp | None:
             mine = pair_columns[c_idx == k]
             options = columns_b[cols_of_b == c]
             add_row(np.concatenate([mine, options]), np.concatenate([np.ones(len(mine)), -np.ones(len(options))]), 0.0, 0.0)
-    if memory_budget is not None and memory_terms:
-        columns = np.concatenate([c for c, _ in memory_terms])
-        coefficients = np.concatenate([m for _, m in memory_terms])
+    if one_row and memory_columns:
+        columns = np.concatenate([c for c, _ in memory_columns])
+        coefficients = np.concatenate([m for _, m in memory_columns])
         add_row(columns, coefficients, -np.inf, memory_budget - memory_constant)
     if not costs:
         return None
@@ -699,7 +700,8 @@ def _axis_search(
     Each step is an integer program over a subset of the options that holds the plan so far
     (the coarse level solved exactly, a neighbourhood to within ``_NEIGHBOURHOOD_GAP`` of its
     optimum), so the plan only improves, but the result is the best found in these
-    neighbourhoods, not a proven optimum. ``None`` when no coarse level is feasible (the caller solves exactly).
+    neighbourhoods, not a proven optimum. ``None`` when no coarse level is feasible (the
+    caller solves exactly).
     """
     import itertools
 
@@ -785,15 +787,17 @@ def _axis_search(
     # solved without improving it.
     planes = list(itertools.combinations(range(ndim), 2)) if ndim >= 3 else []
     one_axis_from = planes_from = None  # the plans those neighbourhoods were last solved from
+    first_round = True
     while time_left():
         chosen = best[0]
         tasks = []
         if one_axis_from is not chosen:
             tasks.append(one_axis(chosen))
             one_axis_from = chosen
-        if planes and planes_from is not chosen and not (len(tasks) == 1 and stats["ilps"] == 1):
+        if planes and planes_from is not chosen and not first_round:
             tasks += [plane(chosen, pair) for pair in planes]
             planes_from = chosen
+        first_round = False
         if not tasks:
             break
         order = sorted(range(len(tasks)), key=lambda i: -sum(int(m.sum()) for m in tasks[i].values()))

@@ -272,7 +272,6 @@ class _ProblemBuilder:
         end_of_program = len(positions)
         factor = {"parameter": 2.0 + self.cost_model.optimizer_state_bytes, "input": 1.0}
         storage: dict[str, list[int]] = {}  # value that holds its storage -> [start, end]
-        held_by: dict[str, str] = {}
         for key, data in self.graph.nodes(data=True):
             node = data.get("fx_node")
             if node not in positions or data["shape"] is None or data["kind"] in ("output", "region", "local"):
@@ -282,9 +281,7 @@ class _ProblemBuilder:
                 for use in edge["uses"]:
                     if use.reader in positions:
                         end = max(end, positions[use.reader])
-            holder = self._storage_of(key, positions)
-            held_by[key] = holder
-            span = storage.setdefault(holder, [start, end])
+            span = storage.setdefault(self._storage_of(key, positions), [start, end])
             span[0], span[1] = min(span[0], start), max(span[1], end)
         terms = []
         for key, (start, end) in storage.items():
