@@ -111,6 +111,14 @@ def is_dynamo_exception(error: BaseException) -> bool:
     return isinstance(error, TorchDynamoException)
 
 
+def is_dynamo_graph_break(error: BaseException) -> bool:
+    """Whether ``error`` is Dynamo giving up on the code it traces (``Unsupported``), not
+    the traced code failing."""
+    from torch._dynamo.exc import Unsupported
+
+    return isinstance(error, Unsupported)
+
+
 def is_dynamo_observed_exception(error: BaseException) -> bool:
     """Whether ``error`` is Dynamo's stand-in for an exception the traced code raised."""
     from torch._dynamo.exc import ObservedException

@@ -19,6 +19,7 @@ eagerly, which raises it (or lets the caller catch it) as eager does.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import os
 import re
@@ -221,28 +222,57 @@ def register_subgraph_hop(hop: Any) -> None:
         named = _NamedBody(call.name if call is not None else _user_function_name(tx, body))
         hop.split_args((*fake_args, *specs))
         hop.check(named, fake_args, specs[-1])
-        example_args = _body_example_args(tx, hop, tensor_args, specs)
-        # Speculate on graph-free copies of the args that carry the body's example values:
-        # "manual" inputs take their placeholder metadata from these, so the body sees the
-        # shapes it will really get, and the outer graph and its tensors are left untouched.
-        body_inputs = [
-            _graph_free_tensor_variable(vt.as_proxy().node.name, example)
-            for vt, example in zip(tensor_args, example_args)
-        ]
-        body_graph, lifted_freevars, treespec = _compat.dynamo_speculate_subgraph(tx, body, body_inputs, hop)
-        body_gm = torch.fx.GraphModule(tx.output.nn_modules, body_graph)
+        spec = specs[-1]
+        count = hop.num_options(spec) if hasattr(hop, "num_options") else 1
+        active = hop.active_option(spec) if count > 1 else 0
+        # One subgraph per option (local_map's alternatives), each speculated on the inputs the
+        # body sees under that option: shapes are constants of a Dynamo graph, so a body traced
+        # on one option's local shapes would be wrong for another's.
+        graphs, lifted_per_option, treespecs, steps = [], [], [], []
+        for index in range(count):
+            option = spec if count == 1 else hop.option_spec(spec, index)
+            example_args = _body_example_args(tx, hop, tensor_args, (*specs[:-1], option))
+            # Speculate on graph-free copies of the args that carry the body's example values:
+            # "manual" inputs take their placeholder metadata from these, so the body sees the
+            # shapes it will really get, and the outer graph and its tensors are left untouched.
+            body_inputs = [
+                _graph_free_tensor_variable(vt.as_proxy().node.name, example)
+                for vt, example in zip(tensor_args, example_args)
+            ]
+            try:
+                body_graph, lifted_freevars, treespec = _compat.dynamo_speculate_subgraph(tx, body, body_inputs, hop)
+            except Exception as error:
+                if index == active or _compat.is_dynamo_graph_break(error):
+                    raise  # (a graph break: Dynamo cannot trace the body at all)
+                # The body fails on this alternative's local shapes: eager's error for that.
+                raise hop.option_failure(named.__name__, spec, index, _body_failure(tx, error)) from error
+            body_gm = torch.fx.GraphModule(tx.output.nn_modules, body_graph)
+            with tx.fake_mode:
+                outputs = _refuse_input_writes(body_gm, example_args, call, hop_prefix(hop, named))
+                hop.check_outputs(named, outputs, fake_args, option)
+            graphs.append(body_gm)
+            lifted_per_option.append(lifted_freevars)
+            treespecs.append(treespec)
+            steps.append(outputs)
         with tx.fake_mode:
-            outputs = _refuse_input_writes(body_gm, example_args, call, hop_prefix(hop, named))
-            hop.check_outputs(named, outputs, fake_args, specs[-1])
+            if count > 1:
+                hop.check_options(named.__name__, steps, fake_args, spec)
             # The node's fake rule, here: what it refuses is raised unwrapped.
-            hop.outputs_from_body(outputs, fake_args, specs[-1])
-        body_name = tx.output.install_subgraph(_subgraph_name(tx, body), body_gm)
+            hop.outputs_from_body(steps[active], fake_args, spec)
+        lifted = _same_lifted_inputs(graphs, lifted_per_option, len(tensor_args))
+        prefix = _subgraph_name(tx, body)
+        names = [
+            tx.output.install_subgraph(prefix if count == 1 else prefix.removesuffix("body") + f"alternative{index}_body", gm)
+            for index, gm in enumerate(graphs)
+        ]
+        bodies = make_attr(tx, names[0]) if count == 1 else tuple(make_attr(tx, n) for n in names)
         node_args = (
-            make_attr(tx, body_name),
+            bodies,
             *(vt.as_proxy() for vt in tensor_args),
-            tuple(lifted_freevars.keys()),
+            tuple(lifted),
             *specs,
         )
+        treespec = treespecs[active]
         proxy = tx.output.create_proxy("call_function", hop, node_args, {})
         # No example value given: Dynamo runs the node under its FakeTensorMode, i.e. the
         # HOP's own fake rule decides the output shapes. The flat results come back in the
@@ -259,6 +289,51 @@ def register_subgraph_hop(hop: Any) -> None:
         },
     )
     _compat.register_dynamo_hop_variable(hop, variable_cls)
+
+
+def _body_failure(tx: Any, error: BaseException) -> BaseException:
+    """What the body raised while Dynamo traced it, as eager would see it: the body's own
+    exception, or the error a fake tensor op raised (of which Dynamo keeps only the text)."""
+    raised = _typed_error(tx, error) or error
+    failed = re.search(r"got (\w+)\((['\"])(.*?)\2\)", str(raised), re.S)
+    if failed is None:
+        return raised
+    kind = getattr(builtins, failed.group(1), None)
+    return (kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError)(failed.group(3))
+
+
+def _same_lifted_inputs(graphs: list, lifted_per_option: list, num_inputs: int) -> list:
+    """The outer values (proxies) every option's subgraph takes after its ``num_inputs`` own
+    inputs, in one order: options may close over different values (or lift them in another
+    order), and a node passes one tuple to all of its bodies. Each subgraph gets a placeholder
+    per value of the union, unused where that option does not read it."""
+    union: dict = {}
+    for lifted in lifted_per_option:
+        for outer in lifted:
+            union.setdefault(outer.node, outer)
+    if len(graphs) == 1:
+        return list(union.values())
+    for gm, lifted in zip(graphs, lifted_per_option):
+        graph = gm.graph
+        placeholders = list(graph.find_nodes(op="placeholder"))
+        inner_of = {outer.node: inner.node for outer, inner in lifted.items()}
+        last = placeholders[num_inputs - 1] if num_inputs else None
+        for outer_node in union:
+            # Placeholders in the union's order, after the body's own inputs.
+            where = graph.inserting_after(last) if last is not None else graph.inserting_before(next(iter(graph.nodes)))
+            with where:
+                placeholder = graph.placeholder(f"lifted_{outer_node.name}")
+            old = inner_of.get(outer_node)
+            if old is not None:
+                placeholder.meta.update(old.meta)
+                old.replace_all_uses_with(placeholder)
+                graph.erase_node(old)
+            else:
+                placeholder.meta["example_value"] = outer_node.meta.get("example_value")
+            last = placeholder
+        graph.lint()
+        gm.recompile()
+    return list(union.values())
 
 
 class _NamedBody:

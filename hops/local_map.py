@@ -370,12 +370,15 @@ def _check_option_outputs(name: str, steps: Sequence[Sequence[Any]], spec: Local
                 )
 
 
+@torch.compiler.disable
 def _check_alternatives_eagerly(
     name: str, body: Callable, tensors: Sequence[Any], spec: LocalMapSpec, names: Callable[[int], str] = _tensor_names
 ) -> None:
     """Run every alternative's body on fake local tensors (a tracer traces each anyway) and
     refuse one that fails on its local shapes or gives other global outputs. A body that
-    cannot run on fake tensors (it reads tensor values in Python) is checked when traced."""
+    cannot run on fake tensors (it reads tensor values in Python) is checked when traced.
+    (Never traced by Dynamo: where a compiled call falls back to eager, the body runs here
+    on fake tensors, not as code of the compiled graph.)"""
     from hops._joint import is_tracing
 
     if not spec.alternatives or is_tracing(tensors):
@@ -401,25 +404,6 @@ def _check_alternatives_eagerly(
                     return
                 raise _alternative_failure(name, spec, k, error) from error
     _check_option_outputs(name, steps, spec)
-
-
-def _refuse_other_local_shapes_under_dynamo(
-    name: str, tensors: Sequence[Any], spec: LocalMapSpec, names: Callable[[int], str] = _tensor_names
-) -> None:
-    """Dynamo traces a region's body once, on the active alternative's local shapes (its
-    shapes, and values derived from them, become constants of that graph): an alternative
-    with other local shapes would run that graph on shapes it was not traced for."""
-    for k, option in enumerate(spec.alternatives):
-        for i, (t, mine, active) in enumerate(zip(tensors, option.in_placements, spec.in_placements)):
-            if mine is None or not isinstance(t, torch.Tensor):
-                continue
-            what = f"local_map({name}): {names(i)}"
-            if _layout.local_shape(t.shape, mine, spec.mesh, what) != _layout.local_shape(t.shape, active, spec.mesh, what):
-                raise _dynamo.TracingRefusal(
-                    f"local_map({name}): under torch.compile, alternative {k} gives the body other local shapes "
-                    f"than the active placements ({names(i)}); Dynamo traces the body once, so such alternatives "
-                    "are traced with make_fx / torch.export / AOTAutograd (one body per alternative), or run eagerly"
-                )
 
 
 def _alternative_failure(name: str, spec: LocalMapSpec, index: int, error: Exception) -> ValueError:
@@ -600,8 +584,8 @@ def local_map(
       ``cost_hint``), given in the forms above. The main placements are option 0, what
       eager and the lowerings run until one is chosen (``LocalMapSpec.choose``). Options
       may give the body other local shapes (row- vs column-parallel): a traced region holds
-      one body per option, each traced on its own shapes; every option must give the same
-      global outputs.
+      one body per option, each traced on its own shapes (by make_fx, torch.export and
+      torch.compile alike); every option must give the same global outputs.
 
     Keyword arguments of the call are passed to ``func`` (tensors whole on every device).
     Plain tensors are global values; DTensor inputs run torch's own ``local_map`` on their
@@ -678,9 +662,7 @@ def local_map(
         names = lambda i: arg_names[tensor_positions[i]]  # noqa: E731
         entries = plan.input_entries(args, leaves[:num_arg_leaves]) + [None] * (len(leaves) - num_arg_leaves)
         _check_call(func, tensors, spec, names, lambda i: entries[tensor_positions[i]])
-        if structured:
-            _refuse_other_local_shapes_under_dynamo(name, tensors, spec, names)
-        else:
+        if not structured:  # (under Dynamo, its rule traces the body once per alternative)
             _check_alternatives_eagerly(name, body, tensors, spec, names)
         outputs = call_body_hop(
             local_map_hop,

@@ -23,7 +23,7 @@ import passes
 from hops import LocalMapSpec, Mesh, RegionPlacements, Replicate, Shard
 from passes.solver import CostModel
 from passes.solver.solve import evaluate_placements
-from tests.helpers.snapshot import TestCase, aot_trace, hlo_text, readable
+from tests.helpers.snapshot import TestCase, aot_trace, compile_trace, hlo_text, readable
 
 LINE = Mesh.of(model=4)
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -167,17 +167,104 @@ class project(torch.nn.Module):
 
 
 class TestDynamo(TestCase):
-    def test_other_local_shapes_under_torch_compile_break_the_graph_and_run_eagerly(self):
-        # Dynamo traces a body once: its shapes (here the row count added) would be constants
-        # of the graph, wrong for an alternative with other local shapes.
+    """Under ``torch.compile`` the node carries one body per alternative, as under make_fx:
+    Dynamo speculates the body once per alternative, on that alternative's local shapes."""
+
+    def test_dynamo_traces_one_body_per_alternative_each_on_its_own_local_shapes(self):
+        # Shapes are constants of a Dynamo graph: the row count added is 2 row-parallel, 8
+        # column-parallel, so each body is only right for its own alternative.
         def offset(x, w):
             return x @ w + x.shape[0]
 
-        region = projection(offset)
         x, w = torch.randn(8, 6), torch.randn(6, 12)
+        graphs = []
         torch._dynamo.reset()
-        self.assertEqual(torch.compile(lambda x, w: region(x, w), backend="aot_eager")(x, w), x @ w + 2)
-        with self.assertRaisesRegex(Exception, r"under torch.compile, alternative 1 gives the body other local shapes"):
+        compiled = torch.compile(lambda x, w: projection(offset)(x, w), backend=lambda gm, _: graphs.append(gm) or gm, fullgraph=True)
+        self.assertEqual(compiled(x, w), x @ w + 2)
+        (gm,) = graphs
+        self.assertExpectedInline(readable(gm), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[8, 6]", L_w_: "f32[6, 12]"):
+        l_x_ = L_x_
+        l_w_ = L_w_
+        offset_alternative0_body_0 = self.offset_alternative0_body_0
+        offset_alternative1_body_0 = self.offset_alternative1_body_0
+        hops_local_map = torch.ops.higher_order.hops_local_map((offset_alternative0_body_0, offset_alternative1_body_0), l_x_, l_w_, (), hops.LocalMapSpec(hops.Mesh.of(model=4), 'S(0), R', 'S(0)', alternatives=(hops.RegionPlacements('S(0), R', 'S(0)'), hops.RegionPlacements('R, S(1)', 'S(1)'))))
+        outputs: "f32[8, 12]" = hops_local_map[0]
+        return (outputs,)
+    class offset_alternative0_body_0(torch.nn.Module):
+        def forward(self, l_x_: "f32[2, 6]", l_w_: "f32[6, 12]"):
+            matmul: "f32[2, 12]" = l_x_ @ l_w_
+            result: "f32[2, 12]" = matmul + 2
+            return (result,)
+    class offset_alternative1_body_0(torch.nn.Module):
+        def forward(self, l_x_: "f32[8, 6]", l_w_: "f32[6, 3]"):
+            matmul: "f32[8, 3]" = l_x_ @ l_w_
+            result: "f32[8, 3]" = matmul + 8
+            return (result,)
+""")
+        # The captured graph runs whichever alternative is chosen.
+        for index, rows in ((1, 8), (0, 2)):
+            choose(gm, index)
+            self.assertEqual(gm(x, w)[0], x @ w + rows)
+
+    def test_alternatives_closing_over_different_tensors_share_one_lifted_tuple(self):
+        # Only the column-parallel body (8 local rows) reads ``bias`` and only the row-parallel
+        # one reads ``scale``: every body takes both, in one order.
+        bias, scale = torch.randn(12), torch.randn(())
+
+        def shifted(x, w):
+            return x @ w + bias[: w.shape[1]] if x.shape[0] == 8 else (x @ w) * scale
+
+        x, w = torch.randn(8, 6), torch.randn(6, 12)
+        region = projection(shifted)
+        expected = [(x @ w) * scale, torch.cat([x @ w[:, 3 * d : 3 * d + 3] + bias[:3] for d in range(4)], dim=1)]
+        for index in (0, 1):
+            graphs = []
+
+            def run_alternative(gm, _, index=index):
+                graphs.append(gm)
+                choose(gm, index)
+                return gm
+
+            torch._dynamo.reset()
+            self.assertEqual(torch.compile(lambda x, w: region(x, w), backend=run_alternative, fullgraph=True)(x, w), expected[index])
+            (node,) = region_nodes(graphs[0])
+            self.assertEqual(len(node.args[3]), 2)
+            for body in node.args[0]:
+                self.assertEqual(len(graphs[0].get_submodule(body.target).graph.find_nodes(op="placeholder")), 4)
+
+    def test_compiled_forward_and_backward_run_the_chosen_alternative_with_eager_gradients(self):
+        def tanh_project(x, w):
+            return (x @ w).tanh() * x.shape[0]
+
+        x, w = torch.randn(8, 6, requires_grad=True), torch.randn(6, 12, requires_grad=True)
+        torch._dynamo.reset()
+        graphs, out = compile_trace(lambda x, w: projection(tanh_project)(x, w), x, w)
+        self.assertEqual(out, (x @ w).tanh() * 2)
+        self.assertEqual([len(n.args[0]) for g in ("dynamo", "forward", "backward") for n in region_nodes(graphs[g])], [2, 2, 2])
+        forward, backward = graphs["forward"], graphs["backward"]
+        for index, rows in ((1, 8), (0, 2)):
+            expected = (x @ w).tanh() * rows
+            cotangent = torch.randn(8, 12)
+            expected_grads = torch.autograd.grad(expected, (x, w), cotangent)
+            choose(forward, index)
+            choose(backward, index)
+            result, *saved = forward(x.detach(), w.detach())
+            self.assertEqual(result, expected.detach())
+            self.assertEqual(tuple(backward(*saved, cotangent)), expected_grads)
+
+    def test_a_body_failing_on_an_alternative_raises_what_eager_raises(self):
+        def reshaped(x, w):
+            return x @ w.reshape(6, 12)  # w is (6, 3) column-parallel
+
+        region = projection(reshaped)
+        x, w = torch.randn(8, 6), torch.randn(6, 12)
+        message = r"alternative 1 .*the body fails on that alternative's local shapes: RuntimeError: shape '\[6, 12\]' is invalid"
+        with self.assertRaisesRegex(ValueError, message):
+            region(x, w)
+        torch._dynamo.reset()
+        with self.assertRaisesRegex(ValueError, message):
             torch.compile(lambda x, w: region(x, w), backend="aot_eager", fullgraph=True)(x, w)
 
 
