@@ -182,31 +182,55 @@ class TestExactness:
         check_solution(problem, solution)
         assert solution.lower_bound <= best + 1e-9 <= solution.cost + 2e-9
 
-    def test_memory_limit_changes_the_choice(self):
-        # Two nodes live together; each is cheap on its big strategy. Only one fits at a time.
-        costs = [np.array([0.0, 10.0]), np.array([0.0, 3.0])]
-        usages = [np.array([8.0, 1.0]), np.array([8.0, 1.0])]
-        intervals = np.array([[0, 2], [1, 3]])
-        free = StrategyProblem(costs, usages, intervals, np.zeros((0, 2)), ())
-        assert solve_problem(free).strategies == [0, 0]
-        limited = StrategyProblem(costs, usages, intervals, np.zeros((0, 2)), (), usage_limit=10)
-        solution = solve_problem(limited)
-        assert solution.strategies == [0, 1] and solution.cost == 3.0
-        assert peak_usage(limited, solution.strategies) == 9.0
-        # Disjoint lifetimes: both fit.
-        apart = StrategyProblem(costs, usages, np.array([[0, 1], [1, 2]]), np.zeros((0, 2)), (), usage_limit=10)
-        assert solve_problem(apart).strategies == [0, 0]
+    @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(seed=st.integers(0, 2**32 - 1), workers=st.sampled_from([2, 3]))
+    def test_neighbourhoods_solved_at_once_stay_within_the_limit(self, seed, workers):
+        # Problems too connected for the reductions to remove, neighbourhoods of a few pairs,
+        # several per round, each solved against the incumbent: two that each fit the memory
+        # left may not fit together, and are not both taken.
+        problem = random_problem(np.random.default_rng(seed), nodes=40, strategies=4, edges=120, forbid=0.0, memory=True)
+        with neighbourhoods_only(pairs=12, workers=workers):
+            try:
+                solution = solve_problem(problem, time_limit=1.0)
+            except InfeasiblePlacementError as error:
+                assert "below the least memory" in str(error)  # (a limit nothing meets)
+                return
+        check_solution(problem, solution)
+        assert solution.stats["lns_rounds"] > workers
+
+
+    def test_two_neighbourhoods_that_each_fit_are_not_both_taken_when_together_they_do_not(self):
+        # Four unconnected nodes, each cheap on a strategy using all the memory: solved one per
+        # neighbourhood, two at once, each against an incumbent using none, both would take it.
+        n = 4
+        problem = StrategyProblem([[0.0, 5.0]] * n, [[10.0, 0.0]] * n, [[0, 1]] * n, np.zeros((0, 2)), (), usage_limit=10.0)
+        reduced = problem_module._Reduced(problem)
+        reduced.reduce(10.0, time.perf_counter() + 5)
+        search = problem_module._Search(reduced, seed=0)
+        assert len(search.nodes) == n
+        search.assign(np.ones(n, dtype=np.int64))
+        with neighbourhoods_only(pairs=1, workers=2):
+            rounds, improvements = problem_module._large_neighbourhood_search(search, time.perf_counter() + 0.5)
+        assert rounds > 2 and improvements == 1
+        assert search.violation() == 0 and search.objective() == 15.0
 
 
 @contextlib.contextmanager
-def neighbourhoods_only():
-    """Send every problem down the neighbourhood-search path."""
-    saved = problem_module._FULL_MILP_PAIRS
+def neighbourhoods_only(pairs=None, workers=None):
+    """Send every problem down the neighbourhood-search path (``pairs``: neighbourhoods of
+    that many pair variables; ``workers``: that many solved at once per round)."""
+    names = ["_FULL_MILP_PAIRS", "_LNS_FIRST_PAIRS", "_LNS_MIN_PAIRS", "_LNS_WORKERS"]
+    saved = [getattr(problem_module, name) for name in names]
     problem_module._FULL_MILP_PAIRS = -1
+    if pairs is not None:
+        problem_module._LNS_FIRST_PAIRS = problem_module._LNS_MIN_PAIRS = pairs
+    if workers is not None:
+        problem_module._LNS_WORKERS = workers
     try:
         yield
     finally:
-        problem_module._FULL_MILP_PAIRS = saved
+        for name, value in zip(names, saved):
+            setattr(problem_module, name, value)
 
 
 class TestRefusals:

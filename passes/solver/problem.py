@@ -42,8 +42,11 @@ costs, rounded up), or else the reduced problem's sum of node minima (weak).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import math
+import os
 import time
 from typing import Sequence
 
@@ -998,6 +1001,33 @@ def _integral(problem: StrategyProblem) -> bool:
 
 
 _LNS_MIN_PAIRS = 2_000  # the smallest neighbourhood, in pair variables
+_LNS_FIRST_PAIRS = 20_000  # the first rounds' neighbourhoods
+
+
+# Neighbourhoods solved at once per round: one per core (HiGHS runs single-threaded).
+_LNS_WORKERS = max(1, min(2, os.cpu_count() or 1))
+
+
+def _lns_seeds(search: _Search, rounds: int, penalty: float | None, forbidden: bool) -> tuple:
+    """Where a neighbourhood starts and grows (``neighbourhood``'s seeds and weights): at a
+    forbidden choice while the incumbent makes one; where the limit is broken while it is;
+    else two rounds in three where the incumbent pays most above the node minima, the
+    third uniformly (gains the excess does not point at)."""
+    if forbidden and penalty is None:
+        s = search.s
+        bad = [v for li, lj, m in search.edges if not np.isfinite(m[s[li], s[lj]]) for v in (li, lj)]
+        bad += [v for v in range(len(search.nodes)) if not np.isfinite(search.cost[v][s[v]])]
+        return search.rng.choice(np.array(bad), size=min(len(bad), 4), replace=False), None
+    if penalty is not None:
+        over = np.maximum(search.load - search.rhs, 0.0)
+        k = int(search.rng.choice(len(over), p=over / over.sum()))
+        live = np.flatnonzero(search.memory & (search.lo <= k) & (search.hi > k))
+        return search.rng.choice(live, size=min(len(live), 16), replace=False), None
+    if rounds % 3:
+        excess = search.excess()
+        if excess.sum() > 0:
+            return [int(search.rng.choice(len(excess), p=excess / excess.sum()))], excess
+    return None, None
 
 
 def _large_neighbourhood_search(search: _Search, deadline: float) -> tuple[int, int]:
@@ -1006,7 +1036,7 @@ def _large_neighbourhood_search(search: _Search, deadline: float) -> tuple[int, 
     While the incumbent breaks the memory limit, the limit is soft (priced per unit above it, the
     price rising while it stays broken) and neighbourhoods grow from nodes live where it is broken.
     """
-    budget = 20_000
+    budget = _LNS_FIRST_PAIRS
     rounds = improvements = 0
     penalty = None
     stuck = 0
@@ -1030,57 +1060,57 @@ def _large_neighbourhood_search(search: _Search, deadline: float) -> tuple[int, 
         if penalty is not None and search.violation() == 0:
             penalty = None
             current = score()
-        seeds = None
         forbidden = current >= search.big
-        if forbidden and penalty is None:
-            s = search.s
-            bad = [v for li, lj, m in search.edges if not np.isfinite(m[s[li], s[lj]]) for v in (li, lj)]
-            bad += [v for v in range(len(search.nodes)) if not np.isfinite(search.cost[v][s[v]])]
-            seeds = search.rng.choice(np.array(bad), size=min(len(bad), 4), replace=False)
-        elif penalty is not None:
-            over = np.maximum(search.load - search.rhs, 0.0)
-            k = int(search.rng.choice(len(over), p=over / over.sum()))
-            live = np.flatnonzero(search.memory & (search.lo <= k) & (search.hi > k))
-            seeds = search.rng.choice(live, size=min(len(live), 16), replace=False)
-        weights = None
-        if seeds is None and rounds % 3:
-            # Two rounds in three start, and grow, where the incumbent pays most above the node
-            # minima; the third is uniform (gains the excess does not point at).
-            excess = search.excess()
-            if excess.sum() > 0:
-                seeds = [int(search.rng.choice(len(excess), p=excess / excess.sum()))]
-                weights = excess
         size = budget if seconds_per_pair is None else max(_LNS_MIN_PAIRS, min(budget, int(0.5 * left / seconds_per_pair)))
-        free = search.neighbourhood(size, seeds, weights)
-        rounds += 1
+        # One neighbourhood per core, disjoint, solved at once (HiGHS runs without the GIL):
+        # each against the incumbent, then applied one after the other while each gains.
+        frees = []
+        for _ in range(_LNS_WORKERS):
+            free = search.neighbourhood(size, *_lns_seeds(search, rounds, penalty, forbidden))
+            for other in frees:
+                free = np.setdiff1d(free, other, assume_unique=True)
+            if len(free):
+                frees.append(free)
+            rounds += 1
         began = time.perf_counter()
-        status, chosen, _ = search.solve_milp(
-            free, min(10.0, 0.5 * left), warm=True, penalty=penalty, soft_forbidden=forbidden, deadline=deadline, want_bound=False
+
+        solve = functools.partial(
+            search.solve_milp, time_limit=min(10.0, 0.5 * left), warm=True, penalty=penalty, soft_forbidden=forbidden,
+            deadline=deadline, want_bound=False,
         )
+        if len(frees) == 1:
+            results = [solve(frees[0])]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=len(frees)) as pool:
+                results = list(pool.map(solve, frees))
         took = time.perf_counter() - began
         seconds_per_pair = max(seconds_per_pair or 0.0, took / max(size, 1))
-        if status == "optimal" and took < 2.0:
+        statuses = [status for status, _, _ in results]
+        if all(status == "optimal" for status in statuses) and took < 2.0:
             budget = min(int(budget * 1.3), 400_000)
-        elif status != "optimal":
+        elif any(status != "optimal" for status in statuses):
             budget = max(int(budget / 1.5), _LNS_MIN_PAIRS)
-        if chosen is None:
-            continue
-        previous = search.s[free].copy()
-        for v, a in zip(free.tolist(), chosen.tolist()):
-            search.move(v, a)
-        new = score()
-        if new < current - 1e-9 * max(1.0, abs(current)):
-            current = new
-            improvements += 1
-            stuck = 0
-        else:
-            for v, a in zip(free.tolist(), previous.tolist()):
+        for free, (_, chosen, _) in zip(frees, results):
+            if chosen is None:
+                continue
+            previous = search.s[free].copy()
+            for v, a in zip(free.tolist(), chosen.tolist()):
                 search.move(v, a)
-            stuck += 1
-            if penalty is not None and stuck >= 5:
-                penalty *= 4.0
-                current = score()
+            new = score()
+            # (A neighbourhood solved against the incumbent may not fit beside another's moves.)
+            fits = penalty is not None or search.violation() == 0
+            if fits and new < current - 1e-9 * max(1.0, abs(current)):
+                current = new
+                improvements += 1
                 stuck = 0
-        if len(free) >= len(search.nodes) and status == "optimal" and penalty is None:
+            else:
+                for v, a in zip(free.tolist(), previous.tolist()):
+                    search.move(v, a)
+                stuck += 1
+                if penalty is not None and stuck >= 5:
+                    penalty *= 4.0
+                    current = score()
+                    stuck = 0
+        if len(frees[0]) >= len(search.nodes) and statuses[0] == "optimal" and penalty is None:
             break
     return rounds, improvements
