@@ -210,9 +210,56 @@ class TestExactness:
         assert len(search.nodes) == n
         search.assign(np.ones(n, dtype=np.int64))
         with neighbourhoods_only(pairs=1, workers=2):
-            rounds, improvements = problem_module._large_neighbourhood_search(search, time.perf_counter() + 0.5)
+            rounds, improvements, _ = problem_module._large_neighbourhood_search(search, time.perf_counter() + 0.5)
         assert rounds > 2 and improvements == 1
         assert search.violation() == 0 and search.objective() == 15.0
+
+
+    @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(problem=problems)
+    def test_priced_memory_rounds_stay_feasible_and_bounded(self, problem):
+        # The Lagrangian rounds (memory priced, the priced problem reduced without a limit)
+        # on small problems: whatever they find, the answer meets the limit.
+        best = brute_force(problem)
+        if math.isinf(best):
+            return
+        with neighbourhoods_only(), priced_rounds(seconds=0.05):
+            solution = solve_problem(problem, time_limit=1.5)
+        check_solution(problem, solution)
+        assert solution.lower_bound <= best + 1e-9 <= solution.cost + 2e-9
+
+    def test_priced_memory_rounds_find_a_cheaper_plan_within_the_limit(self):
+        # A chain of nodes each cheap on a big strategy, the limit fitting half of them big:
+        # started on every node small, the rounds reach a plan with half of them big.
+        n = 12
+        costs = [[0.0, 10.0]] * n
+        usages = [[4.0, 1.0]] * n
+        edges = [(i, i + 1) for i in range(n - 1)]
+        matrices = [np.zeros((2, 2)) for _ in edges]
+        problem = StrategyProblem(costs, usages, [[0, 1]] * n, edges, matrices, usage_limit=float(n // 2 * 4 + n // 2))
+        reduced = problem_module._Reduced(problem)
+        reduced.reduce(problem.usage_limit, time.perf_counter() + 5)
+        main = problem_module._Search(reduced, seed=0)
+        main.assign(np.ones(len(main.nodes), dtype=np.int64))
+        start = main.objective()
+        with priced_rounds(seconds=0.2):
+            rounds, repairs = problem_module._lagrangian_search(problem, main, problem.usage_limit, time.perf_counter() + 3.0, seed=0)
+        assert rounds >= 3 and repairs >= 1
+        assert main.violation() == 0
+        assert main.objective() == 10.0 * (n // 2) < start
+
+
+@contextlib.contextmanager
+def priced_rounds(seconds):
+    """Lagrangian rounds of ``seconds``, run whatever the time limit."""
+    names = ["_ROUND_SECONDS", "_LAGRANGIAN_MIN_ROUNDS"]
+    saved = [getattr(problem_module, name) for name in names]
+    problem_module._ROUND_SECONDS, problem_module._LAGRANGIAN_MIN_ROUNDS = seconds, 1
+    try:
+        yield
+    finally:
+        for name, value in zip(names, saved):
+            setattr(problem_module, name, value)
 
 
 @contextlib.contextmanager

@@ -678,6 +678,49 @@ class _Search:
                         pending[w] = True
         return moves
 
+    def assign_full(self, full: Sequence[int]) -> None:
+        """The incumbent from one original strategy per node of the problem (a strategy the
+        reductions dropped becomes the cheapest kept one using no more memory)."""
+        chosen = np.zeros(len(self.nodes), dtype=np.int64)
+        usage = self.reduced.problem.node_usages
+        for k, v in enumerate(self.nodes.tolist()):
+            keep = self.reduced.keep[v]
+            hit = np.flatnonzero(keep == full[v])
+            if len(hit):
+                chosen[k] = hit[0]
+            else:
+                fits = usage[v][keep] <= usage[v][full[v]]
+                chosen[k] = int(np.argmin(np.where(fits, self.penalized_cost[k], np.inf) if fits.any() else self.penalized_cost[k]))
+        self.assign(chosen)
+
+    def repair(self, deadline: float) -> bool:
+        """Greedily back within the memory limit: at the time step most above it, the live node
+        whose move to a smaller strategy costs least per unit of memory it frees (neighbours
+        as they are, no forbidden choice), until no step is above the limit; whether that was
+        reached (a single node's move may not be enough)."""
+        while time.perf_counter() < deadline:
+            over = self.load - self.rhs
+            k = int(np.argmax(over))
+            if over[k] <= 0:
+                return True
+            best, move = math.inf, None
+            for v in np.flatnonzero(self.memory & (self.lo <= k) & (self.hi > k)).tolist():
+                u = self.usage[v]
+                freed = u[self.s[v]] - u
+                values = self.values(v)
+                allowed = (freed > 0) & (values < self.big)
+                if not allowed.any():
+                    continue
+                ratio = np.full(len(u), np.inf)
+                ratio[allowed] = (values[allowed] - values[self.s[v]]) / freed[allowed]
+                a = int(np.argmin(ratio))
+                if ratio[a] < best:
+                    best, move = ratio[a], (v, a)
+            if move is None:
+                return False
+            self.move(*move)
+        return False
+
     # ------------------------------------------------------------------ MILP
 
     def pair_count(self) -> int:
@@ -971,7 +1014,13 @@ def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, 
             began = time.perf_counter()
             lower = max(lower, search.diffusion_bound(began + 0.1 * (deadline - began)))
             stats["bound_seconds"] = time.perf_counter() - began
-            stats["lns_rounds"], stats["lns_improvements"] = _large_neighbourhood_search(search, deadline)
+            began = time.perf_counter()
+            priced = _LAGRANGIAN_SHARE * (deadline - began)
+            if limit is not None and len(search.rhs) and priced >= _LAGRANGIAN_MIN_ROUNDS * _ROUND_SECONDS:
+                stats["lagrangian_rounds"], stats["lagrangian_repairs"] = _lagrangian_search(problem, search, limit, began + priced, seed)
+                stats["lagrangian_cost"] = search.objective()
+                stats["lagrangian_seconds"] = time.perf_counter() - began
+            stats["lns_rounds"], stats["lns_improvements"], _ = _large_neighbourhood_search(search, deadline)
     stats["search_seconds"] = time.perf_counter() - begin
     if search.violation() > 0:
         raise InfeasiblePlacementError(
@@ -1030,13 +1079,14 @@ def _lns_seeds(search: _Search, rounds: int, penalty: float | None, forbidden: b
     return None, None
 
 
-def _large_neighbourhood_search(search: _Search, deadline: float) -> tuple[int, int]:
-    """Re-solve neighbourhoods of the incumbent as MILPs until the deadline; rounds, improvements.
+def _large_neighbourhood_search(search: _Search, deadline: float, budget: int | None = None) -> tuple[int, int, int]:
+    """Re-solve neighbourhoods of the incumbent as MILPs until the deadline, the first of
+    ``budget`` pair variables; rounds, improvements, and the size for a next call.
 
     While the incumbent breaks the memory limit, the limit is soft (priced per unit above it, the
     price rising while it stays broken) and neighbourhoods grow from nodes live where it is broken.
     """
-    budget = _LNS_FIRST_PAIRS
+    budget = budget or _LNS_FIRST_PAIRS
     rounds = improvements = 0
     penalty = None
     stuck = 0
@@ -1113,4 +1163,85 @@ def _large_neighbourhood_search(search: _Search, deadline: float) -> tuple[int, 
                     stuck = 0
         if len(frees[0]) >= len(search.nodes) and statuses[0] == "optimal" and penalty is None:
             break
-    return rounds, improvements
+    return rounds, improvements, budget
+
+
+# The memory limit priced instead of constrained, for this share of the search's time when it
+# allows this many rounds of this many seconds (each reduces the priced problem anew).
+_LAGRANGIAN_SHARE = 0.6
+_LAGRANGIAN_MIN_ROUNDS = 10
+_ROUND_SECONDS = 8.0
+# A round's plan above the limit at no more than this share of the time steps is repaired,
+# each part of the repair for at most this many seconds.
+_REPAIR_STEPS = 0.05
+_REPAIR_SECONDS = 4.0
+
+
+def _lagrangian_search(problem: StrategyProblem, main: _Search, limit: float, deadline: float, seed: int) -> tuple[int, int]:
+    """Memory priced instead of constrained (a Lagrangian relaxation): each round puts a price
+    on every time step, a node paying their sum over its lifetime per unit of its usage;
+    reduces the priced problem without a limit, which eliminates what memory kept (on
+    contest instance M, 18.7k nodes left become 1.9k), and searches it from the last round's
+    plan; then raises the prices where the limit is broken and lowers them where it is not.
+    ``main`` (the constrained search) ends on the best plan within the limit, its own
+    incumbent if none beats it. Returns the rounds, and how many of them a repair made count."""
+    intervals = problem.intervals
+    live = intervals[:, 0] < intervals[:, 1]
+    points = np.unique(intervals[live, 0]) if live.any() else np.zeros(1, np.int64)
+    lo = np.searchsorted(points, intervals[:, 0], "left")
+    hi = np.where(live, np.searchsorted(points, intervals[:, 1], "left"), lo)
+
+    def loads(strategies: list[int]) -> np.ndarray:
+        used = np.array([u[a] for u, a in zip(problem.node_usages, strategies)])
+        delta = np.zeros(len(points) + 1)
+        np.add.at(delta, lo, used)
+        np.add.at(delta, hi, -used)
+        return np.cumsum(delta)[:-1]
+
+    current = main.reduced.expand({int(v): int(a) for v, a in zip(main.nodes, main.s)})
+    best_cost = problem_cost(problem, current)
+    prices = np.zeros(len(points))
+    unit = None
+    rounds = repairs = 0
+    budget = None
+    while deadline - time.perf_counter() > 0.5 * _ROUND_SECONDS:
+        rounds += 1
+        began = time.perf_counter()
+        stop = min(deadline, began + _ROUND_SECONDS)
+        cumulative = np.concatenate([[0.0], np.cumsum(prices)])
+        paid = cumulative[hi] - cumulative[lo]
+        reduced = _Reduced(problem)
+        for v in np.flatnonzero(paid > 0).tolist():
+            reduced.cost[v] = reduced.cost[v] + paid[v] * reduced.usage[v]
+        reduced.reduce(None, began + 0.3 * (stop - began))
+        search = _Search(reduced, seed + rounds)
+        if len(search.nodes):
+            search.assign_full(current)
+            search.descend(stop, respect_memory=False)
+            _, _, budget = _large_neighbourhood_search(search, stop, budget)
+        plan = reduced.expand({int(v): int(a) for v, a in zip(search.nodes, search.s)})
+        load = loads(plan)
+        over = load > limit
+        cost = problem_cost(problem, plan)
+        if cost < best_cost and over.sum() <= max(1.0, _REPAIR_STEPS * len(points)):
+            # Cheaper, and within the limit or just above it: in the constrained search, back
+            # within it greedily and each node improved alone.
+            previous = main.s.copy()
+            main.assign_full(plan)
+            if over.any() and main.repair(min(deadline, time.perf_counter() + _REPAIR_SECONDS)):
+                main.descend(min(deadline, time.perf_counter() + _REPAIR_SECONDS))
+            found = main.objective()
+            # (A strategy the constrained reductions dropped may also map to a worse one there.)
+            if main.violation() == 0 and found < best_cost:
+                best_cost = found
+                repairs += bool(over.any())
+            else:
+                main.assign(previous)
+        if over.any():
+            if unit is None:
+                # The first price: what the plan saved per unit of memory above the limit.
+                unit = max(best_cost - cost, 1e-9 * abs(best_cost)) / float(np.maximum(load - limit, 0.0).sum())
+            prices[over] = np.maximum(prices[over] * 2.0, unit)
+        prices[~over] *= 0.8
+        current = plan
+    return rounds, repairs
