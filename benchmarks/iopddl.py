@@ -7,22 +7,24 @@ the seconds taken (reading the file excluded), and, beside them, the cost XLA's 
 reached and the best contest team's (the figures in ``../shared/iopddl/README.md``).
 
 Measured on the project's 2-core machine with nothing else running, torch 2.13 venv, HiGHS
-1.16, commit "IOPDDL search: a neighbourhood no larger than the time left allows":
+1.16, commit "IOPDDL search: rounds with the memory limit priced (a Lagrangian relaxation)":
 
 | instance | limit | cost | lower bound | gap | seconds | XLA | best team | vs XLA | vs best |
 |---|---|---|---|---|---|---|---|---|---|
-| A | 60 s | 11,384,642,038 | 2,275,482,247 | 80.01% | 55.7 | 13,214,846,074 | 6,548,641,531 | 0.862 | 1.738 |
+| A | 60 s | 11,406,838,647 | 2,202,104,718 | 80.69% | 55.8 | 13,214,846,074 | 6,548,641,531 | 0.863 | 1.742 |
 | G | 120 s | 217,039 | 217,039 | 0.00% | 1.4 | 1,264,777 | 217,039 | 0.172 | 1.000 |
-| M | 180 s | 52,598,807,823 | 39,779,703,171 | 24.37% | 167.2 | - | 49,928,460,991 | - | 1.053 |
-| S | 240 s | 1,988,922,567 | 317,159,089 | 84.05% | 222.7 | - | 1,534,613,444 | - | 1.296 |
+| M | 180 s | 52,287,924,174 | 39,779,703,171 | 23.92% | 167.3 | - | 49,928,460,991 | - | 1.047 |
+| S | 240 s | 1,705,409,795 | 317,159,089 | 81.40% | 222.9 | - | 1,534,613,444 | - | 1.111 |
 
 G is solved to optimality (the best contest cost) in seconds. A, M and S are too large for one
 MILP: every one gets a feasible solution within its limit, A below XLA's cost (14% less), M
-within 6% of the best team, S within 30%; their lower bounds come from min-sum diffusion and
-are weak. A run's rounds depend on timing, so costs vary between runs: A measured 10.59e9
-(0.802 of XLA's cost) in another run of this commit. Before it the search could run past its
-limit (A: 61.1 s for 60 s, a last round building a 470k-column model); each round's
-neighbourhood is now sized to the time left.
+within 5% of the best team, S within 12%; their lower bounds come from min-sum diffusion and
+are weak. What got M and S there: one neighbourhood per core solved at once (M 1.053 -> 1.050,
+S 1.296 -> 1.255), then, where the time limit allows ten 8-second rounds (M, S; not A), 60% of
+the search with memory priced per time step instead of constrained, the priced problem reduced
+without a limit (M: 1.9k nodes instead of 18.7k) and plans just above the limit repaired
+(M -> 1.044-1.047, S -> 1.09-1.17 over four runs). A run's rounds depend on timing, so costs
+vary between runs: A measured 9.0e9-11.4e9 (0.68-0.86 of XLA's cost) over this session's runs.
 
 Usage: python benchmarks/iopddl.py [PATH ...] [--time-limit SECONDS]
 (default: the four public instances A, G, M, S in ../shared/iopddl relative to the repository)
