@@ -1240,7 +1240,9 @@ def _lagrangian_search(problem: StrategyProblem, main: _Search, limit: float, de
         if over.any():
             if unit is None:
                 # The first price: what the plan saved per unit of memory above the limit.
-                unit = max(best_cost - cost, 1e-9 * abs(best_cost)) / float(np.maximum(load - limit, 0.0).sum())
+                above = float(np.maximum(load - limit, 0.0).sum())
+                saved = best_cost - cost if math.isfinite(cost) and best_cost > cost else 1e-9 * abs(best_cost)
+                unit = (saved or 1.0) / above
             prices[over] = np.maximum(prices[over] * 2.0, unit)
         prices[~over] *= 0.8
         current = plan
