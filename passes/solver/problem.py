@@ -1171,6 +1171,9 @@ def _large_neighbourhood_search(search: _Search, deadline: float, budget: int | 
 _LAGRANGIAN_SHARE = 0.6
 _LAGRANGIAN_MIN_ROUNDS = 10
 _ROUND_SECONDS = 8.0
+# Each round, prices where the limit is broken grow by this factor; elsewhere they decay by that.
+_PRICE_GROWTH = 2.0
+_PRICE_DECAY = 0.8
 # A round's plan above the limit at no more than this share of the time steps is repaired,
 # each part of the repair for at most this many seconds.
 _REPAIR_STEPS = 0.05
@@ -1243,7 +1246,7 @@ def _lagrangian_search(problem: StrategyProblem, main: _Search, limit: float, de
                 above = float(np.maximum(load - limit, 0.0).sum())
                 saved = best_cost - cost if math.isfinite(cost) and best_cost > cost else 1e-9 * abs(best_cost)
                 unit = (saved or 1.0) / above
-            prices[over] = np.maximum(prices[over] * 2.0, unit)
-        prices[~over] *= 0.8
+            prices[over] = np.maximum(prices[over] * _PRICE_GROWTH, unit)
+        prices[~over] *= _PRICE_DECAY
         current = plan
     return rounds, repairs
