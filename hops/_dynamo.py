@@ -223,8 +223,7 @@ def register_subgraph_hop(hop: Any) -> None:
         hop.split_args((*fake_args, *specs))
         hop.check(named, fake_args, specs[-1])
         spec = specs[-1]
-        count = hop.num_options(spec) if hasattr(hop, "num_options") else 1
-        active = hop.active_option(spec) if count > 1 else 0
+        count, active = hop.num_options(spec), hop.active_option(spec)
         # One subgraph per option (local_map's alternatives), each speculated on the inputs the
         # body sees under that option: shapes are constants of a Dynamo graph, so a body traced
         # on one option's local shapes would be wrong for another's.
