@@ -159,17 +159,30 @@ def problem_cost(problem: StrategyProblem, strategies: Sequence[int]) -> float:
 def peak_usage(problem: StrategyProblem, strategies: Sequence[int]) -> float:
     """The most memory live at one time step under ``strategies``."""
     s = _check_strategies(problem, strategies)
-    live = problem.intervals[:, 0] < problem.intervals[:, 1]
-    if not live.any():
-        return 0.0
-    points = np.unique(problem.intervals[live, 0])
-    lo = np.searchsorted(points, problem.intervals[live, 0], "left")
-    hi = np.searchsorted(points, problem.intervals[live, 1], "left")
-    used = np.array([u[a] for u, a in zip(problem.node_usages, s.tolist())])[live]
-    delta = np.zeros(len(points) + 1)
-    np.add.at(delta, lo, used)
-    np.add.at(delta, hi, -used)
-    return float(np.cumsum(delta)[:-1].max())
+    steps = _TimeSteps(problem)
+    return float(steps.loads(s).max()) if steps.any_live else 0.0
+
+
+class _TimeSteps:
+    """The problem's time steps where some node's lifetime starts (memory only changes there),
+    and each node's lifetime as indices into them (empty for a node never live)."""
+
+    def __init__(self, problem: StrategyProblem) -> None:
+        self.problem = problem
+        intervals = problem.intervals
+        live = intervals[:, 0] < intervals[:, 1]
+        self.any_live = bool(live.any())
+        self.points = np.unique(intervals[live, 0]) if self.any_live else np.zeros(1, np.int64)
+        self.lo = np.searchsorted(self.points, intervals[:, 0], "left")
+        self.hi = np.where(live, np.searchsorted(self.points, intervals[:, 1], "left"), self.lo)
+
+    def loads(self, strategies: Sequence[int]) -> np.ndarray:
+        """The memory live at each step under ``strategies``."""
+        used = np.array([u[a] for u, a in zip(self.problem.node_usages, np.asarray(strategies).tolist())])
+        delta = np.zeros(len(self.points) + 1)
+        np.add.at(delta, self.lo, used)
+        np.add.at(delta, self.hi, -used)
+        return np.cumsum(delta)[:-1]
 
 
 # =========================================================================== exact reductions
@@ -678,6 +691,14 @@ class _Search:
                         pending[w] = True
         return moves
 
+    def plan(self) -> list[int]:
+        """The incumbent as one original strategy per node of the problem."""
+        return self.reduced.expand({int(v): int(a) for v, a in zip(self.nodes, self.s)})
+
+    def live_at(self, step: int) -> np.ndarray:
+        """The memory nodes live at memory constraint ``step``."""
+        return np.flatnonzero(self.memory & (self.lo <= step) & (self.hi > step))
+
     def assign_full(self, full: Sequence[int]) -> None:
         """The incumbent from one original strategy per node of the problem (a strategy the
         reductions dropped becomes the cheapest kept one using no more memory)."""
@@ -704,7 +725,7 @@ class _Search:
             if over[k] <= 0:
                 return True
             best, move = math.inf, None
-            for v in np.flatnonzero(self.memory & (self.lo <= k) & (self.hi > k)).tolist():
+            for v in self.live_at(k).tolist():
                 u = self.usage[v]
                 freed = u[self.s[v]] - u
                 values = self.values(v)
@@ -1030,7 +1051,7 @@ def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, 
         raise InfeasiblePlacementError(
             "found no strategies of finite cost within the time limit (some choice is forbidden on every solution tried)"
         )
-    strategies = reduced.expand({int(v): int(a) for v, a in zip(search.nodes, search.s)})
+    strategies = search.plan()
     cost = problem_cost(problem, strategies)
     if limit is not None and peak_usage(problem, strategies) > limit:  # pragma: no cover - a bug if reached
         raise AssertionError("the solver returned strategies above the usage limit")
@@ -1070,7 +1091,7 @@ def _lns_seeds(search: _Search, rounds: int, penalty: float | None, forbidden: b
     if penalty is not None:
         over = np.maximum(search.load - search.rhs, 0.0)
         k = int(search.rng.choice(len(over), p=over / over.sum()))
-        live = np.flatnonzero(search.memory & (search.lo <= k) & (search.hi > k))
+        live = search.live_at(k)
         return search.rng.choice(live, size=min(len(live), 16), replace=False), None
     if rounds % 3:
         excess = search.excess()
@@ -1188,20 +1209,10 @@ def _lagrangian_search(problem: StrategyProblem, main: _Search, limit: float, de
     plan; then raises the prices where the limit is broken and lowers them where it is not.
     ``main`` (the constrained search) ends on the best plan within the limit, its own
     incumbent if none beats it. Returns the rounds, and how many of them a repair made count."""
-    intervals = problem.intervals
-    live = intervals[:, 0] < intervals[:, 1]
-    points = np.unique(intervals[live, 0]) if live.any() else np.zeros(1, np.int64)
-    lo = np.searchsorted(points, intervals[:, 0], "left")
-    hi = np.where(live, np.searchsorted(points, intervals[:, 1], "left"), lo)
+    steps = _TimeSteps(problem)
+    points, lo, hi, loads = steps.points, steps.lo, steps.hi, steps.loads
 
-    def loads(strategies: list[int]) -> np.ndarray:
-        used = np.array([u[a] for u, a in zip(problem.node_usages, strategies)])
-        delta = np.zeros(len(points) + 1)
-        np.add.at(delta, lo, used)
-        np.add.at(delta, hi, -used)
-        return np.cumsum(delta)[:-1]
-
-    current = main.reduced.expand({int(v): int(a) for v, a in zip(main.nodes, main.s)})
+    current = main.plan()
     best_cost = problem_cost(problem, current)
     prices = np.zeros(len(points))
     unit = None
@@ -1222,7 +1233,7 @@ def _lagrangian_search(problem: StrategyProblem, main: _Search, limit: float, de
             search.assign_full(current)
             search.descend(stop, respect_memory=False)
             _, _, budget = _large_neighbourhood_search(search, stop, budget)
-        plan = reduced.expand({int(v): int(a) for v, a in zip(search.nodes, search.s)})
+        plan = search.plan()
         load = loads(plan)
         over = load > limit
         cost = problem_cost(problem, plan)
