@@ -5,7 +5,10 @@ function, or a GraphModule once traced) returning a pytree of tensors; the HOP r
 flat tuple of its results. Each HOP says what is particular to it in a few methods:
 
 - ``check(body, operands, spec)``: validate a call (raise ``TypeError``/``ValueError``);
-- ``body_inputs(operands, spec)``: what the body sees (one slice of xs, device 0's shards);
+- ``body_operands(operands, spec)``: what the body sees (one slice of xs, device 0's
+  shards); the rules hand it over as ``body_inputs``, in the layout every body may assume
+  (``hops._body.at_boundary``: contiguous), and ``run_at_boundary`` makes what ``run`` takes
+  and returns so too;
 - ``check_outputs(body, outputs, operands, spec)``: refuse what the body returns as eager
   does (a scan carry changing shape), naming the body;
 - ``outputs_from_body(outputs, operands, spec)``: the HOP's results from the body's (fake)
@@ -50,7 +53,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, trac
 
 from hops import _compat
 from hops._autograd import AutogradPlan, HopFunction, needs_traced_autograd
-from hops._body import distinct_tensors
+from hops._body import at_boundary, distinct_tensors
 from hops._body_record import is_known_functional, known_functional, plan_body, set_trace_key
 from hops._caches import cached_plan
 from hops._call import DeviceMismatchError, argument_names, call_body_hop, check_one_device
@@ -103,7 +106,7 @@ class BodyHOP(HigherOrderOperator):
     def check(self, body: Callable, operands: Sequence[Any], spec: Any) -> None:
         raise NotImplementedError
 
-    def body_inputs(self, operands: Sequence[Any], spec: Any) -> tuple:
+    def body_operands(self, operands: Sequence[Any], spec: Any) -> tuple:
         raise NotImplementedError
 
     def check_outputs(self, body: Callable, outputs: Sequence[Any], operands: Sequence[Any], spec: Any) -> None:
@@ -118,6 +121,23 @@ class BodyHOP(HigherOrderOperator):
 
     def fold_lifted(self, operands: Sequence[Any], spec: Any, lifted: Sequence[Any]) -> tuple[list, Any]:
         raise NotImplementedError
+
+    # ----------------------------------------------------------------- the boundary
+    #
+    # A body is traced on stand-ins and run on whatever arrives: both are made contiguous
+    # here, once for every HOP and every rule (see ``hops._body.at_boundary``).
+
+    def body_inputs(self, operands: Sequence[Any], spec: Any) -> tuple:
+        """What the body is called with: ``body_operands``, each tensor contiguous."""
+        return at_boundary(self.body_operands(operands, spec))
+
+    def run_at_boundary(self, body: Callable, operands: Sequence[Any], spec: Any) -> tuple:
+        """``run`` on contiguous operands, its results contiguous (as the fake rule says)."""
+        return at_boundary(self.run(body, at_boundary(operands), spec))
+
+    def eager_rule(self, body: Callable, *args: Any) -> tuple:
+        operands, spec = self.split_args(args)
+        return self.run_at_boundary(body, operands, spec)
 
     # A HOP whose spec offers options (local_map's alternatives) traces one body per option
     # (each on what it sees under that option) and runs the active one.
@@ -216,7 +236,7 @@ class BodyHOP(HigherOrderOperator):
         with mode:
             outputs = pytree.tree_leaves(body(*self.body_inputs(operands, spec)))
             self.check_outputs(body, outputs, operands, spec)
-            return self.outputs_from_body(outputs, operands, spec)
+            return at_boundary(self.outputs_from_body(outputs, operands, spec))
 
     def functionalize_rule(self, ctx: Any, body: Callable, *args: Any) -> Any:
         """Unwrap, redispatch with the functionalized body, wrap. A body that writes into
@@ -228,7 +248,7 @@ class BodyHOP(HigherOrderOperator):
             # Eager on a device whose tensors are always functionalized (XLA) and for which no
             # target registered a rule: the reference runs right here, above
             # functionalization, which handles its views (below it, torch_xla mis-handles them).
-            return self.run(body, operands, spec)
+            return self.run_at_boundary(body, operands, spec)
         unwrapped = ctx.unwrap_tensors(list(operands))
         if not is_known_functional(body):
             options = range(self.num_options(spec)) if isinstance(body, OptionBodies) else [self.active_option(spec)]
@@ -323,7 +343,7 @@ class BodyHOP(HigherOrderOperator):
             if all(isinstance(v, FakeTensor) for v in step) and all(
                 not isinstance(o, torch.Tensor) or isinstance(o, FakeTensor) for o in operands
             ):
-                outputs = self.outputs_from_body(step, operands, spec)
+                outputs = at_boundary(self.outputs_from_body(step, operands, spec))
             else:  # make_fx in real mode: run it
                 outputs = self(known_functional(graphs[0] if count == 1 else OptionBodies(graphs, active)), *operands, spec)
         spec = self.resolve_spec(spec, operands, step)
@@ -339,7 +359,7 @@ class BodyHOP(HigherOrderOperator):
         nested transforms included, to any order. Under a tracer the node is then inlined
         into the traced transform (right, and what torch does for plain functions)."""
         operands, spec = self.split_args(args)
-        return self.run(body, operands, spec)
+        return self.run_at_boundary(body, operands, spec)
 
     def autograd_rule(self, body: Callable, *args: Any) -> Any:
         operands, spec = self.split_args(args)
@@ -347,7 +367,7 @@ class BodyHOP(HigherOrderOperator):
             # Eager: the reference semantics under autograd. Its gradients are autograd's own.
             # Forward-mode AD (a dual level, linearize) also takes this path when traced: the
             # tangents flow through the body's ops, inlined; a HOP node would drop them.
-            return self.run(body, operands, spec)
+            return self.run_at_boundary(body, operands, spec)
         if not any(isinstance(o, torch.Tensor) and o.requires_grad for o in operands) or not torch.is_grad_enabled():
             with torch._C._AutoDispatchBelowAutograd():
                 return self(body, *operands, spec)
@@ -368,7 +388,7 @@ class BodyHOP(HigherOrderOperator):
             ):
                 body, *rest = args
                 operands, spec = self.split_args(rest)
-                return self.run(body, operands, spec)
+                return self.run_at_boundary(body, operands, spec)
         return super().dispatch(dispatch_key, *args, **kwargs)
 
 

@@ -29,7 +29,26 @@ from torch.overrides import TorchFunctionMode
 from hops import _compat
 from hops._subgraph import body_name, named
 
-__all__ = ["BodyInfo", "StandInRun", "inspect_body", "run_on_stand_ins", "lift_closure", "stand_in", "describe_tensor", "fake_run_context"]
+__all__ = [
+    "BodyInfo", "StandInRun", "inspect_body", "run_on_stand_ins", "lift_closure", "stand_in", "describe_tensor",
+    "fake_run_context", "at_boundary",
+]
+
+
+def at_boundary(values: Sequence[Any]) -> tuple:
+    """``values`` in the layout every body may assume of what it takes and every body HOP
+    gives of what it returns: each tensor contiguous (row-major, dense, no expanded dim; a
+    storage offset changes nothing a graph decides); a tensor already so is itself.
+
+    A body is traced once, on stand-ins, and the graph keeps what the trace decided from
+    their layout (a ``view`` where the stand-in allowed one, no copy where ``contiguous()``
+    found nothing to do). What reaches it at run time may be laid out otherwise: the gradient
+    of a ``.sum()`` is expanded (stride 0), an SDPA output is permuted, a user's operand may
+    be transposed, sliced or channels-last. Every HOP therefore makes its body's operands
+    contiguous before the body sees them (the stand-ins it is traced on included), and its
+    results contiguous before the caller does: the fake rules say so, and a loop's carry
+    keeps one layout from step to step."""
+    return tuple(v.contiguous() if isinstance(v, torch.Tensor) else v for v in values)
 
 
 class BodyMutationError(ValueError):

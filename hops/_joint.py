@@ -133,12 +133,13 @@ def trace_joint(
     """``body``'s joint traced on fake copies of ``primals``, with a cotangent like each
     differentiable one of ``outputs`` (fake example outputs of ``body``); ``unconnected``
     as ``joint_function`` fills it."""
-    from hops._body import fake_run_context, inspection_mode, stand_in
+    from hops._body import at_boundary, fake_run_context, inspection_mode, stand_in
 
     mode = inspection_mode(primals)
     with fake_run_context():
         examples = [stand_in(p, mode) if isinstance(p, torch.Tensor) else p for p in primals]
-        cotangents = [stand_in(o, mode) for o in outputs if is_differentiable(o)]
+        # A cotangent reaches the backward as an operand of its HOP: contiguous (``at_boundary``).
+        cotangents = list(at_boundary([stand_in(o, mode) for o in outputs if is_differentiable(o)]))
         examples = [p.detach() if isinstance(p, torch.Tensor) else p for p in examples]
     with mode:
         joint = trace_graph(joint_function(body, needs_grad, unconnected), [*examples, *cotangents], enable_grad=True)
@@ -348,7 +349,7 @@ def split_joint(
     for i in primals_in_backward:
         backward_env[primals[i]] = backward.placeholder(primals[i].name)
     for value in residuals:
-        backward_env[value] = backward.placeholder(f"saved_{value.name}")
+        backward_env[value] = restride(backward, backward.placeholder(f"saved_{value.name}"), value.meta.get("val"))
     for node in cotangents:
         backward_env[node] = backward.placeholder(node.name)
     copy_nodes(backward, backward_env, lambda n: n in backward_nodes or n in recomputed)
@@ -360,6 +361,33 @@ def split_joint(
         gm.graph.lint()
         gm.recompile()
     return SplitJoint(forward_gm, backward_gm, num_outputs, len(residuals), primals_in_backward)
+
+
+def restride(graph: fx.Graph, value: fx.Node, traced: Any) -> fx.Node:
+    """``value`` (contiguous, as a residual crosses a HOP's boundary: see
+    ``hops._body.at_boundary``) in ``traced``'s layout, which the backward's ops were traced
+    on: an SDPA output saved for backward is permuted, and the ``view`` its backward holds is
+    valid on that layout only. A dense permuted layout is made exactly (dims ordered by
+    stride, made contiguous, ordered back: one copy); any other is left contiguous."""
+    if not isinstance(traced, torch.Tensor) or traced.is_contiguous() or not _is_dense(traced):
+        return value
+    order = sorted(range(traced.dim()), key=lambda d: (-traced.stride(d), d))
+    back = sorted(range(traced.dim()), key=order.__getitem__)
+    permuted = graph.call_function(torch.ops.aten.permute.default, (value, order))
+    packed = graph.call_function(torch.ops.aten.clone.default, (permuted,), {"memory_format": torch.contiguous_format})
+    return graph.call_function(torch.ops.aten.permute.default, (packed, back))
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once (a permutation of a
+    contiguous layout), sizes-1 dims aside."""
+    expected = 1
+    for dim in sorted(range(t.dim()), key=lambda d: t.stride(d)):
+        if t.size(dim) != 1:
+            if t.stride(dim) != expected:
+                return False
+            expected *= t.size(dim)
+    return True
 
 
 def _aliases_placeholder(value: fx.Node) -> bool:

@@ -80,7 +80,7 @@ class LocalMap(BodyHOP):
     def check(self, body: Callable, tensors: Sequence[Any], spec: LocalMapSpec) -> None:
         _check_call(body, tensors, spec)
 
-    def body_inputs(self, tensors: Sequence[Any], spec: LocalMapSpec) -> tuple:
+    def body_operands(self, tensors: Sequence[Any], spec: LocalMapSpec) -> tuple:
         """What the body sees of ``tensors``: device 0's local shards."""
         return tuple(_local_examples(tensors, spec))
 
@@ -1067,8 +1067,7 @@ class _WholeCotangents(torch.autograd.Function):
 
 @local_map_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
 def _eager(body: Callable, *tensors_and_spec: Any):
-    tensors, spec = local_map_hop.split_args(tensors_and_spec)
-    return local_map_hop.run(body, tensors, spec)
+    return local_map_hop.eager_rule(body, *tensors_and_spec)
 
 
 # --------------------------------------------------------------------------- fake
@@ -1134,4 +1133,4 @@ def _inductor_rule(body: Callable, *operands_and_spec: Any) -> tuple:
     operands, spec = local_map_hop.split_args(operands_and_spec)
     if isinstance(body, (tuple, list)):
         body = body[local_map_hop.active_option(spec)]
-    return local_map_hop.run(_inductor.inlined(body), operands, spec)
+    return local_map_hop.run_at_boundary(_inductor.inlined(body), operands, spec)

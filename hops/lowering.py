@@ -21,6 +21,8 @@ Layouts (the reference mapping of global tensors to per-device shards, ``hops._l
 
 Bodies (what a HOP's rules hand a device rule):
 
+- ``at_boundary(values)``: tensors made contiguous, the layout every body is traced on and
+  every body HOP returns (a rule calling a body passes it operands so, and returns results so);
 - ``body_name(body)``: the user function's name, as subgraphs are named;
 - ``flat_body(body)``: ``body`` returning the flat tuple of its result's leaves;
 - ``distinct_tensors(values)``: fresh tensor objects for tracing (no two inputs one object);
@@ -44,7 +46,7 @@ runs graphs traced for that device's tensors; see ``hops._targets``).
 
 from __future__ import annotations
 
-from hops._body import distinct_tensors
+from hops._body import at_boundary, distinct_tensors
 from hops._body_record import across_calls_key, plan_body_key, traced_graph
 from hops._errors import hop_prefix, leaf_name
 from hops._flat_body import flat_body
@@ -56,6 +58,7 @@ from hops.scan import run_scan_steps, scan_length, scan_step_examples, split_sca
 
 __all__ = [
     "across_calls_key",
+    "at_boundary",
     "body_name",
     "clone_aliased_outputs",
     "device_coordinates",

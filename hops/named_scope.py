@@ -94,12 +94,12 @@ class NamedScope(BodyHOP):
                     f"(scope {spec.name!r})"
                 )
 
-    def body_inputs(self, inputs: Sequence[Any], spec: ScopeSpec) -> tuple:
+    def body_operands(self, inputs: Sequence[Any], spec: ScopeSpec) -> tuple:
         return tuple(inputs)
 
     def outputs_from_body(self, outputs: Sequence[Any], inputs: Sequence[Any], spec: ScopeSpec) -> tuple:
         _check_outputs(None, spec, outputs)
-        return tuple(o.new_empty_strided(o.size(), o.stride()) for o in outputs)
+        return tuple(o.new_empty(o.size()) for o in outputs)
 
     def run(self, body: Callable, inputs: Sequence[Any], spec: ScopeSpec) -> tuple:
         return _run_region(body, inputs, spec)
@@ -252,8 +252,7 @@ def _run_region(body: Callable, inputs: Sequence[Any], spec: ScopeSpec) -> tuple
 
 @named_scope_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
 def _eager(body: Callable, *inputs_and_spec: Any):
-    inputs, spec = named_scope_hop.split_args(inputs_and_spec)
-    return named_scope_hop.run(body, inputs, spec)
+    return named_scope_hop.eager_rule(body, *inputs_and_spec)
 
 
 # --------------------------------------------------------------------------- fake
@@ -306,4 +305,4 @@ def _inductor_rule(body: Callable, *inputs_and_spec: Any) -> tuple:
     """The body inlined, its nodes named after the scope (see ``_inductor.nodes_named``)."""
     inputs, spec = named_scope_hop.split_args(inputs_and_spec)
     with _inductor.nodes_named(spec.name):
-        return named_scope_hop.run(_inductor.inlined(body), inputs, spec)
+        return named_scope_hop.run_at_boundary(_inductor.inlined(body), inputs, spec)

@@ -40,7 +40,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hops import _compat, _dynamo, _inductor
 from hops._autograd import AutogradPlan
 from hops._base import BodyHOP
-from hops._body import run_on_stand_ins
+from hops._body import at_boundary, run_on_stand_ins
 from hops._body_record import plan_body, set_trace_key
 from hops._caches import cached_plan
 from hops._call import call_body_hop
@@ -112,7 +112,7 @@ class Scan(BodyHOP):
     def check(self, body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> None:
         _check_inputs(body, inputs, spec)
 
-    def body_inputs(self, inputs: Sequence[Any], spec: ScanSpec) -> tuple:
+    def body_operands(self, inputs: Sequence[Any], spec: ScanSpec) -> tuple:
         """What the body sees: carries and additional inputs whole, one slice of each xs."""
         carry, xs, additional = split_scan_operands(inputs, spec)
         return (*carry, *scan_step_examples(xs), *additional)
@@ -125,7 +125,7 @@ class Scan(BodyHOP):
         step = _check_step(None, outputs, carry)
         length = scan_length(xs, spec)
         return (
-            *(c.new_empty_strided(c.size(), c.stride()) for c in carry),
+            *(c.new_empty(c.size()) for c in carry),
             *(y.new_empty((length, *y.shape)) for y in step[spec.num_carry :]),
         )
 
@@ -568,7 +568,8 @@ def _make_step(
 def run_scan_steps(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> tuple[torch.Tensor, ...]:
     """The reference: a Python loop. Above autograd it is differentiated by autograd itself;
     with ``remat`` each step is checkpointed (recomputed in backward, random draws replayed)."""
-    carry, xs, additional = split_scan_operands(inputs, spec)
+    # Operands and results in the boundary's layout (``at_boundary``), whoever runs the loop.
+    carry, xs, additional = (list(at_boundary(values)) for values in split_scan_operands(inputs, spec))
     name = body_name(body)
     length = scan_length(xs, spec)
     flat = flat_body(body)
@@ -589,7 +590,8 @@ def run_scan_steps(body: Callable, inputs: Sequence[Any], spec: ScanSpec) -> tup
         else:
             outputs = flat(*step_inputs)
         outputs = _check_step(name, outputs, carry)
-        carry, ys_per_step[i] = list(outputs[: spec.num_carry]), outputs[spec.num_carry :]
+        # The next step's carry is laid out as the first step's (see ``at_boundary``).
+        carry, ys_per_step[i] = list(at_boundary(outputs[: spec.num_carry])), outputs[spec.num_carry :]
     if length == 0:
         return fresh_outputs(_zero_steps(flat, name, carry, xs, additional), inputs)
     ys = [torch.stack([step[j] for step in ys_per_step]) for j in range(len(ys_per_step[0]))]
@@ -639,8 +641,7 @@ def _exact_zero(t: torch.Tensor) -> torch.Tensor:
 
 @scan_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
 def _eager(body: Callable, *inputs_and_spec: Any):
-    inputs, spec = scan_hop.split_args(inputs_and_spec)
-    return scan_hop.run(body, inputs, spec)
+    return scan_hop.eager_rule(body, *inputs_and_spec)
 
 
 # --------------------------------------------------------------------------- fake
@@ -849,9 +850,17 @@ def _inductor_rule(body: Callable, *inputs_and_spec: Any) -> tuple:
 
     inputs, spec = scan_hop.split_args(inputs_and_spec)
     carry, xs, additional = split_scan_operands(inputs, spec)
+    # The loop's state keeps one layout (``while_loop`` checks it): carries enter and leave
+    # each iteration contiguous, as the body was traced on (an expanded gradient carry, the
+    # ``.sum()``'s, would otherwise differ from the step's result).
+    carry, additional = list(at_boundary(carry)), list(at_boundary(additional))
     nc, nx = spec.num_carry, spec.num_xs
     length = scan_length(xs, spec)
-    step = _inductor.inlined(body)
+    inlined = _inductor.inlined(body)
+
+    def step(*step_inputs: Any) -> tuple:
+        return at_boundary(inlined(*step_inputs))
+
     with disable_proxy_modes_tracing():
         ys_like = step(*scan_hop.body_inputs(inputs, spec))[nc:]
     device = next(t.device for t in (*carry, *xs, *ys_like, *additional) if isinstance(t, torch.Tensor))

@@ -142,7 +142,8 @@ class _EnterRegion(torch.autograd.Function):
         device_mesh = device_mesh_for(spec.mesh, "enter_region")
         ctx.device_mesh = device_mesh
         local = redistribute_to(as_dtensor(x, device_mesh), spec.in_placements[index]).to_local()
-        return local.view_as(local)
+        # The body was traced on contiguous stand-ins (``hops.lowering.at_boundary``).
+        return local.contiguous() if not local.is_contiguous() else local.view_as(local)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None]:
