@@ -369,10 +369,16 @@ def restride(graph: fx.Graph, value: fx.Node, traced: Any) -> fx.Node:
     on: an SDPA output saved for backward is permuted, and the ``view`` its backward holds is
     valid on that layout only. A dense permuted layout is made exactly (dims ordered by
     stride, made contiguous, ordered back: one copy); any other is left contiguous."""
-    if not isinstance(traced, torch.Tensor) or traced.is_contiguous() or not _is_dense(traced):
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    if not isinstance(traced, torch.Tensor):
         return value
-    order = sorted(range(traced.dim()), key=lambda d: (-traced.stride(d), d))
-    back = sorted(range(traced.dim()), key=order.__getitem__)
+    # Read as the trace's metadata, not recorded into an enclosing trace (symbolic strides).
+    with disable_proxy_modes_tracing():
+        if traced.is_contiguous() or not _is_dense(traced):
+            return value
+        order = sorted(range(traced.dim()), key=lambda d: (-traced.stride(d), d))
+        back = sorted(range(traced.dim()), key=order.__getitem__)
     permuted = graph.call_function(torch.ops.aten.permute.default, (value, order))
     packed = graph.call_function(torch.ops.aten.clone.default, (permuted,), {"memory_format": torch.contiguous_format})
     return graph.call_function(torch.ops.aten.permute.default, (packed, back))
