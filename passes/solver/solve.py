@@ -113,6 +113,10 @@ class _ProblemBuilder:
         self._shapes: dict[str, tuple[list, list]] = {}
         self._compute_cache: dict[tuple, float] = {}
         self._strategy_codes: dict[int, tuple[int, ...]] = {}
+        # Every cache lives as long as this builder, which lives for one solve (or one evaluation):
+        # nothing is written into the graph it was handed, so a graph changed between two solves,
+        # or solved under another cost model, is priced as it is now.
+        self._body_seconds: dict[str, float] = {}  # a region alternative's body scope -> its compute
 
     def resolve(self, key: str) -> tuple[str, int, int]:
         if key in self._resolved:
@@ -215,7 +219,7 @@ class _ProblemBuilder:
             return float(strategy.cost_hint)
         data = self.graph.nodes[key]
         scope = data["body_scopes"][data["strategies"].index(strategy)]
-        seconds = data.setdefault("body_seconds", {})
+        seconds = self._body_seconds  # the builder's own: the caller's graph is only read
         if scope not in seconds:
             total = 0.0
             prefix = scope + "/"
