@@ -24,8 +24,8 @@ from hops.local_map import local_map_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import Partial, Replicate, ShardingSpec
 from passes._infra import PassError
-from passes.solver.graph import as_program
-from passes.solver.solve import PlacementSolution, required_placement
+from passes.solver.graph import as_program, required_placement
+from passes.solver.solve import PlacementSolution
 
 __all__ = ["apply_placements"]
 

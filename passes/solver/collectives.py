@@ -9,11 +9,14 @@ local. ``passes.dtensor.collective_counts`` names what DTensor's ``CommDebugMode
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from hops.specs import Mesh, Partial, Replicate, Shard
 from passes.solver.cost import redistribution_steps
-from passes.solver.solve import PlacementSolution, read_as, required_placement
+from passes.solver.graph import read_as, required_placement
+
+if TYPE_CHECKING:  # the solution's type only: solve.py imports this module
+    from passes.solver.solve import PlacementSolution
 
 __all__ = ["COLLECTIVE_KINDS", "predicted_collectives", "redistribution_collectives"]
 

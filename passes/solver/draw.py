@@ -14,8 +14,8 @@ from typing import Any
 
 import networkx as nx
 
-from passes.solver.graph import format_placement
-from passes.solver.solve import PlacementSolution, _itemsize, read_as, required_placement
+from passes.solver.graph import format_placement, read_as, required_placement
+from passes.solver.solve import PlacementSolution, _itemsize
 
 __all__ = ["draw_placements"]
 

@@ -65,7 +65,7 @@ import dataclasses
 import math
 import operator
 from collections import Counter
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Protocol, Sequence
 
 import networkx as nx
 import torch
@@ -84,7 +84,7 @@ from passes.solver._shapes import split_backward_inputs, value_metadata
 
 __all__ = [
     "placement_graph", "Strategy", "Use", "RegionChoice", "region_choices", "shift_placements", "format_placement",
-    "arrives_whole",
+    "arrives_whole", "Plan", "read_as", "required_placement",
 ]
 
 Placements = tuple  # one hops placement per mesh axis
@@ -199,6 +199,30 @@ def arrives_whole(graph: nx.DiGraph, key: str) -> bool:
             return True
         key = data["alias"][0] if data["alias"] is not None else None
     return False
+
+
+class Plan(Protocol):
+    """What a solved plan says of the graph's nodes (``PlacementSolution`` is one): the chosen
+    ``Strategy`` of every node with strategies, the placement of every tensor value."""
+
+    strategies: Mapping[str, Strategy]
+    placements: Mapping[str, Placements]
+
+
+def read_as(use: Use, produced: Placements | None) -> Placements | None:
+    """The layout ``use`` reads a value placed as ``produced`` in: a carry as it left its step (whole)."""
+    return materialized(produced) if use.kind == "carry" else produced
+
+
+def required_placement(plan: Plan, key: str, use: Use, produced: Placements | None) -> Placements | None:
+    """The placement ``use`` (a read by node ``key``) needs, under ``plan``, of a value placed as
+    ``produced``: the input slot's of ``key``'s strategy, the value whole as it leaves its graph,
+    or ``key``'s own placement (with ``use.index`` more dims in front)."""
+    if use.kind == "input":
+        return plan.strategies[key].inputs[use.index]
+    if use.kind == "output":
+        return materialized(produced)
+    return shift_placements(plan.placements[key], use.index)
 
 
 def _replicated(mesh: Mesh) -> Placements:

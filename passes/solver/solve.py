@@ -14,8 +14,18 @@ import torch.fx as fx
 
 from hops.specs import Mesh, Shard
 from passes._infra import PassError
+from passes.solver.collectives import predicted_collectives
 from passes.solver.cost import CostModel
-from passes.solver.graph import Strategy, arrives_whole, is_view, materialized, placement_graph, shift_placements
+from passes.solver.graph import (
+    Strategy,
+    arrives_whole,
+    is_view,
+    materialized,
+    placement_graph,
+    read_as,
+    required_placement,
+    shift_placements,
+)
 from passes.solver.ilp import Choice, Factor, InfeasiblePlacementError, MemoryTerm, Problem, evaluate, memory_of, solve_problem
 
 __all__ = ["PlacementSolution", "solve_placements", "InfeasiblePlacementError", "placement_problem"]
@@ -67,8 +77,6 @@ class PlacementSolution:
         ``device_type="cpu"``: DTensor runs ``Shard(i) -> Shard(j)`` on CPU meshes as an all-gather
         and a local chunk (gloo has no all-to-all), so it is counted as ``"all_gather"``.
         """
-        from passes.solver.collectives import predicted_collectives
-
         return predicted_collectives(self, graph, device_type=device_type)
 
 
@@ -532,16 +540,3 @@ def node_costs(solution: PlacementSolution) -> dict[str, tuple[float, float]]:
                 costs[target][1] += seconds * use.multiplier / max(graph.nodes[target]["multiplier"], 1)
     return {k: (c[0], c[1]) for k, c in costs.items()}
 
-
-def read_as(use: Any, produced: Any) -> Any:
-    """The layout ``use`` reads a value placed as ``produced`` in: a carry as it left its step (whole)."""
-    return materialized(produced) if use.kind == "carry" else produced
-
-
-def required_placement(solution: PlacementSolution, key: str, use: Any, produced: Any) -> Any:
-    """The placement ``use`` (a read by ``key``) needs a value placed as ``produced`` in."""
-    if use.kind == "input":
-        return solution.strategies[key].inputs[use.index]
-    if use.kind == "output":
-        return materialized(produced)
-    return shift_placements(solution.placements[key], use.index)
