@@ -22,6 +22,7 @@ import hops
 import passes
 from hops import LocalMapSpec, Mesh, RegionPlacements, Replicate, Shard
 from passes.solver import CostModel
+from passes.solver.graph import NodeKind
 from passes.solver.solve import evaluate_placements
 from tests.helpers.snapshot import TestCase, aot_trace, compile_trace, hlo_text, readable
 
@@ -349,7 +350,7 @@ class TestSolver(TestCase):
         x, w = torch.randn(8, 64, requires_grad=True), torch.randn(64, 1024, requires_grad=True)
         forward, backward, _ = aot_trace(lambda x, w: projection(tanh_project)(x, w), x, w)
         solution = passes.solve_placements((forward, backward), LINE, cost_model=MEMORY_BOUND)
-        regions = [k for k, d in solution.graph.nodes(data=True) if d["kind"] == "region"]
+        regions = [k for k, d in solution.graph.nodes(data=True) if d["kind"] is NodeKind.REGION]
         self.assertEqual(len(regions), 2)
         choices = [solution.region_choice(k) for k in regions]
         self.assertEqual(choices[0], choices[1])

@@ -11,6 +11,7 @@ import hops
 import passes
 from hops import Mesh, RegionPlacements, Replicate, Shard, ShardingSpec
 from passes.solver import CostModel, placement_graph
+from passes.solver.graph import NodeKind
 from passes.solver.solve import evaluate_placements, node_costs, solve_graph
 from tests.helpers.snapshot import TestCase, aot_trace
 
@@ -115,7 +116,7 @@ class TestTheCallersGraphIsLeftAlone(TestCase):
 
     def test_a_second_solve_prices_the_graph_as_it_is_now(self):
         program = region_program()
-        (region,) = [k for k, d in placement_graph(program, LINE).nodes(data=True) if d["kind"] == "region"]
+        (region,) = [k for k, d in placement_graph(program, LINE).nodes(data=True) if d["kind"] is NodeKind.REGION]
 
         def solved(graph, cost_model):
             solution = solve_graph(graph, cost_model=cost_model)
@@ -132,8 +133,23 @@ class TestTheCallersGraphIsLeftAlone(TestCase):
         first = solved(graph, MEMORY_BOUND)
         for g in (graph, twin):
             for _, data in g.nodes(data=True):
-                if data["kind"] == "local" and data["shape"]:
+                if data["kind"] is NodeKind.LOCAL and data["shape"]:
                     data["shape"] = (4 * data["shape"][0], *data["shape"][1:])
         again = solved(graph, MEMORY_BOUND)
         self.assertEqual(again, solved(twin, MEMORY_BOUND))
         self.assertNotEqual(again, first)
+
+
+class TestNodeKinds(TestCase):
+    def test_every_node_has_a_typed_kind_and_a_text_kind_is_refused(self):
+        graph = placement_graph(scan_program(), Mesh((2, 2), ("data", "model")))
+        kinds = {data["kind"] for _, data in graph.nodes(data=True)}
+        self.assertTrue(all(isinstance(kind, NodeKind) for kind in kinds))
+        self.assertEqual(kinds, {NodeKind.INPUT, NodeKind.OP, NodeKind.ALIAS, NodeKind.OUTPUT})
+        self.assertEqual(placement_graph(region_program(), LINE).nodes["hops_local_map"]["kind"], NodeKind.REGION)
+        self.assertEqual(f"{NodeKind.LOCAL}/{NodeKind.REGION!s}", "local/region")  # printed as its text
+        # Code written against the text kinds fails where it compares, not by matching nothing.
+        with self.assertRaisesRegex(TypeError, "compare it with NodeKind members, not 'local'"):
+            _ = NodeKind.LOCAL == "local"
+        with self.assertRaisesRegex(TypeError, "not 'input'"):
+            _ = NodeKind.REGION in ("input", "region")

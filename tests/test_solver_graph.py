@@ -8,7 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import hops
 import passes
 from hops import Mesh, Partial, Replicate, Shard, ShardingSpec
-from passes.solver.graph import Strategy, format_placement
+from passes.solver.graph import NodeKind, Strategy, format_placement
 from tests.helpers.snapshot import TestCase, aot_trace, delete_meta
 
 LINE = Mesh((2,), ("data",))
@@ -113,7 +113,7 @@ class TestFixedPlacements(TestCase):
         gm = make_fx(lambda x: hops.annotate_sharding(x.sin(), rows).cos())(torch.randn(4, 4))
         graph = passes.placement_graph(gm, GRID)
         data = graph.nodes["hops_sharding_annotation"]
-        self.assertEqual((data["kind"], data["fixed"]), ("annotation", True))
+        self.assertEqual((data["kind"], data["fixed"]), (NodeKind.ANNOTATION, True))
         self.assertEqual(data["strategies"], [Strategy(((S0, R),), ((S0, R),))])
 
     def test_an_annotation_on_another_mesh_is_refused(self):
@@ -128,7 +128,7 @@ class TestFixedPlacements(TestCase):
         graph = passes.placement_graph(gm, GRID)
         self.assertEqual(graph.nodes["hops_local_map"]["strategies"], [Strategy(((S0, R),), ((S0, R), (S0, R)))])
         self.assertEqual(graph.nodes["getitem"]["alias"], ("hops_local_map", 0, 0))
-        body = [k for k, d in graph.nodes(data=True) if d["kind"] == "local"]
+        body = [k for k, d in graph.nodes(data=True) if d["kind"] is NodeKind.LOCAL]
         self.assertEqual(sorted(body), ["lambda_body_0/arg0_1", "lambda_body_0/arg1_1", "lambda_body_0/mul"])
         self.assertEqual(graph.nodes["lambda_body_0/mul"]["shape"], (2, 4))  # local shapes
 
@@ -199,7 +199,7 @@ class TestForwardAndBackward(TestCase):
         forward, backward, _ = aot_trace(lambda x, w: (x @ w).relu(), x, w)
         graph = passes.placement_graph((forward, backward), LINE)
         # Saved values are the forward's values (aliases), tangents are free inputs.
-        saved = [k for k, d in graph.nodes(data=True) if d["kind"] == "alias" and k.startswith("backward/")]
+        saved = [k for k, d in graph.nodes(data=True) if d["kind"] is NodeKind.ALIAS and k.startswith("backward/")]
         self.assertTrue(saved)
         for key in saved:
             self.assertTrue(graph.nodes[key]["alias"][0].startswith("forward/"))

@@ -25,7 +25,7 @@ import hops
 import passes
 from passes.solver import CostModel
 from passes.solver.cost import _is_allocation
-from passes.solver.graph import arrives_whole, is_view
+from passes.solver.graph import NodeKind, arrives_whole, is_view
 from passes.solver.solve import evaluate_placements, solve_graph
 from passes.solver.unrolled import scan_plan_on_unrolled, unrolled_graph
 
@@ -84,7 +84,7 @@ def test_values_that_left_their_graph_arrive_without_a_pending_sum():
         solution = solved(layers, unrolled=False)
         whole = [k for k in solution.placements if arrives_whole(solution.graph, k)]
         assert any(k.startswith("backward/") and solution.graph.nodes[k]["fx_node"].op == "placeholder" for k in whole)
-        assert all(solution.graph.nodes[k]["kind"] == "alias" for k in whole)
+        assert all(solution.graph.nodes[k]["kind"] is NodeKind.ALIAS for k in whole)
         for key in whole:
             assert not any(isinstance(p, hops.Partial) for p in solution.placements[key]), key
 

@@ -24,7 +24,7 @@ from hops.local_map import local_map_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import Partial, Replicate, ShardingSpec
 from passes._infra import PassError
-from passes.solver.graph import as_program, required_placement
+from passes.solver.graph import NodeKind, as_program, required_placement
 from passes.solver.solve import PlacementSolution
 
 __all__ = ["apply_placements"]
@@ -107,7 +107,7 @@ def apply_placements(gm: Any, solution: PlacementSolution, *, pending_sums: bool
     for key, placements in solution.placements.items():
         data = graph.nodes[key]
         node: fx.Node = data["fx_node"]
-        if data["kind"] in ("local", "annotation") or not _stateable(placements):
+        if data["kind"] in (NodeKind.LOCAL, NodeKind.ANNOTATION) or not _stateable(placements):
             stated[key] = node
             continue
         module_graph = node.graph
@@ -183,7 +183,7 @@ def apply_placements(gm: Any, solution: PlacementSolution, *, pending_sums: bool
     # Regions: the chosen alternative.
     for key, strategy in solution.strategies.items():
         data = graph.nodes[key]
-        if data["kind"] != "region":
+        if data["kind"] is not NodeKind.REGION:
             continue
         node = data["fx_node"]
         index = data["strategies"].index(strategy)

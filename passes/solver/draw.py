@@ -14,12 +14,12 @@ from typing import Any
 
 import networkx as nx
 
-from passes.solver.graph import format_placement, read_as, required_placement
+from passes.solver.graph import NodeKind, format_placement, read_as, required_placement
 from passes.solver.solve import PlacementSolution, _itemsize
 
 __all__ = ["draw_placements"]
 
-_SHAPES = {"region": "s", "annotation": "D"}
+_SHAPES = {NodeKind.REGION: "s", NodeKind.ANNOTATION: "D"}
 
 
 def _import_matplotlib() -> Any:
@@ -47,7 +47,7 @@ def draw_placements(gm: Any, solution: PlacementSolution, path: str | os.PathLik
     from matplotlib.lines import Line2D
 
     graph = solution.graph
-    shown = [n for n, d in graph.nodes(data=True) if d["kind"] != "local"]
+    shown = [n for n, d in graph.nodes(data=True) if d["kind"] is not NodeKind.LOCAL]
     view = nx.DiGraph()
     view.add_nodes_from(shown)
     for u, v, data in graph.edges(data=True):
@@ -65,7 +65,7 @@ def draw_placements(gm: Any, solution: PlacementSolution, path: str | os.PathLik
         if n in solution.placements:
             labels[n] = format_placement(solution.placements[n])
         elif n in solution.strategies:
-            labels[n] = "region" if graph.nodes[n]["kind"] == "region" else "tuple"
+            labels[n] = "region" if graph.nodes[n]["kind"] is NodeKind.REGION else "tuple"
         else:
             labels[n] = "-"
     palette = _palette(sorted(set(labels.values())))

@@ -15,7 +15,7 @@ from hops.scan import scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import LocalMapSpec, ShardingSpec
 from passes._infra import hop_row, hop_table, is_package_hop, ordinary_op
-from passes.solver.graph import as_program, format_placement
+from passes.solver.graph import NodeKind, as_program, format_placement
 from passes.solver.solve import PlacementSolution, node_costs
 
 __all__ = ["format_placements"]
@@ -108,7 +108,7 @@ class _Printer:
 
     def _scope_seconds(self, scope: str) -> float:
         return sum(
-            sum(self.costs[k]) for k in self.costs if k.startswith(scope) and self.graph.nodes[k]["kind"] != "local"
+            sum(self.costs[k]) for k in self.costs if k.startswith(scope) and self.graph.nodes[k]["kind"] is not NodeKind.LOCAL
         )
 
     def _call_text(self, node: fx.Node) -> str:
@@ -123,7 +123,7 @@ class _Printer:
         if key not in self.graph.nodes:
             return ""
         data = self.graph.nodes[key]
-        if data["kind"] == "local":
+        if data["kind"] is NodeKind.LOCAL:
             return "  # per device"
         strategy = self.solution.strategies.get(key)
         parts = []
@@ -134,7 +134,7 @@ class _Printer:
                 parts.append(f"placement={outputs}")
             else:
                 parts.append(f"placement=({inputs}) -> {outputs}")
-            if data["kind"] == "region":
+            if data["kind"] is NodeKind.REGION:
                 count = len(data["strategies"])
                 parts.append(f"alternative {data['strategies'].index(strategy)} of {count}")
             if data["fallback"]:

@@ -8,11 +8,11 @@ placement alternatives).
 
 Node attributes:
 
-- ``kind``: ``"input"`` (a program or body input whose placement is free), ``"op"`` (an ATen op
-  or kernel), ``"annotation"`` (fixed by a ``hops_sharding_annotation``), ``"region"`` (a
-  ``local_map`` node), ``"alias"`` (a value whose placement is another node's: a ``getitem``,
-  a body input tied to what feeds it, a scan's outputs), ``"local"`` (a value inside a region
-  body: per device, not placed), ``"output"`` (a graph's results, which read what leaves it);
+- ``kind``: a ``NodeKind``: ``INPUT`` (a program or body input whose placement is free), ``OP`` (an
+  ATen op or kernel), ``ANNOTATION`` (fixed by a ``hops_sharding_annotation``), ``REGION`` (a
+  ``local_map`` node), ``ALIAS`` (a value whose placement is another node's: a ``getitem``, a body
+  input tied to what feeds it, a scan's outputs), ``LOCAL`` (a value inside a region body: per
+  device, not placed), ``OUTPUT`` (a graph's results, which read what leaves it);
 - ``op`` (the target, as text), ``shape``, ``dtype``, ``bytes``;
 - ``strategies``: the node's choices, each a ``Strategy`` (the placement of every output and the
   placement every tensor input must have); ``None`` for aliases and local values;
@@ -62,6 +62,7 @@ in another layout. Nothing is read from ``node.meta`` except the ``val`` every t
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import operator
 from collections import Counter
@@ -83,11 +84,41 @@ from passes.solver import _dtensor
 from passes.solver._shapes import split_backward_inputs, value_metadata
 
 __all__ = [
-    "placement_graph", "Strategy", "Use", "RegionChoice", "region_choices", "shift_placements", "format_placement",
+    "placement_graph", "NodeKind", "Strategy", "Use", "RegionChoice", "region_choices", "shift_placements", "format_placement",
     "arrives_whole", "Plan", "read_as", "required_placement",
 ]
 
 Placements = tuple  # one hops placement per mesh axis
+
+
+class NodeKind(enum.Enum):
+    """What a node of the placement graph is: its ``kind`` attribute (see the module docstring).
+
+    Compared by identity (``data["kind"] is NodeKind.REGION``). Comparing one with a string is a
+    ``TypeError``: code written against text kinds fails where it compares, not by finding no
+    node of the kind it names."""
+
+    INPUT = "input"
+    OP = "op"
+    ANNOTATION = "annotation"
+    REGION = "region"
+    ALIAS = "alias"
+    LOCAL = "local"
+    OUTPUT = "output"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            raise TypeError(f"a placement graph node's kind is a NodeKind: compare it with NodeKind members, not {other!r}")
+        return self is other
+
+    def __hash__(self) -> int:
+        return hash(self._name_)
+
+    def __str__(self) -> str:  # printed as the text it is named by in the module docstring
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +319,7 @@ class _Builder:
             shape = dtype = None
             nbytes = 0
         defaults = dict(
-            kind="op", op=_target_name(node.target) if node.op == "call_function" else node.op, shape=shape,
+            kind=NodeKind.OP, op=_target_name(node.target) if node.op == "call_function" else node.op, shape=shape,
             dtype=dtype, bytes=nbytes, strategies=None, fixed=False, alias=None, multiplier=multiplier,
             fallback=False, role=None, fx_node=node, module=module, scope=scope.rstrip("/"), whole=False,
         )
@@ -320,7 +351,7 @@ class _Builder:
 
     def _set_alias(self, key: str, target: str, index: int = 0, shift: int = 0, whole: bool = False) -> None:
         data = self.graph.nodes[key]
-        data.update(kind="alias", alias=(target, index, shift), strategies=None, whole=whole)
+        data.update(kind=NodeKind.ALIAS, alias=(target, index, shift), strategies=None, whole=whole)
         self._tie(target, key)
 
     def resolve(self, key: str) -> tuple[str, int, int]:
@@ -347,7 +378,7 @@ class _Builder:
         seen = dict.fromkeys(project(shift_placements(s.outputs[index], shift)) for s in strategies)
         return [p for p in seen if p is not None]
 
-    def free_input(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int, kind: str = "input") -> str:
+    def free_input(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int, kind: NodeKind = NodeKind.INPUT) -> str:
         key = self._add(node, scope, module, multiplier, kind=kind, op=node.op)
         data = self.graph.nodes[key]
         if data["shape"] is not None:
@@ -376,7 +407,7 @@ class _Builder:
         for node in module.graph.nodes:
             if node.op == "placeholder":
                 if local:
-                    self._add(node, scope, module, multiplier, kind="local", op="placeholder")
+                    self._add(node, scope, module, multiplier, kind=NodeKind.LOCAL, op="placeholder")
                 elif node in inputs:
                     self._bind(node, scope, module, multiplier, inputs[node])
                 elif self._is_tensor(node):
@@ -384,9 +415,9 @@ class _Builder:
             elif node.op == "get_attr":
                 if self._is_tensor(node):
                     if local:
-                        self._add(node, scope, module, multiplier, kind="local", op="get_attr")
+                        self._add(node, scope, module, multiplier, kind=NodeKind.LOCAL, op="get_attr")
                     else:
-                        self.free_input(node, scope, module, multiplier, kind="input")
+                        self.free_input(node, scope, module, multiplier)
             elif node.op == "call_function":
                 if local:
                     self._local_node(node, scope, module, multiplier)
@@ -402,7 +433,7 @@ class _Builder:
 
     def _output(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int, whole: int | None) -> None:
         """The graph's output node, reading its first ``whole`` outputs whole (``None``: all)."""
-        key = self._add(node, scope, module, multiplier, kind="output", op="output")
+        key = self._add(node, scope, module, multiplier, kind=NodeKind.OUTPUT, op="output")
         for position, value in enumerate(pytree.tree_leaves((node.args, node.kwargs))[:whole]):
             if self._is_tensor(value) and self.key.get(value) is not None:
                 self._use(value, key, Use("output", 0, multiplier, node, position))
@@ -424,9 +455,9 @@ class _Builder:
     def _local_node(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int) -> None:
         if not (self._is_tensor(node) or isinstance(self._meta(node), (tuple, list))):
             return
-        key = self._add(node, scope, module, multiplier, kind="local")
+        key = self._add(node, scope, module, multiplier, kind=NodeKind.LOCAL)
         for value in node.all_input_nodes:
-            if value in self.key and self.graph.nodes[self.key[value]]["kind"] == "local":
+            if value in self.key and self.graph.nodes[self.key[value]]["kind"] is NodeKind.LOCAL:
                 self._tie(self.key[value], key)
         for attr, body in _bodies(node):
             self.walk(body, f"{scope}{attr.target}/", multiplier, local=True)
@@ -471,7 +502,7 @@ class _Builder:
         if not isinstance(spec, ShardingSpec):
             raise PassError(f"placement_graph: {node.format_node()}: spec must be a hops.ShardingSpec")
         self._check_mesh(spec.mesh, node)
-        key = self._add(node, scope, module, multiplier, kind="annotation", fixed=True)
+        key = self._add(node, scope, module, multiplier, kind=NodeKind.ANNOTATION, fixed=True)
         self.graph.nodes[key]["strategies"] = [Strategy((spec.placements,), (spec.placements,))]
         self._read_inputs(node, key, multiplier)
 
@@ -507,7 +538,7 @@ class _Builder:
         # model prices strategy k with body k.
         body_scopes = [f"{scope}{attr.target}" for attr, _ in bodies]
         key = self._add(
-            node, scope, module, multiplier, kind="region", fixed=True, strategies=strategies,
+            node, scope, module, multiplier, kind=NodeKind.REGION, fixed=True, strategies=strategies,
             body_scope=body_scopes[spec.active or 0], body_scopes=body_scopes, residuals=spec.residuals,
             output_shapes=[tuple(int(s) for s in m.shape) for m in self._meta(node)],
         )
@@ -572,7 +603,7 @@ class _Builder:
         # on every device.
         for value in xs:
             owner = self.key.get(value)
-            if owner is not None and self.graph.nodes[owner]["kind"] == "input":
+            if owner is not None and self.graph.nodes[owner]["kind"] is NodeKind.INPUT:
                 data = self.graph.nodes[owner]
                 data["strategies"] = [s for s in data["strategies"] if Shard(0) not in s.outputs[0]]
         shifts = [0] * spec.num_carry + [1] * (len(body_outputs) - spec.num_carry)

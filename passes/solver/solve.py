@@ -17,6 +17,7 @@ from passes._infra import PassError
 from passes.solver.collectives import predicted_collectives
 from passes.solver.cost import CostModel
 from passes.solver.graph import (
+    NodeKind,
     Strategy,
     arrives_whole,
     is_view,
@@ -110,7 +111,7 @@ class _ProblemBuilder:
         self.mesh = mesh
         self.cost_model = cost_model
         self.owners = [
-            n for n, d in graph.nodes(data=True) if d["strategies"] is not None and d["kind"] != "local"
+            n for n, d in graph.nodes(data=True) if d["strategies"] is not None and d["kind"] is not NodeKind.LOCAL
         ]
         self.index = {n: i for i, n in enumerate(self.owners)}
         self._redistribute_cache: dict[tuple, float] = {}
@@ -172,9 +173,9 @@ class _ProblemBuilder:
 
     def compute_cost(self, key: str, strategy: Strategy) -> float:
         data = self.graph.nodes[key]
-        if data["kind"] in ("input", "annotation"):
+        if data["kind"] in (NodeKind.INPUT, NodeKind.ANNOTATION):
             return 0.0
-        if data["kind"] == "region":
+        if data["kind"] is NodeKind.REGION:
             return self.region_cost(key, strategy)
         node = data["fx_node"]
         if is_view(node.target) or data["op"] == "getitem":
@@ -232,7 +233,7 @@ class _ProblemBuilder:
             total = 0.0
             prefix = scope + "/"
             for name, body in self.graph.nodes(data=True):
-                if body["kind"] != "local" or not name.startswith(prefix) or body["fx_node"].op != "call_function":
+                if body["kind"] is not NodeKind.LOCAL or not name.startswith(prefix) or body["fx_node"].op != "call_function":
                     continue
                 node = body["fx_node"]
                 if is_view(node.target):
@@ -249,11 +250,11 @@ class _ProblemBuilder:
         alternative: a factor allowing equal options only."""
         factors, seen = [], set()
         for u, v, data in self.graph.edges(data=True):
-            if self.graph.nodes[v]["kind"] != "region" or not any(use.kind == "input" for use in data["uses"]):
+            if self.graph.nodes[v]["kind"] is not NodeKind.REGION or not any(use.kind == "input" for use in data["uses"]):
                 continue
             owner, index, _ = self.resolve(u)
             source = self.graph.nodes[owner]
-            if source["kind"] != "region" or not source["residuals"]:
+            if source["kind"] is not NodeKind.REGION or not source["residuals"]:
                 continue
             if index < len(source["strategies"][0].outputs) - source["residuals"] or (owner, v) in seen:
                 continue
@@ -286,7 +287,7 @@ class _ProblemBuilder:
         storage: dict[str, list[int]] = {}  # value that holds its storage -> [start, end]
         for key, data in self.graph.nodes(data=True):
             node = data.get("fx_node")
-            if node not in positions or data["shape"] is None or data["kind"] in ("output", "region", "local"):
+            if node not in positions or data["shape"] is None or data["kind"] in (NodeKind.OUTPUT, NodeKind.REGION, NodeKind.LOCAL):
                 continue
             start = end = positions[node]
             for _, _, edge in self.graph.out_edges(key, data=True):
@@ -318,7 +319,7 @@ class _ProblemBuilder:
         """The value whose storage ``key`` is: itself, or (a view of a value of the same graph,
         an annotation) the value it reads."""
         data = self.graph.nodes[key]
-        if data["kind"] == "annotation":
+        if data["kind"] is NodeKind.ANNOTATION:
             sources = [
                 u for u in self.graph.predecessors(key)
                 if self.graph.nodes[u].get("fx_node") in positions and self.graph.nodes[u]["shape"] is not None
@@ -363,7 +364,7 @@ class _ProblemBuilder:
             if not data["uses"]:
                 continue
             source = self.graph.nodes[u]
-            if source["kind"] == "local":
+            if source["kind"] is NodeKind.LOCAL:
                 continue
             owner_u, index_u, shift_u = self.resolve(u)
             strategies_u = self.graph.nodes[owner_u]["strategies"]
@@ -483,7 +484,7 @@ def solve_graph(
     option_of = dict(zip(builder.owners, result.options))
     placements = {}
     for key, data in graph.nodes(data=True):
-        if data["kind"] in ("local", "region") or data["shape"] is None:
+        if data["kind"] in (NodeKind.LOCAL, NodeKind.REGION) or data["shape"] is None:
             continue
         owner, _, _ = builder.resolve(key)
         if owner in option_of:

@@ -19,7 +19,7 @@ from typing import Any
 import networkx as nx
 
 from passes._infra import PassError
-from passes.solver.graph import Strategy, Use
+from passes.solver.graph import NodeKind, Strategy, Use
 
 __all__ = ["unrolled_graph", "scan_plan_on_unrolled"]
 
@@ -92,7 +92,7 @@ def unrolled_graph(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str]]:
 def _is_shared_input(graph: nx.DiGraph, key: str, scan: dict) -> bool:
     """A body input every step reads alike: an additional input, or the slices of stacked xs."""
     data = graph.nodes[key]
-    return data["kind"] == "input" and data["fx_node"].op == "placeholder" and key not in scan["carry_in"]
+    return data["kind"] is NodeKind.INPUT and data["fx_node"].op == "placeholder" and key not in scan["carry_in"]
 
 
 def scan_plan_on_unrolled(unrolled: nx.DiGraph, origin: dict[str, str], solution: Any) -> dict[str, Strategy]:
@@ -100,7 +100,7 @@ def scan_plan_on_unrolled(unrolled: nx.DiGraph, origin: dict[str, str], solution
     its body value's (a first carry input, its carry's placement)."""
     strategies = {}
     for key, data in unrolled.nodes(data=True):
-        if data["strategies"] is None or data["kind"] == "local":
+        if data["strategies"] is None or data["kind"] is NodeKind.LOCAL:
             continue
         source = origin.get(key, key)
         if source in solution.strategies and solution.strategies[source] in data["strategies"]:
