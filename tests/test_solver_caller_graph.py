@@ -11,7 +11,7 @@ import hops
 import passes
 from hops import Mesh, RegionPlacements, Replicate, Shard, ShardingSpec
 from passes.solver import CostModel, placement_graph
-from passes.solver.graph import NodeKind
+from passes.solver.graph import NodeKind, UseKind
 from passes.solver.solve import evaluate_placements, node_costs, solve_graph
 from tests.helpers.snapshot import TestCase, aot_trace
 
@@ -140,16 +140,20 @@ class TestTheCallersGraphIsLeftAlone(TestCase):
         self.assertNotEqual(again, first)
 
 
-class TestNodeKinds(TestCase):
-    def test_every_node_has_a_typed_kind_and_a_text_kind_is_refused(self):
+class TestKinds(TestCase):
+    def test_every_node_and_read_has_a_typed_kind_and_a_text_kind_is_refused(self):
         graph = placement_graph(scan_program(), Mesh((2, 2), ("data", "model")))
         kinds = {data["kind"] for _, data in graph.nodes(data=True)}
         self.assertTrue(all(isinstance(kind, NodeKind) for kind in kinds))
         self.assertEqual(kinds, {NodeKind.INPUT, NodeKind.OP, NodeKind.ALIAS, NodeKind.OUTPUT})
         self.assertEqual(placement_graph(region_program(), LINE).nodes["hops_local_map"]["kind"], NodeKind.REGION)
+        reads = {use.kind for _, _, data in graph.edges(data=True) for use in data["uses"]}
+        self.assertEqual(reads, set(UseKind))  # a scan's forward and backward read in every way
         self.assertEqual(f"{NodeKind.LOCAL}/{NodeKind.REGION!s}", "local/region")  # printed as its text
         # Code written against the text kinds fails where it compares, not by matching nothing.
         with self.assertRaisesRegex(TypeError, "compare it with NodeKind members, not 'local'"):
             _ = NodeKind.LOCAL == "local"
         with self.assertRaisesRegex(TypeError, "not 'input'"):
             _ = NodeKind.REGION in ("input", "region")
+        with self.assertRaisesRegex(TypeError, "a placement graph kind is a UseKind: .* not 'carry'"):
+            _ = UseKind.CARRY == "carry"

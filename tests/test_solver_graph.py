@@ -31,7 +31,7 @@ def summary(graph, keys=None):
 
 def uses(graph, key):
     return sorted(
-        (u, use.kind, use.index, use.multiplier) for u, _, data in graph.in_edges(key, data=True) for use in data["uses"]
+        (u, str(use.kind), use.index, use.multiplier) for u, _, data in graph.in_edges(key, data=True) for use in data["uses"]
     )
 
 

@@ -12,7 +12,7 @@ from passes.solver.apply import apply_placements
 from passes.solver.cost import PRESETS, CostModel
 from passes.solver.draw import draw_placements
 from passes.solver.format import format_placements
-from passes.solver.graph import NodeKind, Strategy, placement_graph
+from passes.solver.graph import NodeKind, Strategy, UseKind, placement_graph
 from passes.solver.ilp import InfeasiblePlacementError
 from passes.solver.iopddl import read_iopddl
 from passes.solver.problem import ProblemSolution, StrategyProblem, peak_usage, problem_cost, solve_problem
@@ -27,6 +27,7 @@ __all__ = [
     "PlacementSolution",
     "Strategy",
     "NodeKind",
+    "UseKind",
     "CostModel",
     "PRESETS",
     "InfeasiblePlacementError",

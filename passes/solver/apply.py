@@ -24,7 +24,7 @@ from hops.local_map import local_map_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import Partial, Replicate, ShardingSpec
 from passes._infra import PassError
-from passes.solver.graph import NodeKind, as_program, required_placement
+from passes.solver.graph import NodeKind, UseKind, as_program, required_placement
 from passes.solver.solve import PlacementSolution
 
 __all__ = ["apply_placements"]
@@ -132,7 +132,7 @@ def apply_placements(gm: Any, solution: PlacementSolution, *, pending_sums: bool
             if required == produced:
                 continue
             reader: fx.Node = use.reader
-            if use.kind == "carry":
+            if use.kind is UseKind.CARRY:
                 continue  # stated by the carry input's own annotation, at the top of every step
             statement = reader.target is sharding_annotation_hop  # the reader states its layout itself
             if not statement and not _stateable(required, kept):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from hops.specs import Mesh, Partial, Replicate, Shard
 from passes.solver.cost import redistribution_steps
-from passes.solver.graph import read_as, required_placement
+from passes.solver.graph import UseKind, read_as, required_placement
 
 if TYPE_CHECKING:  # the solution's type only: solve.py imports this module
     from passes.solver.solve import PlacementSolution
@@ -69,7 +69,7 @@ def predicted_collectives(
             # pending sum; a carry is read as it left the step before.
             produced = read_as(use, solution.placements[u])
             required = required_placement(solution, v, use, solution.placements[u])
-            if use.kind == "value" and any(isinstance(p, Partial) for p in required):
+            if use.kind is UseKind.VALUE and any(isinstance(p, Partial) for p in required):
                 continue  # a pending sum is not stated: the reader takes the value as made
             # The redistribution runs as often as the read: a scan's operands once, before its
             # loop; a value in its body once per step; a carry between steps, one fewer.

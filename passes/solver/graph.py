@@ -36,12 +36,12 @@ Node attributes:
 - ``fx_node``, ``module``: the FX node and the GraphModule holding it.
 
 Edges ``u -> v`` are data dependencies, with ``bytes`` (of ``u``) and ``uses``: how ``v`` reads
-``u``, each a ``Use``: ``("input", slot)`` (``v`` is a node with strategies; its chosen strategy says
-which placement ``u`` must have) or ``("value", dim_shift)`` (``u`` must be laid out like ``v``, e.g. a
-scan's init like its carry, a gradient like its parameter: how the gradient leaves the backward,
-in place of its output's reduction) or ``("output", 0)`` (``v`` is the
-``"output"`` node of a program or a scan body: ``u`` leaves it whole, so a pending ``Partial``
-sum is reduced first; a scan body's ys are not read so) or ``("carry", 0)`` (``v`` is a scan's
+``u``, each a ``Use`` whose ``kind`` is a ``UseKind``: ``(INPUT, slot)`` (``v`` is a node with
+strategies; its chosen strategy says which placement ``u`` must have) or ``(VALUE, dim_shift)``
+(``u`` must be laid out like ``v``, e.g. a scan's init like its carry, a gradient like its
+parameter: how the gradient leaves the backward, in place of its output's reduction) or
+``(OUTPUT, 0)`` (``v`` is the ``OUTPUT`` node of a program or a scan body: ``u`` leaves it whole,
+so a pending ``Partial`` sum is reduced first; a scan body's ys are not read so) or ``(CARRY, 0)`` (``v`` is a scan's
 carry input, ``u`` its carry output of the step before, as it left that step: whole), with the
 ``multiplier`` of that read. Edges that only tie placements (``getitem``, a forward value the
 backward reads) have no uses and ``tie=True``.
@@ -84,31 +84,22 @@ from passes.solver import _dtensor
 from passes.solver._shapes import split_backward_inputs, value_metadata
 
 __all__ = [
-    "placement_graph", "NodeKind", "Strategy", "Use", "RegionChoice", "region_choices", "shift_placements", "format_placement",
+    "placement_graph", "NodeKind", "Strategy", "Use", "UseKind", "RegionChoice", "region_choices", "shift_placements", "format_placement",
     "arrives_whole", "Plan", "read_as", "required_placement",
 ]
 
 Placements = tuple  # one hops placement per mesh axis
 
 
-class NodeKind(enum.Enum):
-    """What a node of the placement graph is: its ``kind`` attribute (see the module docstring).
-
-    Compared by identity (``data["kind"] is NodeKind.REGION``). Comparing one with a string is a
-    ``TypeError``: code written against text kinds fails where it compares, not by finding no
-    node of the kind it names."""
-
-    INPUT = "input"
-    OP = "op"
-    ANNOTATION = "annotation"
-    REGION = "region"
-    ALIAS = "alias"
-    LOCAL = "local"
-    OUTPUT = "output"
+class _Kind(enum.Enum):
+    """A kind of the placement graph's records, compared by identity (``kind is NodeKind.REGION``).
+    Comparing one with a string is a ``TypeError``: code written against text kinds fails where
+    it compares, not by finding no record of the kind it names."""
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, str):
-            raise TypeError(f"a placement graph node's kind is a NodeKind: compare it with NodeKind members, not {other!r}")
+            name = type(self).__name__
+            raise TypeError(f"a placement graph kind is a {name}: compare it with {name} members, not {other!r}")
         return self is other
 
     def __hash__(self) -> int:
@@ -119,6 +110,27 @@ class NodeKind(enum.Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+
+class NodeKind(_Kind):
+    """What a node of the placement graph is: its ``kind`` attribute (see the module docstring)."""
+
+    INPUT = "input"
+    OP = "op"
+    ANNOTATION = "annotation"
+    REGION = "region"
+    ALIAS = "alias"
+    LOCAL = "local"
+    OUTPUT = "output"
+
+
+class UseKind(_Kind):
+    """How a node reads a value: a ``Use``'s ``kind`` (see the module docstring)."""
+
+    INPUT = "input"  # an input slot of the reader's strategy
+    VALUE = "value"  # laid out like the reader (with ``index`` more dims in front)
+    OUTPUT = "output"  # leaving its graph: whole
+    CARRY = "carry"  # a scan's carry input reading the step before's carry output, as it left that step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +157,7 @@ class Use(NamedTuple):
     argument it is (the op, the scan, the backward's output) and ``position`` the index of that
     argument among the leaves of ``(reader.args, reader.kwargs)``."""
 
-    kind: str  # "input", "value", "output" or "carry"
+    kind: UseKind
     index: int  # the input slot ("input"), or a dim shift ("value")
     multiplier: int
     reader: Any = None
@@ -242,16 +254,16 @@ class Plan(Protocol):
 
 def read_as(use: Use, produced: Placements | None) -> Placements | None:
     """The layout ``use`` reads a value placed as ``produced`` in: a carry as it left its step (whole)."""
-    return materialized(produced) if use.kind == "carry" else produced
+    return materialized(produced) if use.kind is UseKind.CARRY else produced
 
 
 def required_placement(plan: Plan, key: str, use: Use, produced: Placements | None) -> Placements | None:
     """The placement ``use`` (a read by node ``key``) needs, under ``plan``, of a value placed as
     ``produced``: the input slot's of ``key``'s strategy, the value whole as it leaves its graph,
     or ``key``'s own placement (with ``use.index`` more dims in front)."""
-    if use.kind == "input":
+    if use.kind is UseKind.INPUT:
         return plan.strategies[key].inputs[use.index]
-    if use.kind == "output":
+    if use.kind is UseKind.OUTPUT:
         return materialized(produced)
     return shift_placements(plan.placements[key], use.index)
 
@@ -337,11 +349,11 @@ class _Builder:
             self.graph.add_edge(source, key, bytes=self.graph.nodes[source]["bytes"], uses=[use], tie=False)
 
     def drop_output_use(self, source: str, output: str, position: int) -> None:
-        """``output`` no longer reads ``source`` at leaf ``position`` as an ``"output"`` use."""
+        """``output`` no longer reads ``source`` at leaf ``position`` as an ``OUTPUT`` use."""
         if not self.graph.has_edge(source, output):
             return
         uses = self.graph.edges[source, output]["uses"]
-        uses[:] = [u for u in uses if not (u.kind == "output" and u.position == position)]
+        uses[:] = [u for u in uses if not (u.kind is UseKind.OUTPUT and u.position == position)]
         if not uses:
             self.graph.remove_edge(source, output)
 
@@ -436,7 +448,7 @@ class _Builder:
         key = self._add(node, scope, module, multiplier, kind=NodeKind.OUTPUT, op="output")
         for position, value in enumerate(pytree.tree_leaves((node.args, node.kwargs))[:whole]):
             if self._is_tensor(value) and self.key.get(value) is not None:
-                self._use(value, key, Use("output", 0, multiplier, node, position))
+                self._use(value, key, Use(UseKind.OUTPUT, 0, multiplier, node, position))
 
     def _bind(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int, binding: Any) -> None:
         kind, value = binding
@@ -448,7 +460,7 @@ class _Builder:
             key = self.free_input(node, scope, module, multiplier)
             # Once, before the loop: the init to the carry's layout, the stacked xs to their
             # slices' (with a leading dim), an additional input to the body's.
-            self._use(outer, key, Use("value", shift, outer_multiplier, reader, position))
+            self._use(outer, key, Use(UseKind.VALUE, shift, outer_multiplier, reader, position))
         else:
             raise AssertionError(kind)
 
@@ -492,7 +504,7 @@ class _Builder:
         slot = 0
         for position, value in enumerate(pytree.tree_leaves((node.args, node.kwargs))):
             if self._is_tensor(value):
-                self._use(value, key, Use("input", slot, multiplier, node, position))
+                self._use(value, key, Use(UseKind.INPUT, slot, multiplier, node, position))
                 slot += 1
 
     # ------------------------------------------------------------------ HOPs
@@ -597,7 +609,7 @@ class _Builder:
             carry_in, carry_out = self.key.get(p), self.key.get(out)
             if carry_in is None or carry_out is None or carry_in == carry_out or self.resolve(carry_out)[0] == carry_in:
                 continue
-            self._use(carry_out, carry_in, Use("carry", 0, multiplier * max(length - 1, 0)))
+            self._use(carry_out, carry_in, Use(UseKind.CARRY, 0, multiplier * max(length - 1, 0)))
             self.graph.edges[carry_out, carry_in]["loop"] = True
         # A stacked input is never split along the scanned dim: every step reads one slice of it
         # on every device.
@@ -846,7 +858,7 @@ def _build(program: list, mesh: Mesh, example_inputs: Any, rules: _dtensor.Strat
             if key is None or not builder._is_tensor(grad):
                 continue
             builder.graph.nodes[key]["role"] = "parameter"
-            builder._use(grad, key, Use("value", 0, 1, output, position))
+            builder._use(grad, key, Use(UseKind.VALUE, 0, 1, output, position))
             builder.graph.edges[builder.key[grad], key]["gradient"] = True
             # That is how the gradient leaves the backward: one redistribution, to its
             # parameter's (whole) layout, in place of reducing it first and moving it after.

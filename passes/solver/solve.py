@@ -19,6 +19,7 @@ from passes.solver.cost import CostModel
 from passes.solver.graph import (
     NodeKind,
     Strategy,
+    UseKind,
     arrives_whole,
     is_view,
     materialized,
@@ -200,7 +201,7 @@ class _ProblemBuilder:
         slots: dict[int, str] = {}
         for u, _, data in self.graph.in_edges(key, data=True):
             for use in data["uses"]:
-                if use.kind == "input":
+                if use.kind is UseKind.INPUT:
                     slots[use.index] = u
         return [slots[i] for i in sorted(slots)]
 
@@ -250,7 +251,7 @@ class _ProblemBuilder:
         alternative: a factor allowing equal options only."""
         factors, seen = [], set()
         for u, v, data in self.graph.edges(data=True):
-            if self.graph.nodes[v]["kind"] is not NodeKind.REGION or not any(use.kind == "input" for use in data["uses"]):
+            if self.graph.nodes[v]["kind"] is not NodeKind.REGION or not any(use.kind is UseKind.INPUT for use in data["uses"]):
                 continue
             owner, index, _ = self.resolve(u)
             source = self.graph.nodes[owner]
@@ -372,14 +373,14 @@ class _ProblemBuilder:
             rows, row_values = _classes(produced)
             itemsize = _itemsize(source["dtype"])
             for use in data["uses"]:
-                if use.kind == "output":
+                if use.kind is UseKind.OUTPUT:
                     # Reducing a pending sum before the value leaves its graph: a cost of u's choice.
                     seconds = np.array(
                         [self.redistribute(source["shape"], itemsize, p, materialized(p)) for p in row_values]
                     ) * use.multiplier
                     choices[self.index[owner_u]].cost += seconds[rows]
                     continue
-                if use.kind == "input":
+                if use.kind is UseKind.INPUT:
                     owner_v, strategies_v = v, self.graph.nodes[v]["strategies"]
                     required = [s.inputs[use.index] for s in strategies_v]
                 else:
@@ -388,7 +389,7 @@ class _ProblemBuilder:
                     required = [self.project(v, s.outputs[index_v], shift_v + use.index) for s in strategies_v]
                 cols, col_values = _classes(required)
                 shape = use.shape or source["shape"]
-                if use.kind == "carry":  # read as it left its step: fresh layouts, not the cached lists
+                if use.kind is UseKind.CARRY:  # read as it left its step: fresh layouts, not the cached lists
                     terms = self.cost_model.redistribute_terms_table([read_as(use, p) for p in row_values], col_values, self.mesh)
                     table = (terms[0] + terms[1] * float(math.prod(shape) * itemsize)) * use.multiplier
                 else:
@@ -531,9 +532,9 @@ def node_costs(solution: PlacementSolution) -> dict[str, tuple[float, float]]:
             required = required_placement(solution, v, use, solution.placements[u])
             produced = read_as(use, solution.placements[u])
             seconds = builder.redistribute(use.shape or source["shape"], _itemsize(source["dtype"]), produced, required)
-            if use.kind == "input":
+            if use.kind is UseKind.INPUT:
                 target = v
-            elif use.kind == "output":
+            elif use.kind is UseKind.OUTPUT:
                 target = builder.resolve(u)[0]
             else:
                 target = builder.resolve(v)[0]

@@ -19,7 +19,7 @@ from typing import Any
 import networkx as nx
 
 from passes._infra import PassError
-from passes.solver.graph import NodeKind, Strategy, Use
+from passes.solver.graph import NodeKind, Strategy, Use, UseKind
 
 __all__ = ["unrolled_graph", "scan_plan_on_unrolled"]
 
@@ -64,7 +64,7 @@ def unrolled_graph(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str]]:
             for previous, step in zip(order, order[1:]):
                 out.add_edge(
                     f"{carry_out}@{previous}", f"{carry_in}@{step}", bytes=graph.nodes[carry_out]["bytes"],
-                    tie=False, loop=True, uses=[Use("carry", 0, scan["multiplier"])],
+                    tie=False, loop=True, uses=[Use(UseKind.CARRY, 0, scan["multiplier"])],
                 )
         # The scan's results: the last step's carries; the ys stacked from every step's.
         last = order[-1]
@@ -77,7 +77,7 @@ def unrolled_graph(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str]]:
                 for step in order[:-1]:
                     out.add_edge(
                         f"{y}@{step}", key, bytes=0, tie=False,
-                        uses=[Use("value", -1, scan["multiplier"], None, -1, graph.nodes[y]["shape"])],
+                        uses=[Use(UseKind.VALUE, -1, scan["multiplier"], None, -1, graph.nodes[y]["shape"])],
                     )
         for key in body:
             out.remove_node(key)
