@@ -24,7 +24,6 @@ from hops.specs import (
 
 _compat.register_fx_global("hops", "import hops", _sys.modules[__name__])
 
-from hops import _inductor  # noqa: E402
 from hops._call import DeviceMismatchError  # noqa: E402
 from hops.assume_pure import assume_pure  # noqa: E402
 from hops.einsum import (  # noqa: E402
@@ -40,9 +39,6 @@ from hops.local_map import local_map, local_map_hop  # noqa: E402
 from hops.named_scope import ScopeSpec, named_scope, named_scope_hop  # noqa: E402
 from hops.scan import ScanSpec, scan, scan_hop  # noqa: E402
 from hops.sharding_annotation import annotate_sharding, sharding_annotation_hop  # noqa: E402
-
-# Inductor (the default torch.compile backend) lowers the HOP nodes it receives itself.
-_compat.install_inductor_pass(_inductor.LowerHops)
 
 # torch.export.save / load write each spec argument as its text and read it back typed.
 _compat.register_export_spec_serialization(

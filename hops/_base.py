@@ -51,7 +51,7 @@ from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
-from hops import _compat
+from hops import _compat, _inductor
 from hops._autograd import AutogradPlan, HopFunction, needs_traced_autograd
 from hops._body import at_boundary, distinct_tensors
 from hops._body_record import is_known_functional, known_functional, plan_body, set_trace_key
@@ -349,6 +349,7 @@ class BodyHOP(HigherOrderOperator):
         spec = self.resolve_spec(spec, operands, step)
         body_arg = graphs[0] if count == 1 else tuple(graphs)
         node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (body_arg, *operands, spec))
+        _inductor.ensure_lowering_pass()
         out_proxy = mode.tracer.create_proxy("call_function", self, node_args, {})
         return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
 

@@ -495,6 +495,38 @@ def inductor_tracing(fake_mode: Any) -> Iterator[None]:
         yield
 
 
+def undonated_subgraph_inputs() -> None:
+    """Keep inductor from overwriting the inputs of a subgraph it lowers (a ``while_loop``'s
+    body and condition, a scan's lowering) as donated buffers.
+
+    AOTAutograd marks the backward's saved activations that nothing else holds as donated:
+    inductor may reuse their storage for the backward's outputs. The list is by the
+    backward's placeholder positions, and before torch 2.15 (pytorch/pytorch#193960) each
+    subgraph lowering (``torch._inductor.graph.SubgraphLowering``, private, the same class
+    from 2.9) read the same list against its own placeholders: a loop-body input at a listed
+    position, say a parameter a scan's step reads at every step, was reused for a result in
+    the first iteration, so later steps read that result (wrong gradients, the parameter
+    itself overwritten). ``SubgraphLowering.__init__`` is wrapped, once, to clear the
+    subgraph's list, as 2.15's does; the top-level backward keeps its donations."""
+    if TORCH_VERSION >= (2, 15):
+        return
+    import functools
+
+    from torch._inductor.graph import SubgraphLowering
+
+    init = SubgraphLowering.__init__
+    if getattr(init, "hops_undonated", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.bw_donated_idxs = None
+
+    __init__.hops_undonated = True  # type: ignore[attr-defined]
+    SubgraphLowering.__init__ = __init__
+
+
 def inductor_graph_pass(function: Any) -> type:
     """A ``CustomGraphPass`` class running ``function(graph)`` and then the pass it was
     installed over (a user's), with a ``uuid`` from this package's sources and that pass's
@@ -527,8 +559,14 @@ def inductor_graph_pass(function: Any) -> type:
 
 
 def install_inductor_pass(pass_type: type) -> None:
-    """Make inductor run ``pass_type()`` on every graph it compiles, before whatever
-    post-grad custom pass was set (kept and run after it)."""
+    """Make inductor run ``pass_type()`` on the graphs it compiles, before whatever post-grad
+    custom pass is set now (kept, and run after it).
+
+    Torch 2.9 .. 2.15 offer inductor no registration point for an out-of-tree HOP (its
+    ``lowerings`` take IR, and a scan must become a ``while_loop`` FX node first), so the
+    package never sets this at import: it is called when a HOP node is recorded (a Dynamo
+    trace or a ``make_fx`` trace of a program holding one), wrapping the user's pass set
+    before or after ``import hops``; a pass the user sets later is wrapped at the next trace."""
     from torch._inductor import config
 
     current = config.post_grad_custom_pre_pass

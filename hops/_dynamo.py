@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hops import _compat
+from hops import _compat, _inductor
 from hops._errors import hop_prefix
 
 
@@ -144,6 +144,7 @@ def register_plain_hop(hop: Any) -> None:
         examples = [v.node.meta["example_value"] if isinstance(v, torch.fx.Proxy) else v for v in node_args]
         with tx.fake_mode, torch.no_grad():
             hop(*examples)
+        _inductor.ensure_lowering_pass()
         proxy = tx.output.create_proxy("call_function", hop, node_args, {})
         return wrap_fx_proxy(tx=tx, proxy=proxy)
 
@@ -272,6 +273,7 @@ def register_subgraph_hop(hop: Any) -> None:
             *specs,
         )
         treespec = treespecs[active]
+        _inductor.ensure_lowering_pass()
         proxy = tx.output.create_proxy("call_function", hop, node_args, {})
         # No example value given: Dynamo runs the node under its FakeTensorMode, i.e. the
         # HOP's own fake rule decides the output shapes. The flat results come back in the

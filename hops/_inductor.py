@@ -4,8 +4,8 @@ No HOP is ever written into a decomposition table: tracers that borrow inductor'
 (autoparallel's joint tracer, ``aot_export_joint_with_descriptors(decompositions=...)``)
 keep every HOP node, as ``make_fx``, AOTAutograd and ``torch.export`` do. Inductor itself
 receives the nodes in its forward and backward graphs, and a graph pass it runs before
-lowering (``LowerHops``, installed as inductor's post-grad custom pass, see
-``_compat.install_inductor_pass``) replaces each by what it computes, traced with
+lowering (``LowerHops``, installed as inductor's post-grad custom pass when a HOP node is
+first recorded, see ``ensure_lowering_pass``) replaces each by what it computes, traced with
 inductor's own decompositions. Each HOP module registers its rule here
 (``register_inductor_rule``): a function that computes the HOP on the node's arguments
 (bodies as GraphModules) in traceable torch code:
@@ -184,6 +184,8 @@ def lower_hops(graph: fx.Graph) -> bool:
     for node in nodes:
         _replace_node(node)
     if nodes:
+        # A scan's rule leaves a while_loop, whose body inductor lowers as a subgraph.
+        _compat.undonated_subgraph_inputs()
         graph.eliminate_dead_code()
         graph.lint()
         owner = graph.owning_module
@@ -197,3 +199,10 @@ def lower_hops(graph: fx.Graph) -> bool:
 
 
 LowerHops = _compat.inductor_graph_pass(lower_hops)
+
+
+def ensure_lowering_pass() -> None:
+    """Make inductor lower the HOP nodes of the graphs it compiles (``LowerHops``, chained
+    with the user's post-grad pass: see ``_compat.install_inductor_pass``). Called where a
+    HOP node is recorded, not at import: importing ``hops`` writes no torch setting."""
+    _compat.install_inductor_pass(LowerHops)

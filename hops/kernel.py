@@ -512,6 +512,7 @@ def _proxy(kernel_hop: Kernel, mode: ProxyTorchDispatchMode, *tensors_and_params
     with disable_proxy_modes_tracing():
         outputs = kernel_hop(*tensors_and_params)
     node_args = pytree.tree_map(mode.tracer.unwrap_proxy, tuple(tensors_and_params))
+    _inductor.ensure_lowering_pass()
     out_proxy = mode.tracer.create_proxy("call_function", kernel_hop, node_args, {})
     return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
 

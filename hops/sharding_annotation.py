@@ -144,6 +144,7 @@ def _proxy(mode: ProxyTorchDispatchMode, x: torch.Tensor, spec: ShardingSpec):
     with disable_proxy_modes_tracing():
         out = sharding_annotation_hop(x, spec)
     node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (x, spec))
+    _inductor.ensure_lowering_pass()
     out_proxy = mode.tracer.create_proxy("call_function", sharding_annotation_hop, node_args, {})
     return track_tensor_tree(out, out_proxy, constant=None, tracer=mode.tracer)
 

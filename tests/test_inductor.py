@@ -267,13 +267,6 @@ def test_every_hop_of_the_package_has_an_inductor_rule():
     assert all(hop.cacheable() for hop in package_hops)
 
 
-def test_a_pass_set_before_import_still_runs():
-    # The package's pass runs before the post-grad pass a user had set (kept, run after it).
-    from torch._inductor import config
-
-    assert type(config.post_grad_custom_pre_pass).__name__ == "lower_hops"
-
-
 # --------------------------------------------------------------------------- other tracers
 
 
