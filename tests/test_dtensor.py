@@ -28,7 +28,7 @@ import hops
 import passes
 from hops import Mesh, Replicate, Shard, ShardingSpec, _compat
 from passes.solver.collectives import redistribution_collectives
-from tests.helpers.snapshot import delete_meta
+from tests.helpers.snapshot import aot_trace, delete_meta
 
 dist = pytest.importorskip("torch.distributed", reason="torch.distributed is not available in this torch build")
 if not dist.is_available() or not dist.is_gloo_available():
@@ -212,6 +212,38 @@ def test_a_named_scope_is_inlined_or_recorded(results):
     assert report["recorded_events"] == ["block"]
 
 
+# --------------------------------------------------------------------------- ops without a DTensor rule
+
+SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+SDPA_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+
+
+def test_an_op_without_a_dtensor_rule_runs_on_gathered_inputs_under_autograd(results):
+    report = scenario(results, "op_without_a_rule_under_autograd")  # its numbers equal eager on every rank
+    assert report["comms"] == {"all_gather": 1}  # the rows gathered; the gradient's rows kept locally
+    assert report["placements"] == [R, R]
+    assert report["grad_placements"] == [S0, R]
+
+
+@pytest.mark.parametrize("name", ["replicated_attention", "solved_attention"])
+def test_sdpa_attention_runs_replicated_forward_and_backward(results, name):
+    # Causal SDPA on CPU, which DTensor has no strategy for; the loss and every gradient equal
+    # single-device eager on every rank (checked there).
+    report = scenario(results, name)
+    assert set(report["run_replicated"]["forward"]) == {SDPA}
+    assert SDPA_BACKWARD in report["run_replicated"]["backward"]
+
+
+def test_the_lowering_runs_replicated_what_the_solver_priced_so(results):
+    report = scenario(results, "solved_attention")
+    lowered = Counter(report["run_replicated"]["forward"] + report["run_replicated"]["backward"])
+    assert dict(lowered) == report["unsupported_ops"]
+    # Gathered where the plan gathers: DTensor issues the collectives the solution predicts.
+    assert report["forward_comms"] == report["predicted"]["forward"]
+    assert report["backward_comms"] == report["predicted"]["backward"]
+    assert sum(report["forward_comms"].values()) > 0
+
+
 # --------------------------------------------------------------------------- examples
 
 
@@ -319,9 +351,44 @@ def test_a_region_inside_a_region_body_is_refused(fake_mesh):
         passes.lower_to_dtensor(gm, fake_mesh)
 
 
+def test_format_placements_names_the_ops_the_lowering_runs_replicated(fake_mesh):
+    from passes.dtensor.runtime import run_replicated
+    from tests.helpers.dtensor_scenarios import causal_attention
+
+    args = [torch.randn(2, 8, 16)] + [torch.randn(16, 16) / 4 for _ in range(4)]
+    forward, backward, _ = aot_trace(causal_attention, *(a.requires_grad_() for a in args))
+    solution = passes.solve_placements((forward, backward), MESH)
+    said, graph = [], None
+    for line in passes.format_placements((forward, backward), solution).splitlines():
+        if line.endswith(":") and not line.startswith(" "):
+            graph = line[:-1]
+        elif "no DTensor rule: run replicated (inputs gathered, the op on local tensors)" in line:
+            said.append(f"{graph}/{line.split(' = ')[0].strip()}")
+    passes.lower_to_dtensor(forward, fake_mesh)
+    passes.lower_to_dtensor(backward, fake_mesh)
+    wrapped = [
+        f"{graph}/{node.name}"
+        for graph, gm in (("forward", forward), ("backward", backward))
+        for node in gm.graph.nodes
+        if node.target is run_replicated
+    ]
+    assert said and sorted(said) == sorted(wrapped)
+    assert sum(solution.stats["unsupported_ops"].values()) == len(wrapped)
+
+
+def test_an_in_place_op_without_a_dtensor_rule_is_refused_naming_it(fake_mesh):
+    # Run on gathered copies, it would leave its DTensor input as it was.
+    library = torch.library.Library("hops_dtensor_test", "FRAGMENT")
+    library.define("bump_(Tensor(a!) x) -> Tensor(a!)")
+    library.impl("bump_", lambda x: x.add_(1), "CompositeExplicitAutograd")
+    library.impl("bump_", lambda x: x, "Meta")
+    gm = make_fx(lambda x: torch.ops.hops_dtensor_test.bump_(x * 2), tracing_mode="fake")(torch.randn(4, 4))
+    with pytest.raises(passes.PassError, match=r"%bump_.*no sharding strategy for the in-place op hops_dtensor_test.bump_.default"):
+        passes.lower_to_dtensor(gm, fake_mesh)
+
+
 def test_lowering_without_meta_gives_the_same_code(fake_mesh):
     from tests.helpers.hop_db import SAMPLES
-    from tests.helpers.snapshot import aot_trace
 
     for sample in SAMPLES:
         inputs = [t.requires_grad_() if t.is_floating_point() else t for t in sample.inputs(0)]

@@ -32,11 +32,14 @@ class _DTensorPass(HopRulePass):
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         self.state["local"] = rules.local_bodies(graph_module)
+        # Before the HOPs: region bodies are still their own graphs (their ops see local tensors).
+        replicated = rules.run_ops_without_rules_replicated(graph_module, self.state["local"])
         token = rules._LOWERING.set(self.state)
         try:
-            return super().call(graph_module)
+            result = super().call(graph_module)
         finally:
             rules._LOWERING.reset(token)
+        return PassResult(result.graph_module, result.modified or replicated)
 
     def ensures(self, graph_module: fx.GraphModule) -> None:
         token = rules._LOWERING.set(self.state)
@@ -67,9 +70,12 @@ def lower_to_dtensor(gm: fx.GraphModule, device_mesh: Any, *, record_scopes: boo
     ``device_mesh``: a DTensor ``DeviceMesh`` or a ``hops.Mesh`` (converted on the initialized
     process group). Every spec's mesh must have its shape, axis names and ranks; the lowered
     graph takes and returns DTensors on it (plain tensors inside ``local_map`` bodies).
+    An ATen op DTensor has no sharding strategy for (``stats["unsupported_ops"]`` of a
+    solution, e.g. SDPA on CPU forward and backward) runs as the solver prices it: its inputs
+    gathered to ``Replicate``, the op on local tensors, its outputs replicated DTensors.
     ``record_scopes``: run named scopes under ``torch.profiler.record_function`` instead of
     inlining them. Raises ``PassError`` naming the node for a mesh mismatch, a kernel outside
-    a region, or a region inside a region.
+    a region, a region inside a region, or an in-place op DTensor has no strategy for.
     """
     device_mesh = _device_mesh(device_mesh)
     mesh = Mesh.from_device_mesh(device_mesh)

@@ -19,6 +19,12 @@ computes on this rank's plain local tensors. One rule per HOP:
   ``torch.library`` op; outside one it is refused (a kernel's implementation sees whole
   plain tensors, not shards); einsum becomes ``aten.einsum`` anywhere (DTensor has rules).
 
+An ATen op outside region bodies for which DTensor's sharding propagator has no strategy
+(``passes.solver._dtensor.rule_of``: what the solver prices as run replicated and lists in
+``stats["unsupported_ops"]``, e.g. CPU flash attention and its backward) becomes
+``run_replicated``: inputs gathered to ``Replicate``, the op on local tensors, outputs
+replicated DTensors. An in-place op without a strategy is refused (it would update a copy).
+
 Every spec's mesh must be the lowering's DeviceMesh (shape, axis names, ranks): else a
 ``PassError`` naming the node.
 """
@@ -53,9 +59,11 @@ from passes.dtensor.runtime import (
     exit_region,
     register_device_mesh,
     run_in_profiler_scope,
+    run_replicated,
     run_scan_on_dtensors,
 )
 from passes.inline import call_kernel_op, einsum_linear_to_aten, einsum_to_aten, region_operands
+from passes.solver._dtensor import rule_of
 
 TARGET = "dtensor"
 
@@ -73,6 +81,43 @@ def local_bodies(gm: fx.GraphModule) -> set[int]:
             if node.op == "call_function" and node.target is local_map_hop:
                 local.update(id(m) for body in body_modules(node) for m in graph_modules(body))
     return local
+
+
+def _runs_replicated(op: torch._ops.OpOverload) -> bool:
+    """Whether ``op`` is one DTensor has no strategy for that computes tensors from tensors
+    (an op returning no tensor, such as ``_local_scalar_dense``, DTensor answers itself)."""
+    schema = op._schema
+    takes_tensor = any("Tensor" in str(a.type) for a in schema.arguments)
+    returns_tensor = any("Tensor" in str(r.type) for r in schema.returns)
+    return takes_tensor and returns_tensor and rule_of(op) is None
+
+
+def run_ops_without_rules_replicated(gm: fx.GraphModule, local: set[int]) -> bool:
+    """Rewrite every ATen op DTensor has no strategy for, in the graphs of ``gm`` that compute
+    on DTensors (not in ``local``), into ``run_replicated(op, ...)``; whether any was."""
+    changed = False
+    for module in graph_modules(gm):
+        if id(module) in local:
+            continue
+        found = False
+        for node in list(module.graph.nodes):
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            if not _runs_replicated(node.target):
+                continue
+            if node.target._schema.is_mutable:
+                raise PassError(
+                    f"lower_to_dtensor: {node.format_node()}: DTensor has no sharding strategy for the in-place "
+                    f"op {node.target}; run on gathered copies it would not update its DTensor inputs"
+                )
+            node.args = (node.target, *node.args)
+            node.target = run_replicated  # in place: the node keeps its name, kwargs and users
+            found = True
+        if found:
+            module.graph.lint()
+            module.recompile()
+            changed = True
+    return changed
 
 
 def in_region_body(node: fx.Node) -> bool:

@@ -12,7 +12,11 @@ graph comes back the same) and takes the node's typed spec as its last argument:
   the region's convention, ``LocalMapSpec.cotangent_placement``);
 - ``run_scan_on_dtensors(body, *inputs, spec)``: the scan as a Python loop over steps;
 - ``run_in_profiler_scope(body, *inputs, spec)``: a named scope's body under
-  ``torch.profiler.record_function(spec.name)``.
+  ``torch.profiler.record_function(spec.name)``;
+- ``run_replicated(op, *args, **kwargs)``: an ATen op DTensor has no sharding strategy for (the
+  solver prices it so): its DTensor inputs gathered to ``Replicate`` (``redistribute``, which
+  autograd differentiates), the op run on their local tensors, its tensor outputs replicated
+  DTensors again.
 
 DTensor's public ``redistribute`` refuses a ``Partial`` target; ``redistribute_to`` reaches it
 through ``Replicate`` and this package's reference split (``hops._layout``): the first rank
@@ -26,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from hops.lowering import run_scan_steps
 from hops.named_scope import ScopeSpec
@@ -39,6 +44,7 @@ __all__ = [
     "exit_region",
     "run_scan_on_dtensors",
     "run_in_profiler_scope",
+    "run_replicated",
     "redistribute_to",
     "register_device_mesh",
     "device_mesh_for",
@@ -222,3 +228,31 @@ def run_in_profiler_scope(body: Callable, *inputs_and_spec: Any) -> Any:
     runner_spec("run_in_profiler_scope", spec, ScopeSpec)
     with torch.profiler.record_function(spec.name):
         return without_module_hooks(body)(*inputs)
+
+
+@leaf_call
+def run_replicated(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``op(*args, **kwargs)`` for an op DTensor cannot place: every DTensor argument
+    redistributed to ``Replicate`` on every mesh axis (a pending sum reduced, shards gathered),
+    ``op`` run on the local tensors (each rank computes the whole result), each tensor output
+    a replicated DTensor. Without DTensor arguments (made by factory ops) ``op`` runs as is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    dtensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
+    if not dtensors:
+        return op(*args, **kwargs)
+    device_mesh = dtensors[0].device_mesh
+    whole = [Replicate()] * device_mesh.ndim
+
+    def local(value: Any) -> Any:
+        if not isinstance(value, DTensor):
+            return value
+        if value.device_mesh != device_mesh:
+            raise ValueError(f"run_replicated({op}): its DTensor arguments are on different meshes")
+        return value.redistribute(device_mesh, whole).to_local()
+
+    def wrap(value: Any) -> Any:
+        return DTensor.from_local(value, device_mesh, whole, run_check=False) if isinstance(value, torch.Tensor) else value
+
+    args, kwargs = pytree.tree_map(local, (args, kwargs))
+    return pytree.tree_map(wrap, op(*args, **kwargs))

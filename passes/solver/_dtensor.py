@@ -103,6 +103,27 @@ def from_dtensor(placements: Sequence[Any], ndim: int) -> Placements | None:
     return tuple(out)
 
 
+def rule_of(op: Any) -> Any:
+    """The op whose DTensor rule places ``op``: ``op`` itself, or for a functional op without
+    one its in-place variant's (functionalization turns DTensor's ``fill_`` into the ``fill``
+    it has no rule for; both lay out their result alike). ``None``: DTensor's sharding
+    propagator has no strategy for it, so the solver prices it replicated and
+    ``passes.lower_to_dtensor`` runs it so (inputs gathered, the op on local tensors)."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    single_dim = getattr(propagator, "op_single_dim_strategy_funcs", {})
+    if op in single_dim or op in propagator.op_strategy_funcs:
+        return op
+    packet = getattr(torch.ops.aten, f"{op.overloadpacket.__name__}_", None) if op.namespace == "aten" else None
+    inplace = getattr(packet, op._overloadname, None) if packet is not None else None
+    if inplace is not None and (inplace in single_dim or inplace in propagator.op_strategy_funcs):
+        return inplace
+    return None
+
+
 class StrategyRules:
     """Enumerate an ATen op's strategies with DTensor's rule for it, on one device mesh."""
 
@@ -115,16 +136,7 @@ class StrategyRules:
         self._single_dim = getattr(self.propagator, "op_single_dim_strategy_funcs", {})
 
     def rule_of(self, op: Any) -> Any:
-        """The op whose DTensor rule places ``op``: ``op`` itself, or for a functional op
-        without one its in-place variant's (functionalization turns DTensor's ``fill_`` into the
-        ``fill`` it has no rule for; both lay out their result alike). ``None``: no rule."""
-        if op in self._single_dim or op in self.propagator.op_strategy_funcs:
-            return op
-        packet = getattr(torch.ops.aten, f"{op.overloadpacket.__name__}_", None) if op.namespace == "aten" else None
-        inplace = getattr(packet, op._overloadname, None) if packet is not None else None
-        if inplace is not None and (inplace in self._single_dim or inplace in self.propagator.op_strategy_funcs):
-            return inplace
-        return None
+        return rule_of(op)
 
     def has_rule(self, op: Any) -> bool:
         return self.rule_of(op) is not None

@@ -15,6 +15,7 @@ from hops.scan import scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import LocalMapSpec, ShardingSpec
 from passes._infra import hop_row, hop_table, is_package_hop, ordinary_op
+from passes.solver._dtensor import rule_of
 from passes.solver.graph import NodeKind, as_program, format_placement
 from passes.solver.solve import PlacementSolution, node_costs
 
@@ -138,13 +139,22 @@ class _Printer:
                 count = len(data["strategies"])
                 parts.append(f"alternative {data['strategies'].index(strategy)} of {count}")
             if data["fallback"]:
-                parts.append("no DTensor rule: replicated")
+                parts.append(_fallback(data["fx_node"].target))
             compute, communication = self.costs[key]
             if compute or communication:
                 parts.append(f"cost=[compute {_microseconds(compute)}, redistribute {_microseconds(communication)}]")
         elif key in self.solution.placements:
             parts.append(f"placement={format_placement(self.solution.placements[key])}")
         return ("  # " + ", ".join(parts)) if parts else ""
+
+
+def _fallback(target: Any) -> str:
+    """How a value the solver places replicated for want of a DTensor rule is computed."""
+    if isinstance(target, torch._ops.OpOverload):
+        if rule_of(target) is None:  # what passes.lower_to_dtensor runs with run_replicated
+            return "no DTensor rule: run replicated (inputs gathered, the op on local tensors)"
+        return "DTensor's rule places none of these inputs' layouts: replicated"
+    return "no DTensor rule: replicated"
 
 
 def _is_body(value: Any) -> bool:

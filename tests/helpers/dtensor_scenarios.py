@@ -32,6 +32,7 @@ import hops  # noqa: E402
 import passes  # noqa: E402
 from hops import Mesh, Partial, Replicate, Shard, ShardingSpec, _compat  # noqa: E402
 from passes.dtensor import collective_counts  # noqa: E402
+from passes.dtensor.runtime import run_replicated  # noqa: E402
 from tests.helpers.snapshot import aot_trace  # noqa: E402
 
 MESH = Mesh.of(data=2, model=2)
@@ -291,6 +292,42 @@ def named_scope_inlined_and_recorded(device_mesh, report):
     report["recorded_events"] = sorted({e.name for e in profile.events() if e.name == "block"})
 
 
+# --------------------------------------------------------------------------- ops without a DTensor rule
+
+
+@torch.library.custom_op("hops_dtensor_scenarios::cube", mutates_args=())
+def cube(x: torch.Tensor) -> torch.Tensor:
+    """An op DTensor has no sharding strategy for (any op of a library but DTensor's)."""
+    return x * x * x
+
+
+cube.register_fake(lambda x: torch.empty_like(x))
+cube.register_autograd(
+    lambda ctx, grad: grad * 3 * ctx.x * ctx.x, setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0])
+)
+
+
+@scenario
+def op_without_a_rule_under_autograd(device_mesh, report):
+    # A forward graph run under autograd: the op's inputs gathered, its gradient sent back
+    # through the gather (Replicate -> Shard(0): each rank keeps its rows, no collective).
+    def fn(x):
+        return cube(x * 2) + 1
+
+    x = torch.randn(4, 4)
+    gm = passes.lower_to_dtensor(make_fx(fn, tracing_mode="fake")(x), device_mesh)
+    distributed = on_mesh(device_mesh, x, ROWS).requires_grad_()
+    with CommDebugMode() as comms:
+        out = gm(distributed)
+        out.sum().backward()
+    expected, (grad,) = eager_grads(fn, x)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    torch.testing.assert_close(distributed.grad.full_tensor(), grad)
+    report["comms"] = collective_counts(comms)
+    report["placements"] = names(out.placements)
+    report["grad_placements"] = names(distributed.grad.placements)
+
+
 # --------------------------------------------------------------------------- plans: examples, the solver
 #
 # What a rank runs of an example is a plan (``run_on_dtensor``): graphs traced (and solved)
@@ -328,6 +365,40 @@ def plan_solved_mlp() -> dict:
     )
 
 
+def causal_attention(x, wq, wk, wv, wo):
+    """One attention layer as torchtitan writes it: SDPA (on CPU, flash attention for CPU, for
+    which DTensor has no sharding strategy, forward or backward), causal, two heads."""
+    batch, seq, dim = x.shape
+
+    def heads(t):
+        return t.view(batch, seq, 2, dim // 2).transpose(1, 2)
+
+    out = torch.nn.functional.scaled_dot_product_attention(heads(x @ wq), heads(x @ wk), heads(x @ wv), is_causal=True)
+    return (out.transpose(1, 2).reshape(batch, seq, dim) @ wo).square().mean()
+
+
+def plan_attention(solved: bool) -> dict:
+    """``causal_attention``'s graphs, placed by the solver (for slow compute and free links, so
+    it shards around the attention op it prices replicated) or with every input replicated."""
+    torch.manual_seed(0)
+    args = [torch.randn(2, 8, 16)] + [torch.randn(16, 16) / 4 for _ in range(4)]
+    forward, backward, _ = aot_trace(causal_attention, *(a.clone().requires_grad_() for a in args))
+    reference, grads = run_on_dtensor._reference(causal_attention, args, range(len(args)))
+    plan = dict(mesh=MESH, forward=forward, backward=backward, inputs=args, placements=[WHOLE] * len(args),
+                loss=reference, grads=grads, tolerance=dict(rtol=1e-4, atol=1e-5))
+    if solved:
+        cost_model = passes.CostModel(peak_flops=1e9, memory_bandwidth=1e12, link_bandwidth=1e12, link_latency=0.0)
+        solution = passes.solve_placements((forward, backward), MESH, cost_model=cost_model)
+        passes.apply_placements((forward, backward), solution, pending_sums=True)
+        placeholders = [node.name for node in forward.graph.find_nodes(op="placeholder")]
+        plan.update(
+            placements=[solution.placements[f"forward/{name}"] for name in placeholders],
+            predicted={graph: solution.collectives(graph, device_type="cpu") for graph in ("forward", "backward")},
+            unsupported_ops=solution.stats["unsupported_ops"],
+        )
+    return plan
+
+
 def plan_auto_shard() -> dict:
     import auto_shard
 
@@ -340,6 +411,8 @@ PLANS = {
     "local_map_attention": run_on_dtensor.plan_local_map_attention,
     "scan_layers": run_on_dtensor.plan_scan_layers,
     "solved_mlp": plan_solved_mlp,
+    "replicated_attention": lambda: plan_attention(solved=False),
+    "solved_attention": lambda: plan_attention(solved=True),
     "auto_shard": plan_auto_shard,
 }
 
@@ -399,8 +472,14 @@ def load_plan(name: str) -> dict:
 def run_example(name: str, report: dict) -> None:
     plan = load_plan(name)
     report.update(run_on_dtensor.run_plan(plan))
-    if "predicted" in plan:
-        report["predicted"] = plan["predicted"]
+    for key in ("predicted", "unsupported_ops"):
+        if key in plan:
+            report[key] = plan[key]
+    # The ops the lowering runs replicated, by graph (every other op DTensor places itself).
+    report["run_replicated"] = {
+        graph: sorted(str(n.args[0]) for n in plan[graph].graph.nodes if n.target is run_replicated)
+        for graph in ("forward", "backward")
+    }
 
 
 @scenario
@@ -421,6 +500,16 @@ def example_scan_layers(device_mesh, report):
 @scenario
 def solved_mlp(device_mesh, report):
     run_example("solved_mlp", report)
+
+
+@scenario
+def replicated_attention(device_mesh, report):
+    run_example("replicated_attention", report)
+
+
+@scenario
+def solved_attention(device_mesh, report):
+    run_example("solved_attention", report)
 
 
 @scenario
