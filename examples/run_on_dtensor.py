@@ -1,6 +1,11 @@
 """Run the examples on DTensor: real processes, gloo on CPU, forward and backward.
 
-    torchrun --nproc-per-node 4 examples/run_on_dtensor.py
+    python examples/run_on_dtensor.py [EXAMPLE ...]
+    torchrun --nproc-per-node 4 examples/run_on_dtensor.py [EXAMPLE ...]
+
+Run plainly, it starts the 4 local processes itself (gloo on 127.0.0.1, a free port);
+under ``torchrun`` (``RANK`` set) each process it starts runs one rank. ``EXAMPLE``: the
+names in ``PLANS`` to run (default: all).
 
 Each example (the sharded MLP, local_map attention, the scanned layers, and the solver's
 decoder) is traced with AOTAutograd on CPU, exactly as for XLA; ``passes.lower_to_dtensor``
@@ -165,17 +170,59 @@ def run_plan(plan: dict) -> dict:
     return {"forward_comms": collective_counts(forward_comms), "backward_comms": collective_counts(backward_comms)}
 
 
-def main() -> None:
+def run(names: list[str]) -> None:
+    """This rank's part: every plan in ``names`` made, lowered, run and checked (the
+    process group from the environment ``torchrun`` or ``spawn`` sets)."""
     dist.init_process_group("gloo")
     device_mesh = MESH.to_device_mesh()
     _DEVICE_MESHES[MESH] = device_mesh
-    for name, make_plan in PLANS.items():
-        plan = make_plan()
+    for name in names:
+        plan = PLANS[name]()
         counts = run_plan(plan)
         if dist.get_rank() == 0:
             predicted = f" (the solver predicted {plan['predicted']})" if "predicted" in plan else ""
-            print(f"{name}: loss and gradients match single-device eager; collectives {counts}{predicted}")
+            print(f"{name}: loss and gradients match single-device eager; collectives {counts}{predicted}", flush=True)
     dist.destroy_process_group()
+
+
+WORLD_SIZE = MESH.size
+
+
+def _rank(rank: int, port: int, names: list[str]) -> None:
+    """One of the processes ``spawn`` starts: rank ``rank`` of ``WORLD_SIZE`` on this host."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE)
+    )
+    run(names)
+
+
+def spawn(names: list[str]) -> None:
+    """Start the ``WORLD_SIZE`` local processes (what ``torchrun`` would) and wait for them."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # The ranks are CPU programs: no out-of-tree device backend (torch_xla) loaded by `import torch`.
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    mp.start_processes(_rank, args=(port, names), nprocs=WORLD_SIZE, start_method="spawn")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Run the examples on DTensor (4 gloo processes on CPU).")
+    parser.add_argument("examples", nargs="*", metavar="EXAMPLE", help=f"any of {', '.join(PLANS)} (default: all)")
+    names = parser.parse_args(argv).examples or list(PLANS)
+    unknown = [name for name in names if name not in PLANS]
+    if unknown:
+        parser.error(f"unknown EXAMPLE {', '.join(map(repr, unknown))}; choose from {', '.join(PLANS)}")
+    if "RANK" in os.environ:  # started by torchrun (or another launcher): this process is one rank
+        run(names)
+    else:
+        spawn(names)
 
 
 if __name__ == "__main__":

@@ -73,3 +73,20 @@ def test_compile_train_example():
     stdout = run_example("compile_train.py")
     assert stdout.count("step ") == 5
     assert "compiled training on 4 XLA devices matches eager PyTorch on CPU" in stdout
+
+
+def test_run_on_dtensor_starts_its_own_processes_without_torchrun():
+    # As a newcomer runs it: `python examples/run_on_dtensor.py`, no torchrun (no RANK), one
+    # small example; it starts the 4 gloo processes itself, and rank 0 reports the check.
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PJRT_DEVICE", "CPU_NUM_DEVICES")
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("XLA_")}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "run_on_dtensor.py"), "sharded_mlp"],
+        capture_output=True, text=True, env=dict(env, OMP_NUM_THREADS="1"), timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("sharded_mlp: loss and gradients match single-device eager") == 1, result.stdout
