@@ -25,6 +25,7 @@ from passes.solver import (
     solve_problem,
 )
 from passes.solver import problem as problem_module
+from passes.solver.deadline import start_workers, wait_for_workers
 
 
 def _instance(name):
@@ -189,6 +190,9 @@ class TestExactness:
         # several per round, each solved against the incumbent: two that each fit the memory
         # left may not fit together, and are not both taken.
         problem = random_problem(np.random.default_rng(seed), nodes=40, strategies=4, edges=120, forbid=0.0, memory=True)
+        # HiGHS runs in worker processes (cut at the deadline); started here, not in the 1 s.
+        start_workers(workers)
+        wait_for_workers(time.perf_counter() + 30)
         with neighbourhoods_only(pairs=12, workers=workers):
             try:
                 solution = solve_problem(problem, time_limit=1.0)

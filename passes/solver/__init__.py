@@ -13,7 +13,7 @@ from passes.solver.cost import PRESETS, CostModel
 from passes.solver.draw import draw_placements
 from passes.solver.format import format_placements
 from passes.solver.graph import NodeKind, Strategy, UseKind, placement_graph
-from passes.solver.ilp import InfeasiblePlacementError
+from passes.solver.ilp import InfeasiblePlacementError, NoPlanFoundError
 from passes.solver.iopddl import read_iopddl
 from passes.solver.problem import ProblemSolution, StrategyProblem, peak_usage, problem_cost, solve_problem
 from passes.solver.solve import PlacementSolution, solve_placements
@@ -31,6 +31,7 @@ __all__ = [
     "CostModel",
     "PRESETS",
     "InfeasiblePlacementError",
+    "NoPlanFoundError",
     "StrategyProblem",
     "ProblemSolution",
     "solve_problem",

@@ -34,13 +34,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["Choice", "Factor", "Problem", "SolveResult", "InfeasiblePlacementError", "solve_problem"]
+from passes.solver.deadline import CANCEL_GRACE, solve_model_by, start_workers
+
+__all__ = ["Choice", "Factor", "Problem", "SolveResult", "InfeasiblePlacementError", "NoPlanFoundError", "solve_problem"]
 
 # Costs enter the integer program in microseconds (seconds are too close to solver tolerances).
 _SCALE = 1e6
@@ -58,7 +61,11 @@ _NEIGHBOURHOOD_GAP = 1e-3
 
 
 class InfeasiblePlacementError(ValueError):
-    """No placement satisfies the fixed placements and the memory budget."""
+    """No placement satisfies the fixed placements and the memory budget (proven)."""
+
+
+class NoPlanFoundError(TimeoutError):
+    """The time limit ran out before any plan was found; the problem is not proven infeasible."""
 
 
 @dataclasses.dataclass
@@ -260,12 +267,17 @@ class _Reducer:
             )
         self.alive[choice] = alive
 
+    def _check_deadline(self, count: int) -> None:
+        if count % 256 == 255 and time.perf_counter() >= getattr(self, "deadline", math.inf):
+            raise NoPlanFoundError("the time limit ran out in the exact reductions")
+
     def eliminate(self) -> None:
         """Eliminate choices with at most two neighbours and no memory term, cheapest first."""
         queue = list(range(len(self.choices)))
         while queue:
             next_queue = []
-            for choice in queue:
+            for count, choice in enumerate(queue):
+                self._check_deadline(count)
                 if self.removed[choice]:
                     continue
                 if self.keep_memory and np.any(self.memory[choice][self.alive[choice]] != 0):
@@ -362,16 +374,20 @@ class _Reducer:
         chosen = self._expanded(options)
         return {i: chosen[i] for i in keep}
 
-    def reduce(self, eliminate: bool = True) -> None:
-        """The exact reductions (see the module docstring), in order."""
+    def reduce(self, eliminate: bool = True, deadline: float = math.inf) -> None:
+        """The exact reductions (see the module docstring), in order; ``NoPlanFoundError`` if
+        ``deadline`` comes first."""
+        self.deadline = deadline
         self.fold_single_options()
         remaining = [c for c in range(len(self.choices)) if not self.removed[c]]
-        for choice in remaining:
+        for count, choice in enumerate(remaining):
+            self._check_deadline(count)
             self.prune_options(choice)
         self.fold_single_options()
         if eliminate:
             self.eliminate()
-        for choice in remaining:
+        for count, choice in enumerate(remaining):
+            self._check_deadline(count)
             if not self.removed[choice]:
                 self.merge_parallel(choice)
                 self.prune_options(choice)
@@ -442,8 +458,14 @@ class _Milp:
         return x
 
 
-def _build_milp(reducer: _Reducer, memory_budget: float | None) -> _Milp | None:
+def _build_milp(reducer: _Reducer, memory_budget: float | None, deadline: float = math.inf) -> _Milp | None:
+    """The integer program of what ``reducer`` left (``None``: nothing left); raises
+    ``NoPlanFoundError`` if ``deadline`` comes while it is built."""
     import scipy.sparse as sparse
+
+    def check(count: int) -> None:
+        if count % 16 == 15 and time.perf_counter() >= deadline:
+            raise NoPlanFoundError("the time limit ran out while the integer program was built")
 
     remaining = [i for i in range(len(reducer.choices)) if not reducer.removed[i]]
     # Options of each remaining choice; a choice left with one option is fixed.
@@ -457,8 +479,11 @@ def _build_milp(reducer: _Reducer, memory_budget: float | None) -> _Milp | None:
     memory_columns: list[tuple[np.ndarray, np.ndarray]] = []
     memory_constant = 0.0
 
+    columns_so_far = [0]
+
     def new_columns(cost: np.ndarray, integer: bool) -> np.ndarray:
-        start = sum(len(c) for c in costs)
+        start = columns_so_far[0]
+        columns_so_far[0] += len(cost)
         costs.append(cost)
         integrality.append(np.full(len(cost), 1 if integer else 0))
         return np.arange(start, start + len(cost))
@@ -483,7 +508,8 @@ def _build_milp(reducer: _Reducer, memory_budget: float | None) -> _Milp | None:
             memory_constant += reducer.memory[choice][reducer.fixed[choice]]
     if memory_budget is not None and reducer.peak_sets is not None:
         # One row per largest live set: the live terms' usages under the options chosen.
-        for live_set in reducer.peak_sets:
+        for count, live_set in enumerate(reducer.peak_sets):
+            check(count)
             coefficients: dict[int, np.ndarray] = {}
             constant = 0.0
             for i in live_set:
@@ -500,7 +526,8 @@ def _build_milp(reducer: _Reducer, memory_budget: float | None) -> _Milp | None:
                     -np.inf,
                     memory_budget - constant,
                 )
-    for factor in reducer.factors.values():
+    for count, factor in enumerate(reducer.factors.values()):
+        check(count)
         live_a, columns_a = option_columns[factor.a]
         live_b, columns_b = option_columns[factor.b]
         rows_of_a = factor.rows[live_a]
@@ -540,58 +567,43 @@ def _build_milp(reducer: _Reducer, memory_budget: float | None) -> _Milp | None:
 
 
 def _solve_highs(
-    milp: _Milp, time_limit: float | None, start: np.ndarray | None = None, gap: float = _GAP
+    milp: _Milp, deadline: float = math.inf, start: np.ndarray | None = None, gap: float = _GAP
 ) -> tuple[str, np.ndarray | None]:
     try:
-        import highspy
+        import highspy  # noqa: F401
     except ImportError as e:  # pragma: no cover - only for comparisons
         raise ImportError("milp_solver='highspy' needs highspy (pip install highspy, or the 'bench' extra)") from e
 
-    highs = highspy.Highs()
-    highs.setOptionValue("output_flag", False)
-    highs.setOptionValue("threads", 1)
-    highs.setOptionValue("mip_rel_gap", gap)
-    highs.setOptionValue("presolve", "off" if _PRESOLVE is False else "choose")
-    if time_limit is not None:
-        highs.setOptionValue("time_limit", float(time_limit))
     csc = milp.matrix.tocsc()
-    lp = highspy.HighsLp()
-    lp.num_col_ = csc.shape[1]
-    lp.num_row_ = csc.shape[0]
-    lp.col_cost_ = milp.cost
-    lp.col_lower_ = np.zeros(csc.shape[1])
-    lp.col_upper_ = np.ones(csc.shape[1])
-    lp.row_lower_ = np.where(np.isfinite(milp.row_lower), milp.row_lower, -highspy.kHighsInf)
-    lp.row_upper_ = np.where(np.isfinite(milp.row_upper), milp.row_upper, highspy.kHighsInf)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = csc.indptr
-    lp.a_matrix_.index_ = csc.indices
-    lp.a_matrix_.value_ = csc.data
-    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in milp.integrality]
-    highs.passModel(lp)
-    if start is not None:
-        solution = highspy.HighsSolution()
-        solution.col_value = start.tolist()
-        solution.value_valid = True
-        highs.setSolution(solution)
-    highs.run()
-    status = highs.getModelStatus()
-    if status == highspy.HighsModelStatus.kOptimal:
-        return "optimal", np.array(highs.getSolution().col_value)
-    if status == highspy.HighsModelStatus.kInfeasible:
+    model = dict(
+        col_cost=milp.cost,
+        col_upper=np.ones(csc.shape[1]),
+        row_lower=milp.row_lower,
+        row_upper=milp.row_upper,
+        start=csc.indptr,
+        index=csc.indices,
+        value=csc.data,
+        integer=np.asarray(milp.integrality, dtype=bool),
+        options=dict(threads=1, mip_rel_gap=gap, presolve="off" if _PRESOLVE is False else "choose"),
+        x0=start,
+    )
+    # Ended at the deadline whatever HiGHS's own time limit does (``solve_model_by``).
+    result = solve_model_by(model, deadline)
+    if result is None:
+        return "time limit", None
+    if result["status"] == "infeasible":
         return "infeasible", None
-    if highs.getInfo().primal_solution_status == 2:  # feasible, stopped early (time limit)
-        return highs.modelStatusToString(status), np.array(highs.getSolution().col_value)
-    return highs.modelStatusToString(status), None
+    return result["status"], result["x"]  # (x: the best plan found when stopped early)
 
 
-def _solve_scipy(milp: _Milp, time_limit: float | None, gap: float = _GAP) -> tuple[str, np.ndarray | None]:
+def _solve_scipy(milp: _Milp, deadline: float = math.inf, gap: float = _GAP) -> tuple[str, np.ndarray | None]:
     from scipy.optimize import Bounds, LinearConstraint
     from scipy.optimize import milp as scipy_milp
 
     options = {"disp": False, "mip_rel_gap": gap, "presolve": _PRESOLVE}
-    if time_limit is not None:
-        options["time_limit"] = float(time_limit)
+    if math.isfinite(deadline):
+        # (Not cut at the deadline: scipy's HiGHS keeps its own time limit, not always.)
+        options["time_limit"] = max(1e-3, deadline - time.perf_counter())
     result = scipy_milp(
         milp.cost,
         integrality=milp.integrality,
@@ -606,7 +618,7 @@ def _solve_scipy(milp: _Milp, time_limit: float | None, gap: float = _GAP) -> tu
     return result.message, result.x
 
 
-def _solve_cbc(milp: _Milp, time_limit: float | None, gap: float = _GAP) -> tuple[str, np.ndarray | None]:
+def _solve_cbc(milp: _Milp, deadline: float = math.inf, gap: float = _GAP) -> tuple[str, np.ndarray | None]:
     try:
         import pulp
     except ImportError as e:  # pragma: no cover - only for comparisons
@@ -629,6 +641,7 @@ def _solve_cbc(milp: _Milp, time_limit: float | None, gap: float = _GAP) -> tupl
                 problem += expression >= lower
             if np.isfinite(upper):
                 problem += expression <= upper
+    time_limit = max(1e-3, deadline - time.perf_counter()) if math.isfinite(deadline) else None
     problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap))
     status = pulp.LpStatus[problem.status]
     if status == "Optimal":
@@ -647,19 +660,64 @@ _EXACT_PAIRS = 400_000
 _SEARCHES = ("auto", "exact", "axes")
 
 
+def _greedy_start(reducer: _Reducer, deadline: float, sweeps: int = 5) -> dict[int, int]:
+    """An option per choice left in ``reducer``: the cheapest, then each choice moved to its
+    cheapest option given its neighbours' (a few sweeps, or until ``deadline``)."""
+    remaining = [c for c in range(len(reducer.choices)) if not reducer.removed[c]]
+    live = {c: np.flatnonzero(reducer.alive[c]) for c in remaining}
+    chosen = {c: int(live[c][np.argmin(reducer.cost[c][live[c]])]) for c in remaining}
+    for _ in range(sweeps):
+        changed = False
+        for count, c in enumerate(remaining):
+            if count % 256 == 255 and time.perf_counter() >= deadline:
+                return chosen
+            total = reducer.cost[c][live[c]].copy()
+            for fid in reducer.incident[c]:
+                factor = reducer._oriented(fid, c)
+                total = total + factor.table[factor.rows[live[c]], factor.cols[chosen[factor.b]]]
+            best = int(live[c][np.argmin(total)])
+            if best != chosen[c] and total.min() < total[np.flatnonzero(live[c] == chosen[c])[0]]:
+                chosen[c] = best
+                changed = True
+        if not changed:
+            break
+    return chosen
+
+
+def _satisfies(milp: _Milp, x: np.ndarray) -> bool:
+    """Whether ``x`` meets every row and bound of ``milp`` (with a small tolerance)."""
+    if not np.isfinite(x).all() or (x < -1e-9).any() or (x > 1 + 1e-9).any():
+        return False
+    activity = milp.matrix @ x
+    tolerance = 1e-6 * np.maximum(1.0, np.abs(activity))
+    return bool(((activity >= milp.row_lower - tolerance) & (activity <= milp.row_upper + tolerance)).all())
+
+
+def _highspy_available() -> bool:
+    try:
+        import highspy  # noqa: F401
+    except ImportError:  # pragma: no cover - highspy is in the test extra
+        return False
+    return True
+
+
 def _solve_reduced(
     reducer: _Reducer,
     memory_budget: float | None,
     milp_solver: str,
-    time_limit: float | None,
+    deadline: float = math.inf,
     start: dict[int, int] | None = None,
     gap: float = _GAP,
 ) -> tuple[dict[int, int], str, int, int, int]:
     """The integer program of what ``reducer`` left: (options of its choices, status, variables,
-    constraints, choices in it). ``start``: a plan to start HiGHS from (an option per choice,
-    used with ``milp_solver="highspy"`` when the reductions kept its options); ``gap``: the
-    relative gap to the lower bound at which the solver stops."""
-    milp = _build_milp(reducer, memory_budget)
+    constraints, choices in it). ``deadline``: a ``time.perf_counter()`` value the solver is
+    cut at (with a deadline, HiGHS runs through highspy when it is installed: scipy's cannot be
+    cut); ``start``: a plan to start HiGHS from (an option per choice, used with highspy when
+    the reductions kept its options); ``gap``: the relative gap at which the solver stops.
+    Raises ``NoPlanFoundError`` when the deadline came before a plan."""
+    if math.isfinite(deadline) and milp_solver == "scipy" and _highspy_available():
+        milp_solver = "highspy"
+    milp = _build_milp(reducer, memory_budget, deadline)
     options: dict[int, int] = {}
     if milp is None:
         return options, "optimal", 0, 0, 0
@@ -670,23 +728,26 @@ def _solve_reduced(
         except IndexError:  # an option of the plan was reduced away (an equivalent one kept)
             initial = None
     if initial is not None:
-        status, x = _solve_highs(milp, time_limit, initial, gap)
+        status, x = _solve_highs(milp, deadline, initial, gap)
     else:
-        status, x = _BACKENDS[milp_solver](milp, time_limit, gap=gap)
+        status, x = _BACKENDS[milp_solver](milp, deadline, gap=gap)
+    if x is None and initial is not None and _satisfies(milp, initial):
+        # Stopped before HiGHS had a plan of its own: the start is the best plan found.
+        status, x = f"{status}; the start plan", initial
     if x is None:
         if status == "infeasible":
             budget = "" if memory_budget is None else f" and memory_budget={memory_budget:.6g} bytes per device"
             raise InfeasiblePlacementError(
                 f"no placement satisfies the fixed placements{budget}; raise the budget or drop a fixed placement"
             )
-        raise RuntimeError(f"the MILP solver stopped without a solution: {status}")
+        raise NoPlanFoundError(f"the MILP solver stopped without a plan ({status}) before the time limit")
     for choice, (live, columns) in milp.option_columns.items():
         options[choice] = int(live[int(np.argmax(x[columns]))])
     return options, status, milp.matrix.shape[1], milp.matrix.shape[0], len(milp.option_columns)
 
 
 def _axis_search(
-    problem: Problem, reducer: _Reducer, memory_budget: float | None, milp_solver: str, time_limit: float | None
+    problem: Problem, reducer: _Reducer, memory_budget: float | None, milp_solver: str, deadline: float = math.inf
 ) -> tuple[dict[int, int], dict] | None:
     """Two levels over the mesh axes of a reduced problem too large for one integer program.
 
@@ -701,11 +762,11 @@ def _axis_search(
     (the coarse level solved exactly, a neighbourhood to within ``_NEIGHBOURHOOD_GAP`` of its
     optimum), so the plan only improves, but the result is the best found in these
     neighbourhoods, not a proven optimum. ``None`` when no coarse level is feasible (the
-    caller solves exactly).
+    caller solves exactly) or none was solved by ``deadline`` (a ``time.perf_counter()``
+    value; every program is cut there, and the threads solving them end by then).
     """
     import itertools
 
-    start = time.perf_counter()
     keep = [c for c in range(len(problem.choices)) if not reducer.removed[c]]
     axes = {c: problem.choices[c].axes for c in keep if problem.choices[c].axes is not None}
     if not axes:
@@ -727,11 +788,10 @@ def _axis_search(
         """The best plan in the neighbourhood ``masks``, its cost, and what the program took
         (thread-safe: several neighbourhoods are solved at once)."""
         sub = reducer.restricted(masks)
-        sub.reduce()
-        left = None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - start))
+        sub.reduce(deadline=deadline)
         began = time.thread_time()
         gap = _GAP if incumbent is None else _NEIGHBOURHOOD_GAP
-        options, _, variables, constraints, in_ilp = _solve_reduced(sub, memory_budget, solver, left, incumbent, gap)
+        options, _, variables, constraints, in_ilp = _solve_reduced(sub, memory_budget, solver, deadline, incumbent, gap)
         chosen = sub.expand_partial(options, keep)
         return chosen, evaluate(problem, reducer.expand(chosen)), (time.thread_time() - began, variables, constraints, in_ilp)
 
@@ -757,6 +817,8 @@ def _axis_search(
             found = record(run(masks))
         except InfeasiblePlacementError:
             continue
+        except NoPlanFoundError:
+            break  # the deadline came first
         stats["coarse_costs"].append(found[1])
         if best is None or found[1] < best[1]:
             best = found
@@ -776,7 +838,7 @@ def _axis_search(
         return found[1] < best[1] - 1e-12 * abs(best[1])
 
     def time_left() -> bool:
-        return time_limit is None or time.perf_counter() - start < time_limit
+        return time.perf_counter() < deadline
 
     # Neighbourhoods of the plan so far: each choice changes any one axis; on 3 or more axes,
     # every plane of two axes (the others as in the plan). The first round solves the one-axis
@@ -807,7 +869,7 @@ def _axis_search(
         for i in range(len(tasks)):
             try:
                 results.append(record(submitted[i].result()))
-            except RuntimeError:  # the time limit ran out inside this neighbourhood: keep the plan so far
+            except NoPlanFoundError:  # the deadline came inside this neighbourhood: keep the plan so far
                 pass
         stats["refine_costs"].extend(cost for _, cost in results)
         improved = [found for found in results if better(found)]
@@ -832,19 +894,31 @@ def solve_problem(
     ``"axes"`` searches by mesh axes (see ``_axis_search``: each step exact, the result not
     proven optimal) when the choices carry per-axis ``axes`` codes on 3 or more axes;
     ``"auto"``: ``"axes"`` when the exact program would have more than ``_EXACT_PAIRS`` pair
-    variables after the exact reductions, else ``"exact"``.
+    variables after the exact reductions, else ``"exact"``. ``time_limit`` (seconds): the call
+    returns within it plus the larger of 1 s and 2% of it, with the best plan found (HiGHS
+    through highspy, cut at the deadline; scipy's HiGHS keeps only its own time limit), or
+    raises ``NoPlanFoundError`` when none was found by then.
     """
     if milp_solver not in _BACKENDS:
         raise ValueError(f"milp_solver must be one of {sorted(_BACKENDS)}, got {milp_solver!r}")
     if search not in _SEARCHES:
         raise ValueError(f"search must be one of {list(_SEARCHES)}, got {search!r}")
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0):
+        raise ValueError(f"time_limit must be a number of seconds > 0 or None, got {time_limit!r}")
     start = time.perf_counter()
+    # Every program is cut at ``deadline``; the rest of the time limit is kept for a cancelled
+    # run to stop and for expanding and costing the plan.
+    deadline = math.inf
+    if time_limit is not None:
+        reserve = min(0.2 * time_limit, CANCEL_GRACE + 0.1 + 1e-5 * (len(problem.choices) + len(problem.factors)))
+        deadline = start + float(time_limit) - reserve
+    if time_limit is not None and _highspy_available():
+        start_workers(os.cpu_count() or 1)  # (HiGHS's runs end at the deadline in worker processes)
     reducer = _Reducer(problem, keep_memory=memory_budget is not None)
     if memory_budget is not None:
         if reducer.peak_sets is not None:
-            smallest = max(
-                sum(float(np.min(problem.memory_terms[i].usage)) for i in live_set) for live_set in reducer.peak_sets
-            )
+            least = np.array([float(np.min(term.usage)) for term in problem.memory_terms])
+            smallest = max(float(least[live_set].sum()) for live_set in reducer.peak_sets)
         else:
             smallest = sum(float(np.min(m)) for m in reducer.memory if len(m))
         if smallest > memory_budget:
@@ -853,7 +927,7 @@ def solve_problem(
                 f"placement allows ({smallest:.6g} bytes at its peak: every parameter, gradient, optimizer state "
                 "and live value sharded as far as its strategies go)"
             )
-    reducer.reduce(eliminate=reduce)
+    reducer.reduce(eliminate=reduce, deadline=deadline)
     per_axis = [c.axes for c in problem.choices if c.axes is not None]
     by_axes = search != "exact" and bool(per_axis) and max(a.shape[1] for a in per_axis) >= 3
     exact_pairs = reducer.pair_count() if by_axes else None
@@ -861,14 +935,26 @@ def solve_problem(
         by_axes = exact_pairs > _EXACT_PAIRS
     build_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    searched = _axis_search(problem, reducer, memory_budget, milp_solver, time_limit) if by_axes else None
+    searched = _axis_search(problem, reducer, memory_budget, milp_solver, deadline) if by_axes else None
     if searched is not None:
         options, stats = searched
         # The size of the exact program the search stands for: what grows with the problem
         # (its neighbourhoods' programs follow the plan).
         stats.update(search="axes", exact_pair_variables=exact_pairs)
     else:
-        options, status, variables, constraints, in_ilp = _solve_reduced(reducer, memory_budget, milp_solver, time_limit)
+        # Under a time limit HiGHS may find no plan of its own in time (or the program may not
+        # be built by then): it starts from the cheapest options improved one choice at a time
+        # (memory not looked at), which is the plan if nothing better comes and it is valid.
+        greedy = _greedy_start(reducer, deadline) if math.isfinite(deadline) else None
+        try:
+            options, status, variables, constraints, in_ilp = _solve_reduced(reducer, memory_budget, milp_solver, deadline, greedy)
+        except NoPlanFoundError:
+            plan = None if greedy is None else reducer.expand(greedy)
+            if plan is None or not math.isfinite(evaluate(problem, plan)) or (
+                memory_budget is not None and memory_of(problem, plan) > memory_budget
+            ):
+                raise
+            options, status, variables, constraints, in_ilp = greedy, "time limit; the greedy plan", 0, 0, 0
         stats = dict(variables=variables, constraints=constraints, choices_in_ilp=in_ilp, status=status, search="exact")
     solve_seconds = time.perf_counter() - start
     chosen = reducer.expand(options)

@@ -52,7 +52,8 @@ from typing import Sequence
 
 import numpy as np
 
-from passes.solver.ilp import InfeasiblePlacementError
+from passes.solver.deadline import CANCEL_GRACE, solve_model_by, start_workers, wait_for_workers
+from passes.solver.ilp import InfeasiblePlacementError, NoPlanFoundError
 
 __all__ = ["StrategyProblem", "ProblemSolution", "solve_problem", "problem_cost", "peak_usage"]
 
@@ -420,6 +421,8 @@ class _Reduced:
             rounds += 1
             touched: set[int] = set()
             while self._dirty:
+                if len(self._dirty) % 512 == 0 and time.perf_counter() >= deadline:
+                    break
                 eid = self._dirty.pop()
                 if eid not in self.edges:
                     continue
@@ -791,7 +794,6 @@ class _Search:
         With ``penalty`` the memory limit is soft: each unit above it costs ``penalty``; with
         ``soft_forbidden`` a forbidden pair with a fixed neighbour costs the search's ``big``
         instead of being excluded."""
-        import highspy
         import scipy.sparse as sparse
 
         s = self.s
@@ -816,7 +818,13 @@ class _Search:
                 li, lj, m = self.edges[k]
                 value = m[s[li], s[lj]]
                 constant += float(value) if np.isfinite(value) else self.big
-        for v in free.tolist():
+        # The run's own deadline: the caller's, or its time limit from now (whichever is first).
+        if math.isfinite(time_limit):
+            deadline = min(deadline, time.perf_counter() + float(time_limit))
+        out_of_time = ("time limit", None, -math.inf)
+        for count, v in enumerate(free.tolist()):
+            if count % 1024 == 1023 and time.perf_counter() >= deadline:
+                return out_of_time
             cost = self.cost[v].copy()
             for w, _, m in self.adjacent[v]:
                 if not is_free[w]:
@@ -837,7 +845,9 @@ class _Search:
             row_upper.append(1.0)
             ncols += len(cost)
         pair_start = []
-        for k in np.flatnonzero(is_free[self.edge_i] & is_free[self.edge_j]).tolist():
+        for count, k in enumerate(np.flatnonzero(is_free[self.edge_i] & is_free[self.edge_j]).tolist()):
+            if count % 1024 == 1023 and time.perf_counter() >= deadline:
+                return out_of_time
             li, lj, m = self.edges[k]
             a_idx, b_idx = np.nonzero(np.isfinite(m))
             k = len(a_idx)
@@ -858,6 +868,8 @@ class _Search:
         # Memory: the free nodes' usage at each time step where they could exceed what is left.
         # Memory: between two ends or starts of free nodes, the free nodes live are the same, so
         # one row per such segment (at its least memory left) stands for all its time steps.
+        if time.perf_counter() >= deadline:
+            return out_of_time
         free_memory = [v for v in free.tolist() if self.memory[v]]
         slack_of = None
         if free_memory and len(self.rhs):
@@ -897,32 +909,16 @@ class _Search:
                     rows.append(np.repeat(row_of[ks], len(nz)))
                     cols.append(np.tile(x_start[v] + nz, len(ks)))
                     vals.append(np.tile(u[nz], len(ks)))
-                row_lower += [-highspy.kHighsInf] * len(binding)
+                row_lower += [-math.inf] * len(binding)
                 row_upper += room[binding].tolist()
+        if time.perf_counter() >= deadline:
+            return out_of_time
         cost = np.concatenate(col_cost)
         scale = max(1.0, float(np.abs(cost).max()) / 1e7)
         matrix = sparse.csc_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(len(row_lower), ncols))
-        highs = highspy.Highs()
-        highs.setOptionValue("output_flag", False)
-        highs.setOptionValue("threads", 1)
-        highs.setOptionValue("mip_rel_gap", _MIP_GAP)
-        # Building the model took time too: HiGHS gets what is left of it before the deadline.
-        highs.setOptionValue("time_limit", max(0.05, min(float(time_limit), deadline - time.perf_counter())))
-        lp = highspy.HighsLp()
-        lp.num_col_ = ncols
-        lp.num_row_ = len(row_lower)
-        lp.col_cost_ = cost / scale
-        lp.col_lower_ = np.zeros(ncols)
-        lp.col_upper_ = np.concatenate(col_upper)
-        lp.row_lower_ = np.array(row_lower)
-        lp.row_upper_ = np.array(row_upper)
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-        lp.a_matrix_.start_ = matrix.indptr
-        lp.a_matrix_.index_ = matrix.indices
-        lp.a_matrix_.value_ = matrix.data
-        kinds = np.concatenate(integer)
-        lp.integrality_ = [highspy.HighsVarType.kInteger if k else highspy.HighsVarType.kContinuous for k in kinds]
-        highs.passModel(lp)
+        if time.perf_counter() >= deadline:
+            return out_of_time
+        x0 = None
         if warm:
             x0 = np.zeros(ncols)
             for v in free.tolist():
@@ -936,22 +932,31 @@ class _Search:
                 for v in free_memory:
                     used[self.lo[v] : self.hi[v]] += self.usage[v][s[v]]
                 x0[slack_cols] = np.maximum(used[bounds[binding]] - room, 0.0)
-            solution = highspy.HighsSolution()
-            solution.col_value = x0.tolist()
-            solution.value_valid = True
-            highs.setSolution(solution)
-        highs.run()
-        status = highs.getModelStatus()
-        info = highs.getInfo()
-        bound = constant + float(info.mip_dual_bound) * scale
-        if status == highspy.HighsModelStatus.kInfeasible:
+        model = dict(
+            col_cost=cost / scale,
+            col_upper=np.concatenate(col_upper),
+            row_lower=np.array(row_lower),
+            row_upper=np.array(row_upper),
+            start=matrix.indptr,
+            index=matrix.indices,
+            value=matrix.data,
+            integer=np.concatenate(integer),
+            options=dict(threads=1, mip_rel_gap=_MIP_GAP),
+            x0=x0,
+        )
+        # Building the model took time too: HiGHS gets what is left before the deadline, and
+        # ends there (``solve_model_by``: its own time limit is not kept).
+        result = solve_model_by(model, deadline)
+        if result is None:
+            return out_of_time
+        if result["status"] == "infeasible":
             return "infeasible", None, math.inf
-        if info.primal_solution_status != 2:
-            return highs.modelStatusToString(status), None, bound
-        x = np.array(highs.getSolution().col_value)
+        bound = constant + result["dual_bound"] * scale
+        x = result["x"]
+        if x is None:
+            return result["status"], None, bound
         chosen = np.array([int(np.argmax(x[x_start[v] : x_start[v] + len(self.cost[v])])) for v in free.tolist()])
-        name = "optimal" if status == highspy.HighsModelStatus.kOptimal else highs.modelStatusToString(status)
-        return name, chosen, bound
+        return result["status"], chosen, bound
 
 
 # =========================================================================== the solver
@@ -960,17 +965,25 @@ class _Search:
 def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, seed: int = 0) -> ProblemSolution:
     """The cheapest strategies found within ``time_limit`` seconds (``None``: solve to optimality,
     within a relative gap of 1e-7), with a lower bound no solution beats. ``seed``: the random
-    choice of neighbourhoods. Raises ``InfeasiblePlacementError`` (a ``ValueError``) when no
-    choice fits the memory limit or has finite cost, or when none was found in the time limit."""
+    choice of neighbourhoods. Returns within ``time_limit`` plus the larger of 1 s and 2% of it
+    (every engine call is given only the time left, and cut at the deadline).
+
+    Raises ``InfeasiblePlacementError`` (a ``ValueError``) only with a proof that no choice fits
+    the memory limit with finite cost (the reductions' or the MILP's), and ``NoPlanFoundError``
+    when the time limit ran out before a plan was found."""
     if not isinstance(problem, StrategyProblem):
         raise TypeError(f"problem must be a StrategyProblem, got {type(problem).__name__}")
     if time_limit is not None:
         if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
             raise ValueError(f"time_limit must be a number of seconds > 0 or None, got {time_limit!r}")
     begin = time.perf_counter()
-    # Room kept after the search for expanding and checking the solution.
-    deadline = math.inf if time_limit is None else begin + float(time_limit) * 0.93 - 0.3
+    # The search (every engine call in it) ends by ``deadline``; the time after it, up to the
+    # time limit, is kept for expanding and checking the plan (``_answer_reserve``).
+    deadline = math.inf if time_limit is None else begin + float(time_limit) - _answer_reserve(problem, float(time_limit))
+    if time_limit is not None:
+        start_workers(_LNS_WORKERS)  # (HiGHS's runs end at the deadline in worker processes)
     limit = None if problem.usage_limit is None else float(problem.usage_limit)
+    integral = _integral(problem)
     reduced = _Reduced(problem)
     reduced.reduce(limit, begin + 0.25 * (deadline - begin))
     reduce_seconds = time.perf_counter() - begin
@@ -1010,12 +1023,14 @@ def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, 
         stats["start_violation"] = search.violation()
         best = search.objective()
         stats["heuristic_cost"] = best
+        if time_limit is not None:
+            wait_for_workers(deadline)  # (started above; a run timed below does not count their start)
         if time_limit is None or stats["pairs_left"] <= _FULL_MILP_PAIRS:
             method = "milp"
             left = math.inf if time_limit is None else deadline - time.perf_counter()
             status, chosen, bound = search.solve_milp(
                 np.arange(len(search.nodes)),
-                left if math.isfinite(left) else 1e30,
+                left,
                 warm=best < search.big,
                 deadline=deadline,
             )
@@ -1043,31 +1058,40 @@ def solve_problem(problem: StrategyProblem, *, time_limit: float | None = None, 
                 stats["lagrangian_seconds"] = time.perf_counter() - began
             stats["lns_rounds"], stats["lns_improvements"], _ = _large_neighbourhood_search(search, deadline)
     stats["search_seconds"] = time.perf_counter() - begin
+    # (Without a time limit the MILP over the whole reduced problem ran to its end: a plan, or
+    # a proof that there is none, raised above.)
     if search.violation() > 0:
-        raise InfeasiblePlacementError(
-            f"found no strategies within usage_limit={limit} in the time limit (the best still uses {search.violation():.6g} above it)"
+        raise NoPlanFoundError(
+            f"found no strategies within usage_limit={limit} in time_limit={time_limit} s (the best still uses "
+            f"{search.violation():.6g} above it); the problem is not proven infeasible"
         )
     if search.objective() >= search.big:
-        raise InfeasiblePlacementError(
-            "found no strategies of finite cost within the time limit (some choice is forbidden on every solution tried)"
+        raise NoPlanFoundError(
+            f"found no strategies of finite cost in time_limit={time_limit} s (some choice is forbidden on every "
+            "plan tried); the problem is not proven infeasible"
         )
     strategies = search.plan()
     cost = problem_cost(problem, strategies)
     if limit is not None and peak_usage(problem, strategies) > limit:  # pragma: no cover - a bug if reached
         raise AssertionError("the solver returned strategies above the usage limit")
     stats.update(method=method, seconds=time.perf_counter() - begin)
-    if _integral(problem):
+    if integral:
         # Integer costs: no solution costs less than the bound rounded up.
         lower = math.ceil(lower - 1e-9 * max(1.0, abs(lower)))
     return ProblemSolution(strategies, cost, min(lower, cost), stats)
 
 
-def _integral(problem: StrategyProblem) -> bool:
-    def whole(values: np.ndarray) -> bool:
-        finite = values[np.isfinite(values)]
-        return bool(np.all(finite == np.round(finite)))
+def _answer_reserve(problem: StrategyProblem, time_limit: float) -> float:
+    """Seconds of a time limit kept after the search: for a cancelled engine call to stop, and
+    for expanding and checking the plan (measured: 0.3 s for 20k nodes and 27k edges)."""
+    return min(0.2 * time_limit, CANCEL_GRACE + 0.1 + 1e-5 * (problem.num_nodes + len(problem.edges)))
 
-    return all(whole(c) for c in problem.node_costs) and all(whole(m) for m in problem.edge_costs)
+
+def _integral(problem: StrategyProblem) -> bool:
+    """Whether every finite cost is a whole number (then a bound rounds up)."""
+    values = np.concatenate([np.zeros(0), *problem.node_costs, *(m.ravel() for m in problem.edge_costs)])
+    finite = values[np.isfinite(values)]
+    return bool(np.all(finite == np.round(finite)))
 
 
 _LNS_MIN_PAIRS = 2_000  # the smallest neighbourhood, in pair variables

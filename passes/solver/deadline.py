@@ -1,0 +1,139 @@
+"""Time limits kept as deadlines: every HiGHS run gets only the time left, and ends there.
+
+HiGHS's own ``time_limit`` is not a bound on its run: measured on generated problems
+(``families.contest_like``), a MILP given 0.6 s ran 13 s inside one simplex solve that does
+not look at the clock, and contest instance S ran 23 minutes on a 240 s limit; with highspy's
+interrupt callback it stops sooner, but not always (a run cancelled at its deadline was still
+going 0.25 s later, and a thread still inside HiGHS when the interpreter exits aborts it).
+So a run with a deadline is solved in a worker process (``highs_worker.py``, one per
+concurrent caller, kept between runs), given the time left as HiGHS's limit, and killed if it
+has not answered by the deadline. Without a deadline it runs in this process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+
+from passes.solver.highs_worker import _read, _write, solve_model
+
+__all__ = ["solve_model_by", "start_workers", "wait_for_workers", "CANCEL_GRACE"]
+
+# Seconds a run may take past its deadline before its worker is killed (HiGHS's answer to its
+# own time limit is usually this prompt), and that a caller keeps for it.
+CANCEL_GRACE = 0.1
+
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "highs_worker.py")
+_idle: list[subprocess.Popen] = []
+_all: set[subprocess.Popen] = set()
+_ready: set[subprocess.Popen] = set()  # workers that said they imported HiGHS
+_lock = threading.Lock()
+
+
+def _spawn() -> subprocess.Popen:
+    process = subprocess.Popen(
+        [sys.executable, _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    with _lock:
+        _all.add(process)
+    return process
+
+
+def _worker() -> subprocess.Popen:
+    with _lock:
+        while _idle:
+            process = _idle.pop()
+            if process.poll() is None:
+                return process
+            _all.discard(process)
+    return _spawn()
+
+
+def _wait_ready(process: subprocess.Popen, deadline: float) -> bool:
+    """Whether ``process`` has imported HiGHS (read its one-byte hello) by ``deadline``."""
+    if process in _ready:
+        return True
+    ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.perf_counter()))
+    if not ready or process.stdout.read(1) != b"R":
+        return False
+    _ready.add(process)
+    return True
+
+
+def wait_for_workers(deadline: float) -> None:
+    """Wait (until ``deadline`` at most) for the idle workers to have imported HiGHS, so that
+    the runs timed after this do not count their start."""
+    with _lock:
+        idle = list(_idle)
+    for process in idle:
+        if not _wait_ready(process, deadline):
+            return
+
+
+def start_workers(count: int) -> None:
+    """Have ``count`` idle workers (started now, they import HiGHS while the caller works)."""
+    with _lock:
+        missing = count - sum(process.poll() is None for process in _idle)
+    for _ in range(max(0, missing)):
+        process = _spawn()
+        with _lock:
+            _idle.append(process)
+
+
+def _kill(process: subprocess.Popen) -> None:
+    process.kill()
+    process.wait()
+    with _lock:
+        _all.discard(process)
+        _ready.discard(process)
+
+
+@atexit.register
+def _shutdown() -> None:
+    with _lock:
+        processes = list(_all)
+        _all.clear()
+        _idle.clear()
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
+def solve_model_by(model: dict, deadline: float = math.inf) -> dict | None:
+    """``highs_worker.solve_model(model)`` ended by ``deadline`` (a ``time.perf_counter()``
+    value; ``inf``: in this process, no limit): HiGHS gets the time left as its own limit and
+    its worker is killed at the deadline (plus ``CANCEL_GRACE``). None if it had no answer."""
+    if not math.isfinite(deadline):
+        return solve_model(model)
+    left = deadline - time.perf_counter()
+    if left <= 0:
+        return None
+    # The worker sets HiGHS's limit from the wall clock when it has the model (a new worker
+    # may still be importing HiGHS).
+    model = dict(model, wall_deadline=time.time() + left)
+    process = _worker()
+    try:
+        if not _wait_ready(process, deadline):
+            _kill(process)
+            return None
+        _write(process.stdin, model)
+        ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline + CANCEL_GRACE - time.perf_counter()))
+        if not ready:
+            _kill(process)
+            return None
+        result = _read(process.stdout)
+    except (OSError, EOFError, ValueError):  # the worker died (or was killed at exit)
+        _kill(process)
+        return None
+    if result is None:
+        _kill(process)
+        return None
+    with _lock:
+        _idle.append(process)
+    return result
