@@ -507,7 +507,8 @@ def undonated_subgraph_inputs() -> None:
     position, say a parameter a scan's step reads at every step, was reused for a result in
     the first iteration, so later steps read that result (wrong gradients, the parameter
     itself overwritten). ``SubgraphLowering.__init__`` is wrapped, once, to clear the
-    subgraph's list, as 2.15's does; the top-level backward keeps its donations."""
+    subgraph's list, as 2.15's does; the top-level backward keeps its donations. Called by
+    the lowering pass before inductor lowers the graph it changed."""
     if TORCH_VERSION >= (2, 15):
         return
     import functools
