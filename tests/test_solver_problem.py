@@ -391,3 +391,145 @@ class TestNeighbourhood:
             free = set(search.neighbourhood(16, seeds=[0], weights=weights).tolist())
             took_heavy += len(free & set(heavy)) - len(free & set(light))
         assert took_heavy > 10  # more heavy than light nodes (the uniform growth: as many of each)
+
+
+def forbidden_as_1e18_problem(rng, nodes, strategies, edges, forbid, forbid_own, memory, large, infinity=1e18, tight=False):
+    """A random problem whose forbidden pairs and strategies carry the contest files' infinity,
+    1e18 (a finite number; or ``infinity``, as ``read_iopddl`` gives them), and, with ``large``, some allowed costs just below it; its raw
+    arrays, for a brute force that knows nothing of the solver's conventions."""
+    sizes = rng.integers(1, strategies + 1, size=nodes)
+    big = [1e15, 3e17, 9.9e17]
+    costs = []
+    for k in sizes:
+        c = rng.integers(0, 20, size=k).astype(float)
+        c[rng.uniform(size=k) < forbid_own] = infinity
+        if large:
+            c[rng.uniform(size=k) < 0.2] = rng.choice(big)
+        costs.append(c)
+    usages = [rng.integers(0, 10, size=k).astype(float) for k in sizes]
+    starts = rng.integers(0, 6, size=nodes)
+    intervals = np.stack([starts, starts + rng.integers(0, 4, size=nodes)], axis=1)
+    pairs = [tuple(int(v) for v in rng.choice(nodes, size=2, replace=False)) for _ in range(edges)] if nodes > 1 else []
+    matrices = []
+    for i, j in pairs:
+        m = rng.integers(0, 20, size=(sizes[i], sizes[j])).astype(float)
+        m[rng.uniform(size=m.shape) < forbid] = infinity
+        if large:
+            m[rng.uniform(size=m.shape) < 0.1] = rng.choice(big)
+        matrices.append(m)
+    limit = None
+    if memory:
+        probe = StrategyProblem(costs, usages, intervals, np.array(pairs).reshape(-1, 2), matrices)
+        least = peak_usage(probe, [int(np.argmin(u)) for u in usages])
+        most = peak_usage(probe, [int(np.argmax(u)) for u in usages])
+        limit = float(least) if tight else float(rng.integers(max(0, least - 2), most + 1))
+    raw = (costs, usages, intervals, pairs, matrices, limit)
+    return StrategyProblem(costs, usages, intervals, np.array(pairs).reshape(-1, 2), matrices, limit), raw
+
+
+def brute_force_raw(raw):
+    """The least cost of a plan that pays no 1e18 and meets the limit, from the raw arrays
+    (``inf``: no such plan)."""
+    costs, usages, intervals, pairs, matrices, limit = raw
+    best = math.inf
+    for plan in itertools.product(*(range(len(c)) for c in costs)):
+        terms = [costs[v][a] for v, a in enumerate(plan)] + [m[plan[i], plan[j]] for (i, j), m in zip(pairs, matrices)]
+        if any(t >= 1e18 for t in terms):
+            continue
+        if limit is not None:
+            steps = range(int(intervals[:, 1].max(initial=0)) + 1)
+            load = [sum(usages[v][a] for v, a in enumerate(plan) if intervals[v, 0] <= t < intervals[v, 1]) for t in steps]
+            if max(load, default=0.0) > limit:
+                continue
+        best = min(best, math.fsum(terms))
+    return best
+
+
+forbidden_problems = st.builds(
+    lambda seed, nodes, strategies, edges, forbid, forbid_own, memory, large, infinity: forbidden_as_1e18_problem(
+        np.random.default_rng(seed), nodes, strategies, edges, forbid, forbid_own, memory, large, infinity
+    ),
+    seed=st.integers(0, 2**32 - 1),
+    nodes=st.integers(1, 6),
+    strategies=st.integers(1, 4),
+    edges=st.integers(0, 9),
+    forbid=st.sampled_from([0.2, 0.5, 0.7]),
+    forbid_own=st.sampled_from([0.0, 0.3]),
+    memory=st.booleans(),
+    large=st.booleans(),
+    infinity=st.sampled_from([1e18, math.inf]),
+)
+
+
+# Tight memory limits (the least peak): the cheapest plans break them, so priced rounds run.
+tight_forbidden_problems = st.builds(
+    lambda seed, nodes, forbid, infinity: forbidden_as_1e18_problem(
+        np.random.default_rng(seed), nodes, 3, 8, forbid, 0.0, True, False, infinity, tight=True
+    ),
+    seed=st.integers(0, 2**32 - 1),
+    nodes=st.integers(3, 6),
+    forbid=st.sampled_from([0.2, 0.3, 0.5]),
+    infinity=st.sampled_from([1e18, math.inf]),
+)
+
+
+class TestInfeasibleOnlyWithAProof:
+    """The contest files mark forbidden choices with a cost of 1e18: a problem is infeasible
+    exactly when no plan avoids them all within the memory limit, whatever path the solver
+    takes, and large finite costs (up to just below 1e18) stay costs."""
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(case=forbidden_problems)
+    def test_exact_path_against_brute_force(self, case):
+        problem, raw = case
+        best = brute_force_raw(raw)
+        if math.isinf(best):
+            with pytest.raises(InfeasiblePlacementError):
+                solve_problem(problem)
+            return
+        solution = solve_problem(problem)
+        check_solution(problem, solution)
+        assert solution.cost == pytest.approx(best, rel=1e-12, abs=1e-9)
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(case=forbidden_problems)
+    def test_neighbourhood_and_priced_paths_find_a_plan_when_one_exists(self, case):
+        problem, raw = case
+        best = brute_force_raw(raw)
+        if math.isinf(best):
+            return
+        with neighbourhoods_only(), priced_rounds(seconds=0.05):
+            solution = solve_problem(problem, time_limit=1.5)
+        check_solution(problem, solution)
+        assert solution.cost >= best * (1 - 1e-12) - 1e-9
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(case=tight_forbidden_problems)
+    def test_priced_rounds_from_a_plan_with_a_forbidden_choice_prove_nothing(self, case):
+        # The priced rounds started from an incumbent that still pays a 1e18 (infinite) cost:
+        # its cost once priced every memory unit at infinity, and the priced problem's
+        # reductions then said "node 0 has no strategy left" on feasible problems.
+        problem, raw = case
+        if problem.usage_limit is None:
+            return
+        reduced = problem_module._Reduced(problem)
+        try:
+            reduced.reduce(problem.usage_limit, time.perf_counter() + 5)
+        except InfeasiblePlacementError:
+            assert math.isinf(brute_force_raw(raw))
+            return
+        main = problem_module._Search(reduced, seed=0)
+        if not len(main.nodes):
+            return
+        main.assign(np.array([int(np.argmax(c)) for c in main.penalized_cost]))  # the worst start
+        with priced_rounds(seconds=0.02):
+            problem_module._lagrangian_search(problem, main, problem.usage_limit, time.perf_counter() + 0.3, seed=0)
+        assert main.violation() >= 0  # (it returned: no infeasibility claimed)
+
+
+def test_a_cost_of_1e18_is_forbidden_and_lower_costs_are_costs():
+    problem = StrategyProblem([[1e18, 9.9e17], [1.0, 2.0]], [[0, 0], [0, 0]], [[0, 1], [0, 1]], [[0, 1]], [[[0, 0], [1e18, 3.0]]])
+    assert problem.node_costs[0].tolist() == [math.inf, 9.9e17]
+    assert problem.edge_costs[0].tolist() == [[0.0, 0.0], [math.inf, 3.0]]
+    solution = solve_problem(problem)
+    assert solution.strategies == [1, 1] and solution.cost == 9.9e17 + 2.0 + 3.0

@@ -9,12 +9,12 @@ import os
 
 import numpy as np
 
-from passes.solver.problem import StrategyProblem
+from passes.solver.problem import FORBIDDEN_COST, StrategyProblem
 
 __all__ = ["read_iopddl", "IOPDDL_INFINITY"]
 
 # The contest writes a forbidden choice as this cost.
-IOPDDL_INFINITY = 1e18
+IOPDDL_INFINITY = FORBIDDEN_COST
 
 
 def _costs(values) -> np.ndarray:

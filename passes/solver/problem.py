@@ -58,6 +58,16 @@ from passes.solver.ilp import InfeasiblePlacementError, NoPlanFoundError
 __all__ = ["StrategyProblem", "ProblemSolution", "solve_problem", "problem_cost", "peak_usage"]
 
 
+# A cost at or above this is a forbidden choice (the IOPDDL contest's convention: its files
+# write one as 1e18). Such costs are ``inf`` from the start: sums of several of them would lose
+# every other cost to rounding (1e18 + 5 == 1e18), and a plan with one is no plan.
+FORBIDDEN_COST = 1e18
+
+
+def _forbidden_as_inf(costs: np.ndarray) -> np.ndarray:
+    return np.where(costs >= FORBIDDEN_COST, np.inf, costs) if (costs >= FORBIDDEN_COST).any() else costs
+
+
 @dataclasses.dataclass(frozen=True)
 class StrategyProblem:
     """Nodes with strategies, edges with strategy-pair costs, a memory limit over time.
@@ -65,7 +75,8 @@ class StrategyProblem:
     ``node_costs[i]`` / ``node_usages[i]``: per strategy of node i (same length, at least one);
     ``intervals[i]``: ``(start, end)``, node i is live at the time steps ``start <= t < end``;
     ``edges[k]``: ``(i, j)``; ``edge_costs[k]``: a ``len(node_costs[i]) x len(node_costs[j])``
-    matrix, the cost when i takes strategy a and j strategy b (``inf``: forbidden);
+    matrix, the cost when i takes strategy a and j strategy b (``inf``, or any cost of at least
+    ``FORBIDDEN_COST`` = 1e18, the IOPDDL files' infinity: forbidden; stored as ``inf``);
     ``usage_limit``: the most the live nodes may use at one time step (``None``: no limit).
     """
 
@@ -78,7 +89,7 @@ class StrategyProblem:
     name: str = ""
 
     def __post_init__(self) -> None:
-        costs = tuple(np.asarray(c, dtype=np.float64).reshape(-1) for c in self.node_costs)
+        costs = tuple(_forbidden_as_inf(np.asarray(c, dtype=np.float64).reshape(-1)) for c in self.node_costs)
         usages = tuple(np.asarray(u, dtype=np.float64).reshape(-1) for u in self.node_usages)
         n = len(costs)
         if len(usages) != n:
@@ -106,7 +117,7 @@ class StrategyProblem:
                 raise ValueError(f"edge_costs[{k}] has {m.size} entries, expected {shape[0]}x{shape[1]} for edge {(i, j)}")
             if np.isnan(m).any():
                 raise ValueError(f"edge_costs[{k}] has NaN entries")
-            matrices.append(m.reshape(shape))
+            matrices.append(_forbidden_as_inf(m.reshape(shape)))
         if self.usage_limit is not None and not (float(self.usage_limit) >= 0):
             raise ValueError(f"usage_limit must be a number >= 0 or None, got {self.usage_limit!r}")
         object.__setattr__(self, "node_costs", costs)
@@ -1219,6 +1230,8 @@ _ROUND_SECONDS = 8.0
 # Each round, prices where the limit is broken grow by this factor; elsewhere they decay by that.
 _PRICE_GROWTH = 2.0
 _PRICE_DECAY = 0.8
+# Prices stay below this (a node's price summed over its lifetime times its usage stays finite).
+_PRICE_CAP = 1e100
 # A round's plan above the limit at no more than this share of the time steps is repaired,
 # each part of the repair for at most this many seconds.
 _REPAIR_STEPS = 0.05
@@ -1251,7 +1264,12 @@ def _lagrangian_search(problem: StrategyProblem, main: _Search, limit: float, de
         reduced = _Reduced(problem)
         for v in np.flatnonzero(paid > 0).tolist():
             reduced.cost[v] = reduced.cost[v] + paid[v] * reduced.usage[v]
-        reduced.reduce(None, began + 0.3 * (stop - began))
+        try:
+            reduced.reduce(None, began + 0.3 * (stop - began))
+        except InfeasiblePlacementError:  # pragma: no cover - the constrained reductions said so first
+            # The priced problem has every plan of the problem (finite prices keep finite costs
+            # finite): nothing is proven here that the constrained reductions did not prove.
+            break
         search = _Search(reduced, seed + rounds)
         if len(search.nodes):
             search.assign_full(current)
@@ -1279,9 +1297,12 @@ def _lagrangian_search(problem: StrategyProblem, main: _Search, limit: float, de
             if unit is None:
                 # The first price: what the plan saved per unit of memory above the limit.
                 above = float(np.maximum(load - limit, 0.0).sum())
-                saved = best_cost - cost if math.isfinite(cost) and best_cost > cost else 1e-9 * abs(best_cost)
+                # (The incumbent may still make a forbidden choice: its cost is infinite, and
+                # an infinite price would make every strategy of the priced problem infinite.)
+                finite = [c for c in (best_cost, cost) if math.isfinite(c)]
+                saved = best_cost - cost if len(finite) == 2 and best_cost > cost else 1e-9 * max(map(abs, finite), default=0.0)
                 unit = (saved or 1.0) / above
-            prices[over] = np.maximum(prices[over] * _PRICE_GROWTH, unit)
+            prices[over] = np.minimum(np.maximum(prices[over] * _PRICE_GROWTH, unit), _PRICE_CAP)
         prices[~over] *= _PRICE_DECAY
         current = plan
     return rounds, repairs
