@@ -13,6 +13,7 @@ from hops import Mesh, RegionPlacements, Replicate, Shard, ShardingSpec
 from passes.solver import CostModel, placement_graph
 from passes.solver.graph import NodeKind, UseKind
 from passes.solver.solve import evaluate_placements, node_costs, solve_graph
+from passes.solver.unrolled import scan_plan_on_unrolled, unrolled_graph
 from tests.helpers.snapshot import TestCase, aot_trace
 
 LINE = Mesh.of(model=4)
@@ -35,7 +36,7 @@ def region_program():
     region = projection()
 
     def program(x, w):
-        return region(hops.annotate_sharding(x.sin(), ShardingSpec(LINE, (R,))), w)[0].cos()
+        return region(hops.annotate_sharding(x.sin(), ShardingSpec(LINE, (R,))), w).cos()
 
     return make_fx(program)(torch.randn(32, 64), torch.randn(64, 16))
 
@@ -138,6 +139,24 @@ class TestTheCallersGraphIsLeftAlone(TestCase):
         again = solved(graph, MEMORY_BOUND)
         self.assertEqual(again, solved(twin, MEMORY_BOUND))
         self.assertNotEqual(again, first)
+
+    def test_a_region_in_a_scan_is_priced_on_its_own_body_in_every_unrolled_step(self):
+        # Each step's copy of a region is priced on that step's copy of its body, once: the scan
+        # plan costs its objective on the unrolled program, whether or not that graph was
+        # unrolled from one solved before (no figure carried over from another graph).
+        region = projection()
+
+        def program(h, ws):
+            return hops.scan(lambda h, w: (region(h, w).tanh(), h.sin()), h, ws)
+
+        gm = make_fx(program)(torch.randn(32, 16), torch.randn(3, 16, 16))
+        graph = placement_graph(gm, LINE)
+        fresh, origin = unrolled_graph(graph)
+        solution = solve_graph(graph, cost_model=MEMORY_BOUND)
+        self.assertIn(NodeKind.REGION, [d["kind"] for _, d in fresh.nodes(data=True)])
+        for unrolled in (fresh, unrolled_graph(solution.graph)[0]):
+            plan = scan_plan_on_unrolled(unrolled, origin, solution)
+            self.assertAlmostEqual(evaluate_placements(unrolled, plan, MEMORY_BOUND), solution.cost, delta=1e-9 * solution.cost)
 
 
 class TestKinds(TestCase):

@@ -33,6 +33,8 @@ Node attributes:
   ``"parameter"`` (an input with a gradient: the gradient and optimizer state come with it),
   ``"input"``, ``"activation"`` (saved by the forward for the backward), else ``None``;
 - ``scope``: the scope-qualified name of the graph holding the value (``""`` for the root);
+- ``body_values`` (a region): per alternative, the keys of its body's values (``LOCAL`` nodes,
+  those of HOP bodies inside it included), which its compute is priced on;
 - ``fx_node``, ``module``: the FX node and the GraphModule holding it.
 
 Edges ``u -> v`` are data dependencies, with ``bytes`` (of ``u``) and ``uses``: how ``v`` reads
@@ -308,6 +310,7 @@ class _Builder:
         self.rules = rules
         self.graph = nx.DiGraph(mesh=mesh)
         self.key: dict[fx.Node, str] = {}
+        self.added: list[str] = []  # every key, in the order added
         self.unsupported: Counter = Counter()
         self._strategy_cache: dict[Any, tuple] = {}
         self._hop_getitems: set[fx.Node] = set()
@@ -338,6 +341,7 @@ class _Builder:
         defaults.update(attrs)
         self.graph.add_node(key, **defaults)
         self.key[node] = key
+        self.added.append(key)
         return key
 
     def _use(self, value: Any, key: str, use: Use) -> None:
@@ -555,8 +559,12 @@ class _Builder:
             output_shapes=[tuple(int(s) for s in m.shape) for m in self._meta(node)],
         )
         self._read_inputs(node, key, multiplier)
+        body_values = []
         for body_scope, (_, body) in zip(body_scopes, bodies):
+            start = len(self.added)
             self.walk(body, f"{body_scope}/", multiplier, local=True)
+            body_values.append(tuple(dict.fromkeys(self.added[start:])))
+        self.graph.nodes[key]["body_values"] = body_values
 
     def _named_scope(self, node: fx.Node, scope: str, module: fx.GraphModule, multiplier: int) -> None:
         body = _body(node)

@@ -126,7 +126,7 @@ class _ProblemBuilder:
         # Every cache lives as long as this builder, which lives for one solve (or one evaluation):
         # nothing is written into the graph it was handed, so a graph changed between two solves,
         # or solved under another cost model, is priced as it is now.
-        self._body_seconds: dict[str, float] = {}  # a region alternative's body scope -> its compute
+        self._body_seconds: dict[tuple[str, int], float] = {}  # (region, alternative) -> its body's compute
 
     def resolve(self, key: str) -> tuple[str, int, int]:
         if key in self._resolved:
@@ -224,17 +224,18 @@ class _ProblemBuilder:
     def region_cost(self, key: str, strategy: Strategy) -> float:
         """A region's cost under ``strategy`` (one of its alternatives): the alternative's cost
         hint, else the compute of that alternative's own body on its own local shapes (each
-        alternative's body is traced on its local shapes and placed under its own scope)."""
+        alternative's body is traced on its local shapes and placed under its own scope; the
+        region names its body's values, ``body_values``)."""
         if strategy.cost_hint is not None:
             return float(strategy.cost_hint)
         data = self.graph.nodes[key]
-        scope = data["body_scopes"][data["strategies"].index(strategy)]
+        memo = (key, data["strategies"].index(strategy))
         seconds = self._body_seconds  # the builder's own: the caller's graph is only read
-        if scope not in seconds:
+        if memo not in seconds:
             total = 0.0
-            prefix = scope + "/"
-            for name, body in self.graph.nodes(data=True):
-                if body["kind"] is not NodeKind.LOCAL or not name.startswith(prefix) or body["fx_node"].op != "call_function":
+            for name in data["body_values"][memo[1]]:
+                body = self.graph.nodes[name]
+                if body["kind"] is not NodeKind.LOCAL or body["fx_node"].op != "call_function":
                     continue
                 node = body["fx_node"]
                 if is_view(node.target):
@@ -242,8 +243,8 @@ class _ProblemBuilder:
                 ins = [self.graph.nodes[u]["shape"] for u in self.graph.predecessors(name) if self.graph.nodes[u]["shape"]]
                 itemsize = _itemsize(body["dtype"]) or 4
                 total += self.cost_model.compute_seconds(node.target, ins, [body["shape"]] if body["shape"] else [], itemsize)
-            seconds[scope] = total
-        return seconds[scope]
+            seconds[memo] = total
+        return seconds[memo]
 
     def residual_ties(self) -> list[Factor]:
         """A backward region reading a forward region's residuals (per-device values only the

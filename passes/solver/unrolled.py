@@ -35,6 +35,7 @@ def unrolled_graph(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str]]:
         length = scan["length"]
         shared = {k for k in graph.nodes if k.startswith(prefix) and _is_shared_input(graph, k, scan)}
         body = [k for k in graph.nodes if k.startswith(prefix) and k not in shared]
+        members = set(body)
         order = list(range(length))[::-1] if scan["reverse"] else list(range(length))
         for i in range(length):
             for key in body:
@@ -43,6 +44,8 @@ def unrolled_graph(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str]]:
                 alias = data["alias"]
                 if alias is not None and alias[0] in body:
                     data["alias"] = (f"{alias[0]}@{i}", alias[1], alias[2])
+                if data.get("body_values") is not None:  # a region: its own step's copy of its body
+                    data["body_values"] = [tuple(f"{k}@{i}" if k in members else k for k in keys) for keys in data["body_values"]]
                 out.add_node(f"{key}@{i}", **data)
                 origin[f"{key}@{i}"] = key
         for u, v, data in graph.edges(data=True):
