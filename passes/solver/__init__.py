@@ -14,7 +14,7 @@ from passes.solver.draw import draw_placements
 from passes.solver.format import format_placements
 from passes.solver.graph import NodeKind, Strategy, UseKind, placement_graph
 from passes.solver.ilp import InfeasiblePlacementError, NoPlanFoundError
-from passes.solver.iopddl import read_iopddl
+from passes.solver.iopddl import as_strategy_problem, read_iopddl, write_iopddl
 from passes.solver.problem import ProblemSolution, StrategyProblem, peak_usage, problem_cost, solve_problem
 from passes.solver.solve import PlacementSolution, solve_placements
 
@@ -38,4 +38,6 @@ __all__ = [
     "problem_cost",
     "peak_usage",
     "read_iopddl",
+    "write_iopddl",
+    "as_strategy_problem",
 ]
