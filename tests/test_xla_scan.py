@@ -464,3 +464,99 @@ def test_a_number_used_inside_and_outside_a_region_in_a_loop_compiles():
     result = subprocess.run([sys.executable, "-c", SCALAR_INSIDE_AND_OUTSIDE_A_REGION], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines()[-1] == "True"
+
+
+# --------------------------------------------------------------------------- tensor constants
+#
+# What tracing on the host makes of ``torch.tensor([...], device=x.device)``: a CPU constant
+# (lifted to the top graph and passed to the bodies, or held by a body as a get_attr). Run on
+# XLA tensors, every one of them must be on the XLA device.
+
+LARGE = [i / 80 for i in range(80)]  # more elements than staging writes as a literal
+
+
+def step_with_constants(h, x):
+    scale = torch.tensor([1.0, 2.0, 0.5, -1.0], device=x.device)
+    shift = torch.tensor(LARGE, device=x.device)[:4]
+    h = torch.tanh(h * scale + x) + shift + torch.tensor(0.5, device=x.device)
+    return h, h.sum()
+
+
+def layer_with_constants(h, xs):
+    h = h * torch.tensor([0.5, 1.0, 1.5, 2.0], device=xs.device)
+    h, ys = hops.scan(step_with_constants, h, xs)
+    return h, ys.sum()
+
+
+def nested_with_constants(h, xss):
+    last, totals = hops.scan(layer_with_constants, h, xss)
+    return last * torch.tensor([1.0, -1.0, 1.0, -1.0], device=h.device), totals
+
+
+def held_by_bodies(gm, levels):
+    """``gm`` with each constant a scan passes its body (a trailing operand: a lifted
+    ``get_attr``) held by the body instead, as a ``get_attr`` of its own, in the scans of the
+    top ``levels`` graphs (1: the top graph's scans; a body's scan still gets its constants
+    as operands, from its caller's get_attr)."""
+    modules = [m for name, m in gm.named_modules() if isinstance(m, torch.fx.GraphModule) and (name.count(".") + bool(name)) < levels]
+    for module in modules:
+        for node in list(module.graph.find_nodes(op="call_function", target=hops.scan_hop)):
+            body = getattr(module, node.args[0].target)
+            placeholders = list(body.graph.find_nodes(op="placeholder"))
+            operands = list(node.args[1:-1])
+            while operands:
+                source = operands[-1]
+                if source.op == "call_function" and source.target is torch.ops.aten.lift_fresh_copy.default:
+                    source = source.args[0]
+                if source.op != "get_attr":
+                    break
+                placeholder = placeholders.pop()
+                name = f"held_{placeholder.name}"
+                body.register_buffer(name, getattr(module, source.target).clone())
+                with body.graph.inserting_before(placeholder):
+                    held = body.graph.get_attr(name)
+                placeholder.replace_all_uses_with(held)
+                body.graph.erase_node(placeholder)
+                operands.pop()
+            node.args = (node.args[0], *operands, node.args[-1])
+            body.recompile()
+        module.graph.eliminate_dead_code()
+        module.recompile()
+    return gm
+
+
+def constants_on_xla_inputs():
+    torch.manual_seed(0)
+    return torch.randn(4), torch.randn(3, 5, 4)
+
+
+@pytest.mark.parametrize("levels", [0, 1, 2], ids=["lifted", "held_by_the_outer_body", "held_by_every_body"])
+def test_tensor_constants_of_every_graph_run_on_the_xla_device(levels):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    h, xss = constants_on_xla_inputs()
+    gm = held_by_bodies(make_fx(nested_with_constants)(h, xss), levels)
+    bodies = [m for name, m in gm.named_modules() if "body" in name]
+    # Each body holds its own constants from ``levels`` on (the outer body's first one is
+    # the inner step's when the inner body holds none).
+    held = [[n for n in body.graph.find_nodes(op="get_attr") if isinstance(getattr(body, n.target), torch.Tensor)] for body in bodies]
+    assert [len(constants) for constants in held] == [[0, 0], [4, 0], [1, 3]][levels]
+    passes.lower_to_xla(gm)
+    last, totals = gm(h.to(device()), xss.to(device()))
+    assert loop_body_calls(hlo_text(last, totals))[0] == 2  # the outer While and the inner one
+    expected_last, expected_totals = nested_with_constants(h, xss)
+    torch.testing.assert_close(last.cpu(), expected_last, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(totals.cpu(), expected_totals, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_constants_of_forward_and_backward_graphs_run_on_the_xla_device():
+    def loss(h, xss):
+        last, totals = nested_with_constants(h, xss)
+        return last.sum() + totals.sum()
+
+    args = [t.requires_grad_() for t in constants_on_xla_inputs()]
+    forward, backward, reference, reference_grads = lowered_aot(loss, args)
+    out, grads, _, _ = run_lowered(forward, backward, args)
+    torch.testing.assert_close(out.cpu(), reference.detach(), rtol=1e-4, atol=1e-4)
+    for grad, expected in zip(grads, reference_grads):
+        torch.testing.assert_close(grad.cpu(), expected, rtol=1e-4, atol=1e-4)

@@ -24,6 +24,9 @@ __all__ = ["lower_to_xla", "run_scan", "run_in_named_scope"]
 
 
 def lower_to_xla(gm: fx.GraphModule) -> fx.GraphModule:
-    """Lower every HOP of this package in ``gm`` and its subgraphs (in place); return ``gm``."""
+    """Lower every HOP of this package in ``gm`` and its subgraphs (in place); return ``gm``.
+    Every tensor constant of ``gm`` and of its bodies runs on the device its graph runs on
+    (``rules.constants_to_graph_device``)."""
     HopRulePass(rules.TARGET, name="lower_to_xla")(gm)
+    rules.constants_to_graph_device(gm)
     return gm

@@ -15,6 +15,13 @@ devices the ops are identities, so the graph still runs (e.g. for testing):
 - a kernel call becomes a call of the kernel's op (its ``xla=`` implementation on XLA
   tensors); einsum becomes ``aten.einsum``, one ``dot`` that keeps batch dims.
 
+Besides the HOPs, every tensor constant of the graph and of every body (a ``get_attr`` of a
+tensor: what tracing makes of ``torch.tensor([...], device=x.device)``, traced on the host)
+is moved to the device the graph runs on (``on_graph_device``, the first of its inputs not on
+the host): the host constants a traced program holds would otherwise meet XLA tensors (an
+operand of a scan's ``While`` must be one). Staged (a scan's step, ``backend="hops_xla"``),
+the move is a literal of the computation, not a transfer (``staging.py``).
+
 Each rule checks the node before rewriting it: a spec of the wrong type, operands that do
 not match it, a ``Shard(d)`` out of an operand's rank (where the graph records shapes), a
 mesh that is not this process's XLA devices (where torch_xla is loaded) are a
@@ -38,7 +45,17 @@ from hops.named_scope import ScopeSpec, named_scope_hop, run_in_scope
 from hops.scan import ScanSpec, scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import Mesh, ShardingSpec
-from passes._infra import PassError, body_attr, body_module, leaf_call, register_rule, replace_tuple_output, runner_spec, typed_spec
+from passes._infra import (
+    PassError,
+    body_attr,
+    body_module,
+    graph_modules,
+    leaf_call,
+    register_rule,
+    replace_tuple_output,
+    runner_spec,
+    typed_spec,
+)
 from passes.inline import call_kernel_op, einsum_linear_to_aten, einsum_to_aten, region_operands
 from passes.xla import ops
 from passes.xla.while_loop import xla_while
@@ -147,3 +164,70 @@ def lower_named_scope(node: fx.Node) -> None:
 register_rule(TARGET, Kernel)(lambda node: call_kernel_op(node, TARGET))
 register_rule(TARGET, einsum_kernel)(lambda node: einsum_to_aten(node, TARGET))
 register_rule(TARGET, einsum_linear_kernel)(lambda node: einsum_linear_to_aten(node, TARGET))
+
+
+@leaf_call
+def graph_device(*inputs: Any) -> torch.device | None:
+    """The device a lowered graph runs on: that of its first tensor input not on the host,
+    else of its first tensor input; ``None`` without tensor inputs."""
+    devices = [t.device for t in inputs if isinstance(t, torch.Tensor)]
+    return next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
+
+
+@leaf_call
+def on_graph_device(constant: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A tensor constant of a lowered graph on the device the graph runs on."""
+    if device is None or constant.device == device:
+        return constant
+    # The copy a traced ``.to(device)`` is (``Tensor.to`` may reach a dispatch mode as
+    # ``aten.to``): staging writes a small host value copied so as a literal (``staging.py``).
+    return torch.ops.aten._to_copy.default(constant, device=device)
+
+
+def constants_to_graph_device(gm: fx.GraphModule) -> bool:
+    """Move every tensor constant of ``gm`` and of its bodies to the device each graph runs on
+    (``on_graph_device`` after each ``get_attr`` of a tensor); whether any graph changed. A
+    graph without tensor inputs keeps its constants (nothing says where it runs)."""
+    changed = False
+    for module in graph_modules(gm):
+        graph = module.graph
+        constants = [
+            node
+            for node in graph.find_nodes(op="get_attr")
+            if isinstance(_attribute(module, node.target), torch.Tensor)
+            and not any(user.target is on_graph_device for user in node.users)  # lowered already
+        ]
+        placeholders = list(graph.find_nodes(op="placeholder"))
+        if not constants or not placeholders:
+            continue
+        device = next((n for n in graph.nodes if n.op == "call_function" and n.target is graph_device), None)
+        if device is None:
+            with graph.inserting_after(placeholders[-1]):
+                device = graph.call_function(graph_device, tuple(placeholders))
+        anchor = device
+        for node in constants:
+            anchor.append(node)  # a get_attr reads no value: it may stand anywhere before its users
+            anchor = node
+            # Traced graphs copy a constant before use (``lift_fresh_copy``): the copy is made on
+            # the host (torch_xla has no such op: it would run on the CPU, a read back), then moved.
+            copies = [user for user in node.users if user.target is torch.ops.aten.lift_fresh_copy.default]
+            values = copies + ([node] if len(copies) < len(node.users) else [])
+            for value in values:
+                if value is not node:
+                    anchor.append(value)
+                    anchor = value
+                with graph.inserting_after(value):
+                    moved = graph.call_function(on_graph_device, (value, device))
+                value.replace_all_uses_with(moved, delete_user_cb=lambda user, moved=moved, copies=copies: user is not moved and user not in copies)
+                anchor = moved
+        graph.lint()
+        module.recompile()
+        changed = True
+    return changed
+
+
+def _attribute(module: torch.nn.Module, target: str) -> Any:
+    value: Any = module
+    for name in target.split("."):
+        value = getattr(value, name, None)
+    return value
