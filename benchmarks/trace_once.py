@@ -1,9 +1,25 @@
-"""Per-call host time of a 100-layer decoder step: lazy tracing vs ``hops.assume_pure``.
+"""Per-call host time of ``hops.assume_pure`` against what it replaces, in two parts.
 
-The model (as in torch_xla's ``assume_pure`` doc, pytorch/xla#8923): 100 decoder layers
-(RMSNorm, causal self-attention, RMSNorm, a SwiGLU MLP; hidden 128, 4 heads), each layer's
-activation annotated ``Shard(0), Replicate()`` on a 2x2 mesh; the step is forward and
-backward of ``logits.square().mean()``, on 4 XLA CPU devices under SPMD.
+**CPU** (always run): one decoder layer in two styles written here from plain torch,
+torchtitan's Llama 3 block (``nn.RMSNorm``, grouped-query attention with complex rotary
+embeddings and SDPA, a SwiGLU MLP) and HF transformers' ``LlamaDecoderLayer`` (its RMSNorm,
+``rotate_half`` rotary embeddings passed in as ``(cos, sin)``, an additive causal mask to
+SDPA, the same MLP); dim 256, 4 heads (2 key/value heads), batch 1 x 8 tokens, so host time
+matters. Eager (the module called) vs ``hops.assume_pure(module)`` (traced once; off XLA a
+call runs the recorded graph's code under autograd), per call: forward without grad, forward
+recording autograd, forward and backward of ``out.square().mean()``. Host time is this
+process's CPU time (``time.process_time``) with one intra-op thread: the machine may be
+shared, and time spent descheduled is not time the call costs. Samples of ``CALLS`` calls
+alternate between the two (pairs back to back, each first in turn); medians per call are
+printed with the median of the pairs' ratios (target <= 1.0x:
+off XLA, a cached graph must not be slower than running the Python). Outputs and
+gradients are checked to agree first.
+
+**XLA** (where torch_xla imports): a 100-layer decoder step, lazy tracing vs
+``hops.assume_pure``. The model (as in torch_xla's ``assume_pure`` doc, pytorch/xla#8923):
+100 decoder layers (RMSNorm, causal self-attention, RMSNorm, a SwiGLU MLP; hidden 128, 4
+heads), each layer's activation annotated ``Shard(0), Replicate()`` on a 2x2 mesh; the step is
+forward and backward of ``logits.square().mean()``, on 4 XLA CPU devices under SPMD.
 
 - lazy: the module called on XLA tensors; torch_xla traces every op on every call;
 - assume_pure: ``hops.assume_pure(model)``: traced once (AOTAutograd, annotations kept),
@@ -17,7 +33,7 @@ state their sharding with ``mark_sharding``, which it allows) is measured in the
 where jax, jaxlib and torchax import (the ``xla`` extra installs them); else its documented
 figure (140.13 ms -> 24.17 ms, 5.8x) is printed as the reference.
 
-Usage: python benchmarks/trace_once.py [layers]   (needs torch_xla)
+Usage: python benchmarks/trace_once.py [layers] [--cpu]   (--cpu: the CPU part only)
 """
 
 from __future__ import annotations
@@ -121,7 +137,7 @@ def main() -> None:
 
     xr.use_spmd()
     device = torch_xla.device()
-    layers = int(sys.argv[1]) if len(sys.argv) > 1 else 100
+    layers = int(next((a for a in sys.argv[1:] if a.isdigit()), 100))
     torch.manual_seed(0)
     model = Decoder(layers).to(device)
     pure = hops.assume_pure(model)
@@ -172,6 +188,203 @@ def main() -> None:
     print(f"{verdict} lazy / hops.assume_pure host time per step: {ratio:.1f}x (target >= 10x)")
 
 
+
+# --------------------------------------------------------------------------- CPU: one layer
+
+CPU_DIM, CPU_HEADS, CPU_KV_HEADS, CPU_FFN, CPU_BATCH, CPU_SEQ = 256, 4, 2, 704, 1, 8
+CPU_HEAD_DIM = CPU_DIM // CPU_HEADS
+CALLS, CPU_SAMPLES = 10, 41
+
+
+def repeat_kv(x: torch.Tensor, repeats: int, head_dim: int) -> torch.Tensor:
+    """Each key/value head repeated for the query heads that share it (``[b, s, h, d]``)."""
+    b, s, heads, _ = x.shape
+    return x[:, :, :, None, :].expand(b, s, heads, repeats, head_dim).reshape(b, s, heads * repeats, head_dim)
+
+
+class SwiGLU(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Linear(CPU_DIM, CPU_FFN, bias=False)
+        self.w2 = torch.nn.Linear(CPU_FFN, CPU_DIM, bias=False)
+        self.w3 = torch.nn.Linear(CPU_DIM, CPU_FFN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanAttention(torch.nn.Module):
+    """torchtitan's Llama 3 attention: rotary embeddings as complex products, GQA, SDPA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq = torch.nn.Linear(CPU_DIM, CPU_HEADS * CPU_HEAD_DIM, bias=False)
+        self.wk = torch.nn.Linear(CPU_DIM, CPU_KV_HEADS * CPU_HEAD_DIM, bias=False)
+        self.wv = torch.nn.Linear(CPU_DIM, CPU_KV_HEADS * CPU_HEAD_DIM, bias=False)
+        self.wo = torch.nn.Linear(CPU_HEADS * CPU_HEAD_DIM, CPU_DIM, bias=False)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        freqs = freqs_cis.view(1, x.shape[1], 1, pairs.shape[-1])
+        return torch.view_as_real(pairs * freqs).flatten(3).type_as(x)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, CPU_HEAD_DIM)
+        k = self.wk(x).view(b, s, -1, CPU_HEAD_DIM)
+        v = self.wv(x).view(b, s, -1, CPU_HEAD_DIM)
+        q, k = self.rotate(q, freqs_cis), self.rotate(k, freqs_cis)
+        repeats = CPU_HEADS // CPU_KV_HEADS
+        k, v = repeat_kv(k, repeats, CPU_HEAD_DIM), repeat_kv(v, repeats, CPU_HEAD_DIM)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(b, s, -1))
+
+
+class TitanBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm = torch.nn.RMSNorm(CPU_DIM, eps=1e-5)
+        self.ffn_norm = torch.nn.RMSNorm(CPU_DIM, eps=1e-5)
+        self.attention, self.feed_forward = TitanAttention(), SwiGLU()
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class HFRMSNorm(torch.nn.Module):
+    def __init__(self, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(CPU_DIM))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon)).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class HFAttention(torch.nn.Module):
+    """HF transformers' Llama attention: ``rotate_half`` rotary embeddings, GQA, SDPA with a mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(CPU_DIM, CPU_HEADS * CPU_HEAD_DIM, bias=False)
+        self.k_proj = torch.nn.Linear(CPU_DIM, CPU_KV_HEADS * CPU_HEAD_DIM, bias=False)
+        self.v_proj = torch.nn.Linear(CPU_DIM, CPU_KV_HEADS * CPU_HEAD_DIM, bias=False)
+        self.o_proj = torch.nn.Linear(CPU_HEADS * CPU_HEAD_DIM, CPU_DIM, bias=False)
+
+    def forward(self, hidden: torch.Tensor, position_embeddings: tuple, mask: torch.Tensor) -> torch.Tensor:
+        shape = (*hidden.shape[:-1], -1, CPU_HEAD_DIM)
+        q = self.q_proj(hidden).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden).view(shape).transpose(1, 2)
+        cos, sin = (t.unsqueeze(1) for t in position_embeddings)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        repeats = CPU_HEADS // CPU_KV_HEADS
+        k = repeat_kv(k.transpose(1, 2), repeats, CPU_HEAD_DIM).transpose(1, 2)
+        v = repeat_kv(v.transpose(1, 2), repeats, CPU_HEAD_DIM).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :, :, : k.shape[-2]])
+        return self.o_proj(out.transpose(1, 2).contiguous().reshape(*hidden.shape[:-1], -1))
+
+
+class HFDecoderLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = HFRMSNorm(), HFRMSNorm()
+        self.self_attn, self.mlp = HFAttention(), SwiGLU()
+
+    def forward(self, hidden: torch.Tensor, position_embeddings: tuple, mask: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_embeddings, mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def layer_inputs(style: str) -> tuple:
+    """The layer's arguments after the hidden states: rotary tables (and HF's causal mask)."""
+    positions = torch.arange(CPU_SEQ).float()
+    inverse = 1.0 / (10000 ** (torch.arange(0, CPU_HEAD_DIM, 2).float() / CPU_HEAD_DIM))
+    angles = torch.outer(positions, inverse)
+    if style == "torchtitan":
+        return (torch.polar(torch.ones_like(angles), angles),)
+    both = torch.cat((angles, angles), dim=-1)[None]
+    mask = torch.full((CPU_SEQ, CPU_SEQ), float("-inf")).triu(1)[None, None]
+    return (both.cos(), both.sin()), mask
+
+
+def per_call_cpu_seconds(step, fn) -> float:
+    start = time.process_time()
+    for _ in range(CALLS):
+        step(fn)
+    return (time.process_time() - start) / CALLS
+
+
+def cpu_layer(style: str, layer_type: type) -> bool:
+    """One layer's rows; True when every ratio is within the target."""
+    torch.manual_seed(0)
+    layer = layer_type()
+    pure = hops.assume_pure(layer)
+    x = torch.randn(CPU_BATCH, CPU_SEQ, CPU_DIM, requires_grad=True)
+    rest = layer_inputs(style.lower())
+
+    def inference(fn) -> None:
+        with torch.no_grad():
+            fn(x, *rest)
+
+    def forward(fn) -> None:
+        fn(x, *rest)
+
+    def forward_backward(fn) -> None:
+        fn(x, *rest).square().mean().backward()
+
+    results = []
+    for fn in (layer, pure):  # the first call of pure traces
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        out = fn(x, *rest)
+        out.square().mean().backward()
+        results.append((out.detach(), x.grad, [p.grad for p in layer.parameters()]))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+    print(f"  {style} layer: outputs and gradients agree")
+
+    within = True
+    modes = {"forward, no grad": inference, "forward": forward, "forward + backward": forward_backward}
+    for mode, step in modes.items():
+        for fn in (layer, pure):  # warm up (and trace the no-grad signature)
+            step(fn)
+        samples: dict[str, list[float]] = {"eager": [], "assume_pure": []}
+        for sample in range(CPU_SAMPLES):  # pairs taken back to back, each first in turn
+            for name in ("eager", "assume_pure") if sample % 2 else ("assume_pure", "eager"):
+                samples[name].append(per_call_cpu_seconds(step, layer if name == "eager" else pure))
+        eager, ours = (statistics.median(samples[name]) for name in ("eager", "assume_pure"))
+        # The median of the pairs' ratios: a pair shares the machine's load of its moment.
+        ratio = statistics.median(p / e for p, e in zip(samples["assume_pure"], samples["eager"]))
+        within &= ratio <= 1.0
+        print(f"    {mode:20s} eager {eager * 1e6:8.1f} us   assume_pure {ours * 1e6:8.1f} us   "
+              f"assume_pure / eager {ratio:.3f}x")
+    assert pure.cache_info().traces == 2  # with grad, and without
+    return within
+
+
+def cpu_main() -> bool:
+    """The CPU part; True when every ratio is within the target."""
+    torch.set_num_threads(1)
+    print(f"CPU: one decoder layer (dim {CPU_DIM}, {CPU_HEADS} heads / {CPU_KV_HEADS} kv heads, ffn {CPU_FFN}, "
+          f"batch {CPU_BATCH} x {CPU_SEQ}), torch {torch.__version__}, host CPU us per call "
+          f"(medians of {CPU_SAMPLES} samples of {CALLS} calls; ratio: median of paired samples' ratios)")
+    within = True
+    for style, layer_type in (("torchtitan", TitanBlock), ("HF", HFDecoderLayer)):
+        within &= cpu_layer(style, layer_type)
+    print(f"{'PASS' if within else 'FAIL'} assume_pure / eager host time per call on CPU (target <= 1.0x)")
+    return within
+
+
 def torch_xla_pure_module(model: torch.nn.Module):
     """torch_xla's own ``PureModule(model)`` (its ``assume_pure``), or None where JAX is missing."""
     import torch_xla.distributed.spmd as xs
@@ -186,4 +399,12 @@ def torch_xla_pure_module(model: torch.nn.Module):
 
 
 if __name__ == "__main__":
-    main()
+    cpu_main()
+    if "--cpu" not in sys.argv:
+        import importlib.util
+
+        if importlib.util.find_spec("torch_xla") is None:
+            print("\nXLA part: not run (needs torch_xla)")
+        else:
+            print()
+            main()

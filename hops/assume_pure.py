@@ -2,14 +2,20 @@
 
 The first call with a signature (the pytree structure of the arguments; each tensor's
 shape, dtype, device, layout and ``requires_grad``; each other leaf's value, spec values
-included; and whether grad mode is on) traces ``fn`` into forward and backward graphs with
-AOTAutograd, the HOPs of this package kept as nodes, and caches them. Later calls with that
-signature run the cached graphs: ``fn``'s Python does not run again (as ``jax.jit``), and
-a call costs one forward graph call and one backward graph call (``_graph_function``). On
-XLA tensors the graphs are lowered by the XLA target and each is staged once into one XLA
-computation that a call binds (one node of the lazy graph per call); on other devices they
-run as traced, each HOP by its eager rule. ``fn`` may call every HOP of this package.
-Outputs are new tensors, except one that is a view of an input (it stays one).
+included; and whether grad mode is on) traces ``fn`` above autograd (its ops as it calls
+them, its grad mode changes kept), the HOPs of this package kept as nodes, and caches the
+graph. Later calls with that signature run the cached graph: ``fn``'s Python does not run
+again (as ``jax.jit``). ``fn`` may call every HOP of this package.
+
+How the graph runs depends on the device's target. On XLA tensors (a target that registers
+a graph compiler) AOTAutograd splits it into forward and backward graphs, lowered by the
+XLA target and each staged once into one XLA computation that a call binds (one node of the
+lazy graph per call; ``_graph_function``); outputs are then new tensors, except one that is
+a view of an input (it stays one). Elsewhere nothing would be gained by staging, so a call
+runs the graph's generated code, each op called through torch's Python binding
+(``_eager_graph``), and the autograd engine differentiates it as it runs, as it would
+``fn``: a call costs the ops, not ``fn``'s Python (its modules, its control flow), and no more
+than running ``fn`` (``benchmarks/trace_once.py``). Such a trace has no backward graph.
 
 ``fn`` must be pure in its tensors: mutating an input or a tensor it closes over is refused
 when it is traced (a cached graph would not repeat the mutation), and so is a tensor it
@@ -35,7 +41,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from hops import _graph_function, _targets
+from hops import _eager_graph, _graph_function, _targets
 
 __all__ = ["assume_pure", "PureFunction", "PureModule", "CacheInfo", "CachedTrace", "ImpureFunctionError"]
 
@@ -49,7 +55,8 @@ CacheInfo = collections.namedtuple("CacheInfo", "hits misses traces size max_siz
 
 @dataclasses.dataclass
 class CachedTrace:
-    """One signature's traced graphs: ``forward`` (and ``backward`` once a backward ran)."""
+    """One signature's traced graphs: ``forward`` (and, on a staging target, ``backward``
+    once a backward ran)."""
 
     signature: str
     forward: fx.GraphModule | None = None
@@ -57,6 +64,7 @@ class CachedTrace:
     run: Callable | None = dataclasses.field(default=None, repr=False)
     positions: tuple[int, ...] = ()
     out_spec: Any = None
+    single_output: bool = dataclasses.field(default=False, repr=False)
 
 
 def assume_pure(fn: Callable | None = None, *, max_cache_size: int = 8) -> Any:
@@ -85,19 +93,31 @@ class PureFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = pytree.tree_flatten((args, kwargs))
+        tensors: list[torch.Tensor] = []
+        parts: list = [_FAST_KEY, torch.is_grad_enabled()]
+        fast = _walk((args, kwargs), tensors, parts)
         try:
-            key = (treedef, torch.is_grad_enabled(), *map(_leaf_key, leaves))
+            if fast:
+                key = tuple(parts)
+            else:
+                leaves, treedef = pytree.tree_flatten((args, kwargs))
+                key = (treedef, torch.is_grad_enabled(), *map(_leaf_key, leaves))
             entry = self._cache.get(key)
         except TypeError:  # an unhashable leaf: say which
             raise TypeError(_unhashable(self._name, (args, kwargs))) from None
         if entry is None:
             self._misses += 1
+            if fast:
+                leaves, treedef = pytree.tree_flatten((args, kwargs))
             entry = self._trace(leaves, treedef, key)
         else:
             self._hits += 1
             self._cache.move_to_end(key)
-        outputs = entry.run(*(leaves[i] for i in entry.positions))
+        if not fast:
+            tensors = [leaves[i] for i in entry.positions]
+        outputs = entry.run(*tensors)
+        if entry.single_output:
+            return outputs[0]
         return pytree.tree_unflatten(list(outputs), entry.out_spec)
 
     @property
@@ -143,10 +163,20 @@ class PureFunction:
             return tuple(outputs)
 
         compiler = _targets.graph_compiler(tensors)
-        # Traced once without functionalization, to see mutations: AOTAutograd would turn a
+        # Traced above autograd (the ops as the function calls them, its grad mode changes
+        # kept) and without functionalization, to see mutations: AOTAutograd would turn a
         # mutated input into an epilogue copy and hide it.
-        graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+        graph = make_fx(flat_fn, tracing_mode="fake", pre_dispatch=True, _allow_non_fake_inputs=True)(*tensors)
         _check_pure(self._name, graph, tensors, treedef, leaves, positions, captured)
+        # A composite op may write into its arguments without saying so in its schema
+        # (instance_norm's running statistics): its ATen ops do.
+        aten_graph = make_fx(graph, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+        _check_pure(self._name, aten_graph, tensors, treedef, leaves, positions, captured)
+        if compiler is None:
+            # Off a staging target: the graph's code runs, the autograd engine differentiates
+            # it as it runs (as the function itself), at no more cost than its Python.
+            entry.forward, entry.run = graph, _eager_graph.EagerGraph(graph)
+            return self._store(key, entry)
 
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         graphs = _graph_function.split(
@@ -161,6 +191,10 @@ class PureFunction:
             entry.forward, entry.run = graphs.forward_graph, graphs
         else:
             entry.run = self._aot_runtime(graph, entry, compiler)
+        return self._store(key, entry)
+
+    def _store(self, key: tuple, entry: CachedTrace) -> CachedTrace:
+        entry.single_output = entry.out_spec is not None and entry.out_spec.is_leaf()
         self._traces += 1
         self._cache[key] = entry
         while len(self._cache) > self.max_cache_size:
@@ -216,24 +250,59 @@ def _module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``module``'s parameters, then its buffers, by qualified name: what
     ``named_parameters`` and ``named_buffers`` (``remove_duplicate=False``) give, read from
     the modules' own tables (their generators cost ~3x more per call)."""
-    modules: list[tuple[str, torch.nn.Module]] = []
-    pending = [("", module)]
-    while pending:  # pre-order, children in registration order
-        prefix, current = pending.pop()
-        modules.append((prefix, current))
-        children = current._modules
-        if children:
-            pending.extend(reversed([(prefix + name + ".", child) for name, child in children.items() if child is not None]))
-    state = {}
-    for prefix, current in modules:
-        for name, tensor in current._parameters.items():
-            if tensor is not None:
-                state[prefix + name] = tensor
-    for prefix, current in modules:
-        for name, tensor in current._buffers.items():
-            if tensor is not None:
-                state[prefix + name] = tensor
+    state: dict[str, torch.Tensor] = {}
+    buffers: list[tuple[str, torch.Tensor]] = []
+    _collect_state(module, "", state, buffers)
+    if buffers:
+        state.update(buffers)
     return state
+
+
+def _collect_state(module: torch.nn.Module, prefix: str, parameters: dict, buffers: list) -> None:
+    """Pre-order, children in registration order (as ``named_modules``)."""
+    for name, tensor in module._parameters.items():
+        if tensor is not None:
+            parameters[prefix + name] = tensor
+    if module._buffers:
+        for name, tensor in module._buffers.items():
+            if tensor is not None:
+                buffers.append((prefix + name, tensor))
+    for name, child in module._modules.items():
+        if child is not None:
+            _collect_state(child, prefix + name + ".", parameters, buffers)
+
+
+# Marks a key made by ``_walk`` (a key made from a pytree spec starts with the spec).
+_FAST_KEY = object()
+_CONTAINERS = (tuple, list, dict)
+
+
+def _walk(tree: tuple | list | dict, tensors: list, parts: list) -> bool:
+    """The signature of ``tree`` (tuples, lists and dicts of leaves, exact types) appended to
+    ``parts`` as one flat, unambiguous sequence (a container's entry says its type and length
+    or keys; a leaf's entry starts with its type, a tensor's is ``_leaf_key``), and its tensors
+    to ``tensors`` in pytree's leaf order. False (stop) at any other pytree node: the caller
+    then keys the call by its pytree spec. A few times cheaper than flattening with pytree."""
+    for value in tree.values() if type(tree) is dict else tree:
+        kind = type(value)
+        if kind is tuple or kind is list:
+            parts.append((kind, len(value)))
+            if not _walk(value, tensors, parts):
+                return False
+        elif kind is dict:
+            parts.append((dict, *value))
+            if not _walk(value, tensors, parts):
+                return False
+        elif isinstance(value, torch.Tensor):
+            tensors.append(value)
+            parts.append((kind, value.shape, value.dtype, value.device, value.layout, value.requires_grad))
+        elif value is None:  # a pytree node without leaves
+            parts.append(None)
+        elif isinstance(value, _CONTAINERS) or kind in pytree.SUPPORTED_NODES:
+            return False
+        else:
+            parts.append((kind, value))
+    return True
 
 
 def _leaf_key(leaf: Any) -> Any:

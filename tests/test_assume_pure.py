@@ -3,19 +3,44 @@ HOP allowed in the body, impure functions refused."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hops
-from hops import Mesh, Replicate, Shard, ShardingSpec
+from hops import Mesh, Replicate, Shard, ShardingSpec, _targets
+from hops._eager_graph import EagerGraph
 from hops._graph_function import GraphFunction
 from hops.assume_pure import ImpureFunctionError
 from tests.helpers.hop_db import SAMPLES, forward_backward, fresh
-from tests.helpers.snapshot import device
+from tests.helpers.snapshot import device, normalize
 
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
 COLUMNS = ShardingSpec(MESH, (Replicate(), Shard(1)))
+
+
+@pytest.fixture(params=["eager", "staged"])
+def runner(request, monkeypatch):
+    """How cached graphs run on CPU: "eager" (the default off XLA: the recorded graph's code,
+    differentiated by the autograd engine as it runs) or "staged" (the path of a device whose
+    target registers a graph compiler, as XLA's does: forward and backward graphs, here
+    compiled by running them as they are)."""
+    if request.param == "staged":
+        stage_on_cpu(monkeypatch)
+    return request.param
+
+
+def stage_on_cpu(monkeypatch):
+    from functorch.compile import make_boxed_func
+
+    def compiler(gm, example_inputs):  # as XLA's: a boxed function (a list of arguments)
+        return make_boxed_func(gm)
+
+    monkeypatch.setitem(_targets._GRAPH_COMPILERS, "cpu", (compiler, None))
 
 
 def counted(fn):
@@ -31,7 +56,7 @@ def counted(fn):
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
-def test_every_hop_runs_from_the_cache_with_eager_values_and_gradients(sample):
+def test_every_hop_runs_from_the_cache_with_eager_values_and_gradients(sample, runner):
     program, runs = counted(sample.program)
     pure = hops.assume_pure(program)
     for seed in (3, 4, 5):  # new values, same signature: traced once
@@ -43,7 +68,10 @@ def test_every_hop_runs_from_the_cache_with_eager_values_and_gradients(sample):
     assert len(runs) == 1
     assert pure.cache_info()[:4] == (2, 1, 1, 1)
     [trace] = pure.cached()
-    assert trace.forward is not None and trace.backward is not None
+    if runner == "staged":
+        assert trace.forward is not None and trace.backward is not None
+    else:  # the autograd engine differentiates the forward graph as it runs
+        assert isinstance(trace.run, EagerGraph) and trace.backward is None
     # The HOP is a node of the cached forward graph, not decomposed.
     assert any(str(node.target).startswith("hops_") for node in trace.forward.graph.nodes)
 
@@ -84,7 +112,7 @@ def test_the_cache_is_bounded_least_recently_used_first_out():
     assert len(runs) == 4 and pure.cache_info().size == 2
 
 
-def test_a_module_trains_with_an_optimizer_as_eager_does():
+def test_a_module_trains_with_an_optimizer_as_eager_does(runner):
     torch.manual_seed(0)
 
     def make():
@@ -109,13 +137,13 @@ def test_a_module_trains_with_an_optimizer_as_eager_does():
     assert pure.cache_info().traces == 1
 
 
-def test_fresh_random_numbers_on_every_call():
+def test_fresh_random_numbers_on_every_call(runner):
     pure = hops.assume_pure(lambda x: torch.nn.functional.dropout(x, 0.5))
     x = torch.ones(64)
     assert not torch.equal(pure(x), pure(x))
 
 
-def test_mutating_an_input_or_a_view_of_one_is_refused():
+def test_mutating_an_input_or_a_view_of_one_is_refused(runner):
     def bump(x):
         x.add_(1)
         return x * 2
@@ -149,7 +177,7 @@ COUNTER = torch.zeros(())
 WEIGHT = torch.nn.Parameter(torch.randn(3))
 
 
-def test_reading_or_mutating_a_captured_tensor_is_refused():
+def test_reading_or_mutating_a_captured_tensor_is_refused(runner):
     scale = torch.randn(3)
 
     def reads_closure(x):
@@ -204,7 +232,7 @@ def layer_inputs(layers, dtype=torch.float32):
     return x, weights
 
 
-def test_gradients_match_eager_and_pass_gradcheck():
+def test_gradients_match_eager_and_pass_gradcheck(runner):
     x, weights = layer_inputs(3, torch.float64)
     specs = (ROWS,) * 3
     pure = hops.assume_pure(stacked_layers)
@@ -216,7 +244,8 @@ def test_gradients_match_eager_and_pass_gradcheck():
     assert pure.cache_info().traces == 1
 
 
-def test_residuals_of_repeated_layers_are_stacked_into_a_fixed_number_of_tensors():
+def test_residuals_of_repeated_layers_are_stacked_into_a_fixed_number_of_tensors(monkeypatch):
+    stage_on_cpu(monkeypatch)  # residuals are the staged path's
     def residuals(layers, specs):
         pure = hops.assume_pure(stacked_layers)
         x, weights = layer_inputs(layers)
@@ -234,7 +263,7 @@ def test_residuals_of_repeated_layers_are_stacked_into_a_fixed_number_of_tensors
     assert alternating > count
 
 
-def test_an_input_modified_in_place_before_the_backward_is_caught_as_in_eager():
+def test_an_input_modified_in_place_before_the_backward_is_caught_as_in_eager(runner):
     pure = hops.assume_pure(lambda x, w: torch.tanh(x @ w))
     x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
     out = pure(x, w)
@@ -244,7 +273,7 @@ def test_an_input_modified_in_place_before_the_backward_is_caught_as_in_eager():
         out.sum().backward()
 
 
-def test_outputs_that_are_views_repeats_and_non_differentiable_values():
+def test_outputs_that_are_views_repeats_and_non_differentiable_values(runner):
     def views(x, w):
         y = torch.tanh(x @ w)
         return {"rows": y.t(), "flat": y.reshape(-1), "again": y.reshape(-1), "count": (y > 0).sum()}
@@ -255,7 +284,8 @@ def test_outputs_that_are_views_repeats_and_non_differentiable_values():
     for key in expected:
         torch.testing.assert_close(got[key], expected[key])
     assert not got["count"].requires_grad and got["rows"].requires_grad
-    assert isinstance(pure.cached()[0].run, GraphFunction)  # the cached graphs, not AOTAutograd's runtime
+    # The cached graphs, not AOTAutograd's runtime.
+    assert isinstance(pure.cached()[0].run, GraphFunction if runner == "staged" else EagerGraph)
 
     def loss(outputs):
         return outputs["rows"].sum() + 2 * outputs["flat"].sum() + 3 * (outputs["again"] ** 2).sum()
@@ -263,7 +293,7 @@ def test_outputs_that_are_views_repeats_and_non_differentiable_values():
     torch.testing.assert_close(torch.autograd.grad(loss(got), [x, w]), torch.autograd.grad(loss(expected), [x, w]))
 
 
-def test_an_output_that_is_a_view_of_an_input_stays_one():
+def test_an_output_that_is_a_view_of_an_input_stays_one(runner):
     pure = hops.assume_pure(lambda x, w: (x.view(-1), torch.tanh(x @ w)))
     x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
     flat, y = pure(x, w)
@@ -272,7 +302,7 @@ def test_an_output_that_is_a_view_of_an_input_stays_one():
     torch.testing.assert_close(x.grad, torch.ones(3, 4) + (1 - torch.tanh(x @ w) ** 2).detach() @ w.detach().t())
 
 
-def test_without_grad_mode_no_backward_graph_is_made():
+def test_without_grad_mode_no_backward_graph_is_made(runner):
     pure = hops.assume_pure(lambda x, w: torch.tanh(x @ w))
     x, w = torch.randn(3, 4), torch.randn(4, 4, requires_grad=True)
     with torch.no_grad():
@@ -281,6 +311,171 @@ def test_without_grad_mode_no_backward_graph_is_made():
     assert not out.requires_grad
     [trace] = pure.cached()
     assert trace.backward is None
+
+
+# --------------------------------------------------------------------------- off XLA: the recorded code
+
+
+def test_grad_mode_changes_inside_the_function_are_kept(runner):
+    def f(x, w):
+        with torch.no_grad():
+            scale = (x @ w).abs().amax()
+        y = torch.tanh(x @ w) / scale
+        return y + (y * 3).detach(), scale
+
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    pure = hops.assume_pure(f)
+    for _ in range(2):  # traced, then from the cache
+        got, got_grads = forward_backward(pure, [x, w])
+        expected, expected_grads = forward_backward(f, fresh([x, w]))
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(got_grads, expected_grads)
+        x.grad = w.grad = None
+    assert not got[1].requires_grad
+
+
+def test_a_write_hidden_inside_a_composite_op_is_refused():
+    # instance_norm's schema does not say it updates the running statistics; its ATen ops do.
+    def normalize(x, mean, var):
+        return torch.nn.functional.instance_norm(x, mean, var, use_input_stats=True)
+
+    mean = torch.zeros(3)
+    with pytest.raises(ImpureFunctionError, match=r"mutates its input args\[1\] \(aten.copy_.default\)"):
+        hops.assume_pure(normalize)(torch.randn(2, 3, 5), mean, torch.ones(3))
+    assert torch.equal(mean, torch.zeros(3))
+
+
+def python_frames(fn, *args):
+    """The Python functions entered while ``fn(*args)`` runs (``sys.setprofile``)."""
+    entered = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            entered.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def test_a_cached_call_enters_a_fixed_few_python_functions():
+    # Off XLA a cached call costs what the ops cost: a few Python functions (keying the call,
+    # the recorded code), however many ops; no OpOverload call, no autograd.Function.
+    def layers(x, weights):
+        for w in weights:
+            x = x + torch.tanh(x @ w).transpose(0, 1).reshape(4, 4).softmax(-1) * 0.5
+        return x
+
+    frames = {}
+    for depth in (2, 8):
+        pure = hops.assume_pure(layers)
+        x = torch.randn(4, 4, requires_grad=True)
+        weights = [torch.randn(4, 4, requires_grad=True) for _ in range(depth)]
+        pure(x, weights)
+        frames[depth] = python_frames(pure, x, weights)
+        torch.testing.assert_close(pure(x, weights), layers(x, weights), rtol=0, atol=0)
+        assert not any("torch/_ops.py" in f or "autograd/function.py" in f for f in frames[depth]), frames[depth]
+    assert len(frames[2]) == len(frames[8]) <= 8, frames
+
+
+OPS = {
+    "add_scalar": lambda x, y: x + 2,
+    "add_alpha": lambda x, y: x.add(y, alpha=2),
+    "rsub": lambda x, y: 1 - x,
+    "mul_float_scalar": lambda x, y: x * 2.5,
+    "pow_scalar_base": lambda x, y: 2 ** x,
+    "pow": lambda x, y: x.pow(2),
+    "div_floor": lambda x, y: x.div(3, rounding_mode="floor"),
+    "true_div": lambda x, y: x / 3,
+    "sum_dtype": lambda x, y: torch.sum(x, 1, dtype=torch.float64),
+    "mean_keepdim": lambda x, y: x.float().mean(-1, keepdim=True),
+    "amax": lambda x, y: x.amax(0),
+    "max_dim": lambda x, y: x.max(dim=1).values,
+    "maximum": lambda x, y: torch.maximum(x, y),
+    "where_scalar": lambda x, y: torch.where(x > 0, x, 0.0),
+    "clamp_min": lambda x, y: x.clamp(min=-1),
+    "cat": lambda x, y: torch.cat([x, y], 1),
+    "stack": lambda x, y: torch.stack([x, y]),
+    "chunk": lambda x, y: x.chunk(2, 1)[1],
+    "split_sizes": lambda x, y: x.split([1, 3], 1)[0],
+    "unbind": lambda x, y: x.unbind(0)[2],
+    "slice": lambda x, y: x[:, 1:3],
+    "index_select": lambda x, y: x.index_select(1, torch.tensor([3, 0])),
+    "transpose_reshape": lambda x, y: x.transpose(0, 1).reshape(-1),
+    "expand": lambda x, y: x.expand(2, -1, -1),
+    "view_flat": lambda x, y: x.view(-1),
+    "flatten": lambda x, y: x[None].flatten(1),
+    "to_double": lambda x, y: x.to(torch.float64),
+    "type_as": lambda x, y: x.type_as(y),
+    "new_zeros": lambda x, y: x.new_zeros(3) + x.sum(),
+    "full_like": lambda x, y: torch.full_like(x, 2),
+    "arange": lambda x, y: x + torch.arange(4),
+    "ones_dtype": lambda x, y: x * torch.ones(4, dtype=torch.int64),
+    "masked_fill": lambda x, y: x.masked_fill(x > 0, 1),
+    "softmax": lambda x, y: x.float().softmax(-1),
+    "matmul": lambda x, y: x @ y.t(),
+    "linear": lambda x, y: torch.nn.functional.linear(x, y),
+    "neg_abs": lambda x, y: -x.abs(),
+    "eq": lambda x, y: x == y,
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    names=st.lists(st.sampled_from(sorted(OPS)), min_size=1, max_size=6, unique=True),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.int64]),
+    requires_grad=st.booleans(),
+)
+def test_generated_programs_run_the_ops_they_were_traced_with(names, dtype, requires_grad):
+    # Off XLA each recorded op is called through torch's Python binding of its name, which
+    # picks an overload from the arguments: it must pick the traced one (same values, dtype,
+    # shape, strides, gradients as eager, bit for bit).
+    def program(x, y):
+        return tuple(OPS[name](x, y) for name in names)
+
+    grad = requires_grad and dtype.is_floating_point
+    make = torch.randn if dtype.is_floating_point else lambda *shape, dtype: torch.randint(-3, 4, shape, dtype=dtype)
+    torch.manual_seed(0)
+    x, y = make(3, 4, dtype=dtype).requires_grad_(grad), make(3, 4, dtype=dtype).requires_grad_(grad)
+    pure = hops.assume_pure(program)
+    for _ in range(2):  # traced, then from the cache
+        got, expected = pure(x, y), program(x, y)
+        for name, a, b in zip(names, got, expected):
+            assert (a.dtype, a.shape, a.stride(), a.requires_grad) == (b.dtype, b.shape, b.stride(), b.requires_grad), name
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        if grad:
+            weighted = [(i + 1) * o.sum() for i, (o, e) in enumerate(zip(got, expected)) if o.requires_grad]
+            if weighted:
+                reference = [(i + 1) * e.sum() for i, (o, e) in enumerate(zip(got, expected)) if o.requires_grad]
+                got_grads = torch.autograd.grad(sum(weighted), [x, y], allow_unused=True)
+                expected_grads = torch.autograd.grad(sum(reference), [x, y], allow_unused=True)
+                torch.testing.assert_close(got_grads, expected_grads, rtol=0, atol=0)
+    assert pure.cache_info().traces == 1
+
+
+def test_the_recorded_code_calls_torch_bindings():
+    def f(x, w):
+        h = torch.nn.functional.linear(x, w).view(2, 2, 4).transpose(1, 2)
+        return h.softmax(-1).sum(dtype=torch.float64) + x[:, 1:].mean()
+
+    pure = hops.assume_pure(f)
+    pure(torch.randn(4, 4), torch.randn(4, 4))
+    [trace] = pure.cached()
+    assert normalize(trace.run.run_graph.code) == normalize("""\
+def forward(self, arg0_1, arg1_1):
+    linear = torch._C._nn.linear(arg0_1, arg1_1);  arg1_1 = None
+    view = torch_Tensor_view(linear, [2, 2, 4]);  linear = None
+    transpose = torch.transpose(view, 1, 2);  view = None
+    softmax = torch.softmax(transpose, -1);  transpose = None
+    sum_1 = torch.sum(softmax, dtype = torch.float64);  softmax = None
+    slice_1 = torch.ops.aten.slice.Tensor(arg0_1, 1, 1, 9223372036854775807);  arg0_1 = None
+    mean = torch.mean(slice_1);  slice_1 = None
+    add = torch.add(sum_1, mean);  sum_1 = mean = None
+    return (add,)
+""")
 
 
 # --------------------------------------------------------------------------- on XLA
