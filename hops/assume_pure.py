@@ -1,7 +1,8 @@
 """``hops.assume_pure(fn)``: trace ``fn`` once per input signature, then run the cached graphs.
 
 The first call with a signature (the pytree structure of the arguments; each tensor's
-shape, dtype, device, layout and ``requires_grad``; each other leaf's value, spec values
+shape, strides (a graph keeps the layout decisions of its trace: a ``view`` valid on those
+strides only), dtype, device, layout and ``requires_grad``; each other leaf's value, spec values
 included; and whether grad mode is on) traces ``fn`` above autograd (its ops as it calls
 them, its grad mode changes kept), the HOPs of this package kept as nodes, and caches the
 graph. Later calls with that signature run the cached graph: ``fn``'s Python does not run
@@ -295,7 +296,7 @@ def _walk(tree: tuple | list | dict, tensors: list, parts: list) -> bool:
                 return False
         elif isinstance(value, torch.Tensor):
             tensors.append(value)
-            parts.append((kind, value.shape, value.dtype, value.device, value.layout, value.requires_grad))
+            parts.append((kind, value.shape, value.stride(), value.dtype, value.device, value.layout, value.requires_grad))
         elif value is None:  # a pytree node without leaves
             parts.append(None)
         elif isinstance(value, _CONTAINERS) or kind in pytree.SUPPORTED_NODES:
@@ -307,7 +308,7 @@ def _walk(tree: tuple | list | dict, tensors: list, parts: list) -> bool:
 
 def _leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
-        return (type(leaf), leaf.shape, leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad)
+        return (type(leaf), leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad)
     hash(leaf)  # a TypeError names the unhashable leaf in __call__
     return (type(leaf), leaf)
 

@@ -573,3 +573,25 @@ def test_on_xla_forward_and_backward_are_one_lazy_node_each():
     expected = torch.autograd.grad(stacked_layers(x, weights, specs).sum(), [x, *weights])
     torch.testing.assert_close([g.cpu() for g in grads], list(expected), atol=1e-5, rtol=1e-4)
     assert pure.cache_info().traces == 1
+
+
+@pytest.mark.parametrize("first", ["contiguous", "transposed"])
+def test_an_argument_laid_out_otherwise_is_traced_again(runner, first):
+    """A graph keeps its trace's layout decisions (``reshape`` traced on a contiguous tensor is
+    a ``view``): the same shape in another layout is another signature."""
+
+    def fn(x, w):
+        return x.reshape(-1, 4) @ w
+
+    pure = hops.assume_pure(fn)
+    base = torch.randn(4, 8)
+    layouts = {"contiguous": base.contiguous(), "transposed": base.t().contiguous().t()}
+    w = torch.randn(4, 3, requires_grad=True)
+    for name in (first, *(n for n in layouts if n != first)):
+        x = layouts[name].detach().requires_grad_()
+        out = pure(x, w)
+        expected_x, expected_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        expected = fn(expected_x, expected_w)
+        torch.testing.assert_close(out, expected)
+        grads = torch.autograd.grad(out.sum(), (x, w))
+        torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), (expected_x, expected_w)))
