@@ -15,6 +15,13 @@ read only node args (never ``node.meta``), so deleting meta cannot change a resu
 changed graph is linted, loses submodules nothing refers to any more, and is recompiled;
 the walk is linear in the number of nodes.
 
+A pass rewrites the graph it is given in place, and only that graph: the bodies nested in
+it are first made its own copies (``own_subgraphs``), as they may be shared with what it
+was made from (``ExportedProgram.module()`` hands out the program's own bodies). A node a
+rule makes gets the ``meta["val"]`` its op computes on its inputs' values (``fill_vals``)
+in a graph whose values are fake tensors, as every traced graph's are, so the graph stays
+one that tools reading values (``torch.export``'s verifier, the solver) accept.
+
 The targets are not the only per-HOP tables: the solver's view of a HOP (``placement_graph``:
 what it fixes, its body's scope; the shapes of its results), ``check_placements``' rule and
 ``format_placements``' rule are tables of the same shape, made with ``hop_table(name)``;
@@ -25,12 +32,14 @@ explicit row ``ordinary_op``, so a missing row always means a forgotten one.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import operator
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 Rule = Callable[[fx.Node], None]
@@ -173,6 +182,82 @@ def _drop_unreferenced_subgraphs(module: fx.GraphModule) -> None:
             delattr(module, name)
 
 
+def own_subgraphs(gm: fx.GraphModule) -> None:
+    """Replace every GraphModule nested in ``gm`` (HOP bodies, at any depth) by a copy of its
+    own, so a pass rewriting bodies in place changes ``gm`` and nothing else.
+
+    ``torch.export.ExportedProgram.module()`` (torch 2.9 .. 2.15) copies the top graph but
+    shares the program's body modules: a pass run on it rewrote the exported program's bodies
+    too (which then no longer ran as exported, and which ``torch.export.save`` refused: a
+    node the rewrite made had no ``meta["val"]``). Copies keep node names and meta (shallow);
+    a body two graphs of ``gm`` share stays shared between their copies."""
+    copies: dict[int, fx.GraphModule] = {}
+
+    def own(module: fx.GraphModule) -> None:
+        for name, child in list(module.named_children()):
+            if not isinstance(child, fx.GraphModule):
+                continue
+            if id(child) not in copies:
+                graph = copy.deepcopy(child.graph)  # nodes copied with their names and meta
+                # Not torch's lazily compiled module: its ``forward`` calls the module
+                # (hooks and all), where a target's runner calls a body's ``forward``.
+                duplicate = fx.GraphModule(child, graph, class_name=type(child).__name__)
+                duplicate.meta.update(getattr(child, "meta", {}))
+                copies[id(child)] = duplicate
+                own(duplicate)
+            setattr(module, name, copies[id(child)])
+
+    own(gm)
+
+
+def _fake_mode_of(graph: fx.Graph) -> Any:
+    for node in graph.nodes:
+        for value in torch.utils._pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, FakeTensor):
+                return value.fake_mode
+    return None
+
+
+class _Unknown:
+    """An input whose value is not known (a node without ``meta["val"]``)."""
+
+
+def _valued_target(target: Any, args: Any) -> bool:
+    """Whether ``fill_vals`` may compute a node of ``target``: an op, ``getitem``, or a HOP
+    without bodies (a kernel, an annotation); never a Python function (a runner)."""
+    if isinstance(target, torch._ops.OpOverload) or target is operator.getitem:
+        return True
+    return isinstance(target, torch._ops.HigherOrderOperator) and not any(
+        isinstance(a, fx.Node) and a.op == "get_attr" for a in torch.utils._pytree.tree_leaves(args)
+    )
+
+
+def fill_vals(graph: fx.Graph) -> None:
+    """Give every node of ``graph`` that lacks ``meta["val"]`` (one a rule made) the value its
+    target computes on its inputs' values, under their fake mode. A graph without fake values
+    (built by hand, traced on real tensors) is left as it is, and so is a node whose inputs'
+    values are not all known, whose target is a Python function (run only on real values), or
+    that its op cannot compute on fake tensors (an op of a device library without a fake
+    kernel, say): nothing reads a missing value as more than unknown."""
+    missing = [n for n in graph.nodes if n.op == "call_function" and "val" not in n.meta]
+    if not missing:
+        return
+    fake_mode = _fake_mode_of(graph)
+    if fake_mode is None:
+        return
+    for node in missing:
+        if not _valued_target(node.target, node.args):
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val", _Unknown))
+        if any(v is _Unknown for v in torch.utils._pytree.tree_leaves((args, kwargs))):
+            continue
+        try:
+            with fake_mode:
+                node.meta["val"] = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - an op without a fake kernel: its value stays unknown
+            continue
+
+
 def body_attrs(node: fx.Node) -> list[fx.Node]:
     """The ``get_attr`` nodes of a HOP node's bodies: its first argument, or the tuple of
     them of a HOP whose spec offers options (one body per option, ``local_map``'s
@@ -294,6 +379,11 @@ class HopRulePass(PassBase):
             )
         return rule
 
+    def __call__(self, graph_module: fx.GraphModule) -> PassResult | None:
+        if isinstance(graph_module, fx.GraphModule):  # else ``requires`` refuses it
+            own_subgraphs(graph_module)
+        return super().__call__(graph_module)
+
     def requires(self, graph_module: fx.GraphModule) -> None:
         if not isinstance(graph_module, fx.GraphModule):
             raise TypeError(f"{self.name} expects a torch.fx.GraphModule, got {type(graph_module).__name__}")
@@ -310,6 +400,7 @@ class HopRulePass(PassBase):
                         rule(node)
                         graph_changed = True
             if graph_changed:
+                fill_vals(module.graph)
                 module.graph.lint()
                 _drop_unreferenced_subgraphs(module)  # e.g. bodies of inlined regions
                 module.recompile()

@@ -198,6 +198,9 @@ def call_kernel_op(node: fx.Node, target: str) -> None:
     node.target = kernel_hop.op
     node.args = (tensors, repr(params))
     node.kwargs = {}
+    value = node.meta.get("val")
+    if value is not None:  # the op returns a list where the HOP returned a tensor or a tuple
+        node.meta["val"] = list(value) if isinstance(value, (tuple, list)) else [value]
     if single:  # a one-output kernel: its users read the op's only element
         with node.graph.inserting_after(node):
             first = node.graph.call_function(operator.getitem, (node, 0))

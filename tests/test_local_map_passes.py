@@ -49,9 +49,9 @@ class TestInlineLocalMap(TestCase):
 class <lambda>(torch.nn.Module):
     def forward(self, t_1: "f32[4, 4]"):
         chunk_default = torch.ops.aten.chunk.default(t_1, 2, 0)
-        getitem_1 = chunk_default[0]
+        getitem_1: "f32[2, 4]" = chunk_default[0]
         mul: "f32[2, 4]" = torch.ops.aten.mul.Tensor(getitem_1, 3)
-        getitem_2 = chunk_default[1]
+        getitem_2: "f32[2, 4]" = chunk_default[1]
         mul_1: "f32[2, 4]" = torch.ops.aten.mul.Tensor(getitem_2, 3)
         cat_default = torch.ops.aten.cat.default([mul, mul_1], 0)
         add: "f32[4, 4]" = torch.ops.aten.add.Tensor(cat_default, 1)
