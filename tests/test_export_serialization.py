@@ -201,3 +201,131 @@ def test_each_hop_nested_in_each_body_hop_round_trips(outer, inner, constant_out
     assert [t for _, t, _ in hop_calls(loaded.graph_module)] == [t for _, t, _ in hop_calls(exported.graph_module)]
     torch.testing.assert_close(loaded.module()(x), program(x))
     torch.testing.assert_close(loaded.module()(x * 2), program(x * 2))
+
+
+# --------------------------------------------------------------------------- several HOPs in one body, at depth 2
+#
+# A scan step holding several HOPs, one of them a body HOP (a named scope or a replicated
+# region) holding several more: exported, lowered by the package's passes on the program's
+# ``module()`` (as a user compares targets), saved, loaded and run. ``module()`` shares the
+# program's bodies, so a pass that rewrote them in place broke the saved program (a node the
+# rewrite made had no ``meta["val"]``: ``SpecViolationError`` in ``torch.export.save``).
+
+REPLICATED = (hops.Replicate(), hops.Replicate())
+
+LEAVES = {
+    "annotation": lambda v, w, b: hops.annotate_sharding(v * 2, ROWS),
+    "kernel": lambda v, w, b: export_scaled(v, scale=0.5),
+    "einsum": lambda v, w, b: hops.einsum("ij,jk->ik", v, w),
+    "einsum_linear": lambda v, w, b: hops.einsum_linear(v, w, b),
+    "local_map": lambda v, w, b: hops.local_map(_tripled, out_placements=REPLICATED, in_placements=(REPLICATED,), device_mesh=MESH)(v),
+    "named_scope": lambda v, w, b: hops.named_scope("leaf")(_sine)(v),
+}
+
+
+def _chain(leaves):
+    def run(v, w, b):
+        for leaf in leaves:
+            v = torch.tanh(LEAVES[leaf](v, w, b))
+        return v
+
+    return run
+
+
+def _container(kind, leaves):
+    """A body HOP (``kind``) whose body runs ``leaves`` in order, ``w`` and ``b`` its operands."""
+    body = _chain(leaves)
+    if kind == "named_scope":
+        return lambda v, w, b: hops.named_scope("block")(body)(v, w, b)
+    placements = (REPLICATED, REPLICATED, (hops.Replicate(),) * 2)
+    return lambda v, w, b: hops.local_map(body, out_placements=REPLICATED, in_placements=placements, device_mesh=MESH)(v, w, b)
+
+
+def _depth_two_program(before, kind, inside, after):
+    """``scan`` whose step runs the HOPs ``before``, a ``kind`` body HOP running ``inside``, then ``after``."""
+    inner = _container(kind, inside)
+
+    def step(c, x, w, b):
+        v = _chain(before)(c + x, w, b)
+        v = torch.tanh(inner(v, w, b))
+        v = _chain(after)(v, w, b)
+        return v, v.sum()
+
+    def program(h, xs, w, b):
+        return hops.scan(step, h, xs, additional_inputs=(w, b))
+
+    return program
+
+
+class _ValueChecker(fx.Interpreter):
+    """Runs a graph, checking each call's result against the node's ``meta["val"]``."""
+
+    def run_node(self, node):
+        result = super().run_node(node)
+        if node.op == "call_function":
+            assert "val" in node.meta, f"{node.format_node()} has no meta['val']"
+            for value, recorded in zip(torch.utils._pytree.tree_leaves(result), torch.utils._pytree.tree_leaves(node.meta["val"]), strict=True):
+                if isinstance(value, torch.Tensor):
+                    assert (tuple(recorded.shape), recorded.dtype) == (tuple(value.shape), value.dtype), node.format_node()
+        return result
+
+
+def _checking_vals(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with every graph in it run by ``_ValueChecker``."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            module.forward = lambda *args, module=module: _ValueChecker(module).run(*args)
+    return gm
+
+
+LEAF_NAMES = sorted(LEAVES)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    order=st.permutations(LEAF_NAMES),
+    cuts=st.tuples(st.integers(0, len(LEAF_NAMES)), st.integers(0, len(LEAF_NAMES))),
+    kind=st.sampled_from(["named_scope", "local_map"]),
+    strict=st.booleans(),
+)
+def test_several_hops_at_depth_two_lower_save_load_and_run(order, cuts, kind, strict):
+    first, second = sorted(cuts)
+    inside = [leaf for leaf in order[first:second] if not (kind == "local_map" and leaf == "local_map")] or ["kernel"]
+    program = _depth_two_program(order[:first], kind, inside, order[second:])
+    g = torch.Generator().manual_seed(first * 7 + second)
+    h, xs, w, b = torch.randn(4, 4, generator=g), torch.randn(3, 4, 4, generator=g), torch.randn(4, 4, generator=g) * 0.5, torch.randn(4, generator=g)
+    exported = torch.export.export(Module(program), (h, xs, w, b), strict=strict)
+    saved = exported.graph_module.print_readable(print_output=False)
+    lowered = _checking_vals(passes.inline_hops(exported.module()))
+    # The pass rewrote its own copy of the bodies, not the program's.
+    assert exported.graph_module.print_readable(print_output=False) == saved
+    loaded = round_trip(exported)
+    assert [t for _, t, _ in hop_calls(loaded.graph_module)] == [t for _, t, _ in hop_calls(exported.graph_module)]
+    h2, xs2 = torch.randn(4, 4, generator=g), torch.randn(3, 4, 4, generator=g)
+    for args in ((h, xs, w, b), (h2, xs2, w, b)):
+        expected = program(*args)
+        torch.testing.assert_close(loaded.module()(*args), expected)
+        torch.testing.assert_close(lowered(*args), expected)
+    # The same of the loaded program: lowered, then saved again.
+    lowered_loaded = passes.inline_hops(loaded.module())
+    again = round_trip(loaded)
+    for args in ((h, xs, w, b), (h2, xs2, w, b)):
+        expected = program(*args)
+        torch.testing.assert_close(lowered_loaded(*args), expected)
+        torch.testing.assert_close(again.module()(*args), expected)
+
+
+@pytest.mark.parametrize("lower", ["inline_hops", "unroll_scan"])
+def test_a_pass_on_the_programs_module_leaves_the_program_as_exported(lower):
+    # Every pass rewrites its own copy of the bodies, and gives the nodes it makes values.
+    torch.manual_seed(0)
+    model, h, xs = EveryHopScan(), torch.randn(4, 4), torch.randn(3, 4, 4)
+    program = torch.export.export(model, (h, xs))
+    saved = program.graph_module.print_readable(print_output=False)
+    lowered = _checking_vals(getattr(passes, lower)(program.module()))
+    assert program.graph_module.print_readable(print_output=False) == saved
+    loaded = round_trip(program)
+    with torch.no_grad():
+        expected = model(h, xs)
+        torch.testing.assert_close(lowered(h, xs), expected)
+        torch.testing.assert_close(loaded.module()(h, xs), expected)
