@@ -666,6 +666,10 @@ def _register_export_body_tuples(serialize: Any, serializer: Any, deserializer: 
 # - ``Replicate + Partial`` (the replicated operand first) all-reduces the ``Partial`` one, and
 #   ``zeros_like`` of a ``Partial`` value is ``Replicate``, where 2.13 takes the replicated operand
 #   as ``Partial`` locally: a gradient summed over a loop's steps is reduced at every step.
+# Dynamo 2.9 refuses a body calling ``torch.func.functional_call`` on a module with
+# submodules ("Mutating a variable not in the current scope": the call swaps parameters in
+# place), so a scanned-layers step graph-breaks at the scan there; 2.13 and later trace it.
+DYNAMO_SPECULATES_FUNCTIONAL_CALL = TORCH_VERSION >= (2, 13)
 DTENSOR_SELECT_ALIASES_INPUT_SPEC = TORCH_VERSION < (2, 13)
 DTENSOR_FLATTENS_SHARDED_DIMS = TORCH_VERSION >= (2, 13)
 DTENSOR_RUNS_FILL_SCALAR = TORCH_VERSION >= (2, 13)

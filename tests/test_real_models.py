@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
-from hops import ShardingSpec
+from hops import ShardingSpec, _compat
 from tests.helpers import real_models as rm
 from tests.helpers.snapshot import aot_trace
 
@@ -179,12 +179,14 @@ def test_scanned_layers_export(name):
 
 @pytest.mark.parametrize("name", some("hf_llama_sdpa"))
 def test_scanned_layers_compile(name):
-    """The default backend (inductor), the loss inside the compiled function."""
+    """The default backend (inductor), the loss inside the compiled function. On torch 2.9
+    Dynamo cannot trace a step calling ``functional_call`` (``_compat``): the compile
+    graph-breaks at the scan there, and the numbers must still be right."""
     real = build(name)
     (ids, targets), (expected_loss, expected_grads) = reference(real)
     scanned = rm.ScannedDecoder(real)
     torch._dynamo.reset()
-    compiled = torch.compile(LossOf(scanned), fullgraph=True)
+    compiled = torch.compile(LossOf(scanned), fullgraph=_compat.DYNAMO_SPECULATES_FUNCTIONAL_CALL)
     loss = compiled(ids, targets, *rm.layer_tensors(real))
     loss.backward()
     assert_same(loss.detach(), scanned.grads_by_plain_name(), expected_loss, expected_grads, rtol=1e-4, atol=1e-5)
