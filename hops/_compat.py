@@ -495,6 +495,9 @@ def inductor_tracing(fake_mode: Any) -> Iterator[None]:
         yield
 
 
+_UNDONATED_WRAPPERS: set = set()  # the wrappers installed (no attribute of our own on torch's)
+
+
 def undonated_subgraph_inputs() -> None:
     """Keep inductor from overwriting the inputs of a subgraph it lowers (a ``while_loop``'s
     body and condition, a scan's lowering) as donated buffers.
@@ -516,7 +519,7 @@ def undonated_subgraph_inputs() -> None:
     from torch._inductor.graph import SubgraphLowering
 
     init = SubgraphLowering.__init__
-    if getattr(init, "hops_undonated", False):
+    if init in _UNDONATED_WRAPPERS:
         return
 
     @functools.wraps(init)
@@ -524,7 +527,7 @@ def undonated_subgraph_inputs() -> None:
         init(self, *args, **kwargs)
         self.bw_donated_idxs = None
 
-    __init__.hops_undonated = True  # type: ignore[attr-defined]
+    _UNDONATED_WRAPPERS.add(__init__)
     SubgraphLowering.__init__ = __init__
 
 
