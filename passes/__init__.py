@@ -10,7 +10,10 @@ Each lowering target is a table of rules, one per HOP (``passes/_infra.py``):
   ``local_map`` regions on local shards, a scan as a Python loop over DTensor steps; runs on
   real processes (``torch.distributed``);
 - ``unroll_scan`` (target ``"unroll"``, ``passes/unroll.py``): a scan -> ``length`` copies of
-  its body (for backends without loops); other HOPs are kept.
+  its body (for backends without loops); other HOPs are kept;
+- ``lower_to_jax`` (target ``"jax"``, ``passes/jax/``): a graph -> a JAX function of its inputs
+  (annotations -> ``with_sharding_constraint``, regions -> ``shard_map``, a scan -> ``lax.scan``;
+  ATen ops by a table of its own); needs jax (the ``jax`` extra), imported when it first runs.
 
 The sharding solver (``passes/solver/``): ``placement_graph``, ``solve_placements``,
 ``apply_placements``, ``format_placements``, ``draw_placements``.
@@ -51,11 +54,12 @@ _LAZY = {
         "passes.solver",
     ),
     "unroll_scan": "passes.unroll",
+    "lower_to_jax": "passes.jax",
     **dict.fromkeys(["lower_to_xla", "run_in_named_scope", "run_scan"], "passes.xla"),
 }
 # Every target's rule table: the registry's names are complete once these are imported.
-_TARGETS = ("passes.inline", "passes.xla", "passes.dtensor", "passes.unroll")
-_SUBMODULES = frozenset({"backends", "check", "dtensor", "inline", "solver", "unroll", "xla"})
+_TARGETS = ("passes.inline", "passes.xla", "passes.dtensor", "passes.unroll", "passes.jax")
+_SUBMODULES = frozenset({"backends", "check", "dtensor", "inline", "jax", "solver", "unroll", "xla"})
 
 
 def __getattr__(name: str) -> Any:
@@ -82,6 +86,7 @@ __all__ = [
     "lower_to_dtensor",
     "collective_counts",
     "unroll_scan",
+    "lower_to_jax",
     "check_placements",
     "run_scan",
     "run_scan_loop",

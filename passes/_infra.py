@@ -73,6 +73,7 @@ TABLE_MODULES = (
     "passes.xla",
     "passes.dtensor",
     "passes.unroll",
+    "passes.jax",
     "passes.check",
     "passes.solver",
 )

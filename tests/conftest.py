@@ -1,7 +1,7 @@
 """Test set-up shared by every test module.
 
-torch_xla reads PJRT_DEVICE / CPU_NUM_DEVICES when it starts, so they are set before any
-import of it. When torch_xla is present, SPMD is switched on and the XLA device is created
+torch_xla reads PJRT_DEVICE / CPU_NUM_DEVICES when it starts, and jax reads XLA_FLAGS, so they
+are set before any import of either. When torch_xla is present, SPMD is switched on and the XLA device is created
 at session start, and one XLA backward runs: autograd on XLA tensors fails if a CPU
 backward ran first, and tests must not depend on their order.
 """
@@ -10,6 +10,11 @@ import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "4")
+# jax (target "jax", tests/test_jax_target.py) reads this when it is first imported: 4 virtual CPU
+# devices for its meshes. Appended to flags already set (the 2.9 leg's XLA tests pass with it: torch_xla
+# sizes its CPU client from CPU_NUM_DEVICES, also 4).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,0 +1,633 @@
+"""The ATen ops of target ``"jax"``: one small rule per op, written with ``jax.numpy`` / ``lax``.
+
+``ATEN`` maps an ``OpOverload`` (or, for every overload of an op, its ``OpOverloadPacket``) to
+a function of the node's arguments, tensors being ``jax.Array``s (or tracers) and everything
+else as the graph holds it (ints, floats, dtypes, lists). The table holds the core ATen ops the
+decomposed graphs of this package's programs hold (``make_fx`` / AOTAutograd graphs of the
+samples and the examples: arithmetic, reductions, views, matmuls, creation ops, the backward
+ops of activations and softmax); ``rule_of`` refuses any other op with ``NoJaxRule`` naming it,
+when the graph is lowered, before anything runs.
+
+Why a table of our own and not torchax's (measured on this machine, ``../shared/RESEARCH.md``):
+torchax 0.0.13, the newest release on the registry, fails at import on torch 2.13
+(``aten.prod.dim_Dimname``: an overload torch removed) and its unreleased main still fails on
+2.15 (``aten.qr``); and importing it renames torch's PrivateUse1 backend to ``jax``, after
+which every new Dynamo trace in the process fails. This table imports nothing of torch's
+dispatch and changes nothing in torch.
+
+Rules follow torch's semantics where jax's differ: ``view``-like ops copy (jax arrays are
+values), ``div`` with ``rounding_mode``, ``sum`` of a bool tensor counts in int, a Python
+scalar operand keeps the tensor's dtype (jax's weak types do the same). jax runs in 32 bits
+unless ``jax_enable_x64`` is set: an int64 tensor becomes int32 there, as in any jax program.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable
+
+import torch
+
+from passes._infra import PassError
+
+aten = torch.ops.aten
+
+# OpOverload or OpOverloadPacket -> function(*args, **kwargs) on jax values
+ATEN: dict[Any, Callable[..., Any]] = {}
+
+# Python functions a traced graph calls on sizes (SymInts) or containers: run as they are.
+PYTHON_FUNCTIONS = frozenset(
+    {
+        operator.getitem,
+        operator.add,
+        operator.sub,
+        operator.mul,
+        operator.floordiv,
+        operator.truediv,
+        operator.mod,
+        operator.neg,
+        operator.pow,
+        operator.eq,
+        operator.ne,
+        operator.lt,
+        operator.le,
+        operator.gt,
+        operator.ge,
+        math.ceil,
+        math.floor,
+        math.sqrt,
+    }
+)
+
+
+class NoJaxRule(PassError):
+    """An op in a graph lowered to JAX that target ``"jax"`` has no rule for; ``op`` names it."""
+
+    def __init__(self, message: str, op: Any) -> None:
+        super().__init__(message)
+        self.op = op
+
+
+def register(*ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register the decorated function as the JAX rule of each of ``ops``."""
+
+    def add(rule: Callable[..., Any]) -> Callable[..., Any]:
+        for op in ops:
+            ATEN[op] = rule
+        return rule
+
+    return add
+
+
+def rule_of(op: Any, where: str) -> Callable[..., Any]:
+    """The JAX rule of ``op`` (its overload's, else its packet's); ``NoJaxRule`` naming the op
+    and ``where`` (the node) if it has none."""
+    rule = ATEN.get(op)
+    if rule is None and isinstance(op, torch._ops.OpOverload):
+        rule = ATEN.get(op.overloadpacket)
+    if rule is None and op in PYTHON_FUNCTIONS:
+        rule = op
+    if rule is None:
+        raise NoJaxRule(
+            f"lower_to_jax: {where}: no JAX rule for {op} (target 'jax' has its own table of core ATen ops, "
+            "passes/jax/aten.py); add one with passes.jax.aten.register",
+            op,
+        )
+    return rule
+
+
+def jnp() -> Any:
+    import jax.numpy
+
+    return jax.numpy
+
+
+def lax() -> Any:
+    import jax.lax
+
+    return jax.lax
+
+
+_DTYPES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
+    torch.complex64: "complex64",
+    torch.complex128: "complex128",
+}
+
+
+def jax_dtype(dtype: torch.dtype | None) -> Any:
+    """The jax dtype of a torch dtype (``None`` stays ``None``); ``TypeError`` naming it if it has none."""
+    if dtype is None:
+        return None
+    name = _DTYPES.get(dtype)
+    if name is None:
+        raise TypeError(f"lower_to_jax: the torch dtype {dtype} has no jax dtype here")
+    return getattr(jnp(), name)
+
+
+def _dims(dim: Any, ndim: int) -> tuple[int, ...] | None:
+    if dim is None:
+        return None
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    if not dims:
+        return None  # torch: an empty dim list reduces over every dim
+    return tuple(d % max(ndim, 1) for d in dims)
+
+
+def _creation_dtype(kwargs: dict[str, Any], default: Any = None) -> Any:
+    dtype = kwargs.get("dtype")
+    return jax_dtype(dtype) if dtype is not None else (default if default is not None else jnp().float32)
+
+
+# ---------------------------------------------------------------- elementwise
+
+
+def _unary(name: str) -> Callable[..., Any]:
+    return lambda x: getattr(jnp(), name)(x)
+
+
+for _op, _name in (
+    (aten.sin, "sin"),
+    (aten.cos, "cos"),
+    (aten.tan, "tan"),
+    (aten.tanh, "tanh"),
+    (aten.exp, "exp"),
+    (aten.expm1, "expm1"),
+    (aten.log, "log"),
+    (aten.log1p, "log1p"),
+    (aten.log2, "log2"),
+    (aten.sqrt, "sqrt"),
+    (aten.neg, "negative"),
+    (aten.abs, "abs"),
+    (aten.sign, "sign"),
+    (aten.sgn, "sign"),
+    (aten.floor, "floor"),
+    (aten.ceil, "ceil"),
+    (aten.round, "round"),
+    (aten.reciprocal, "reciprocal"),
+    (aten.logical_not, "logical_not"),
+    (aten.bitwise_not, "invert"),
+    (aten.isnan, "isnan"),
+    (aten.isinf, "isinf"),
+):
+    ATEN[_op] = _unary(_name)
+
+
+@register(aten.erf)
+def _erf(x):
+    import jax.scipy.special
+
+    return jax.scipy.special.erf(x)
+
+
+@register(aten.rsqrt)
+def _rsqrt(x):
+    return lax().rsqrt(x)
+
+
+@register(aten.sigmoid)
+def _sigmoid(x):
+    import jax
+
+    return jax.nn.sigmoid(x)
+
+
+@register(aten.relu)
+def _relu(x):
+    return jnp().maximum(x, 0).astype(x.dtype)
+
+
+@register(aten.gelu)
+def _gelu(x, approximate="none"):
+    import jax
+
+    return jax.nn.gelu(x, approximate=approximate == "tanh")
+
+
+@register(aten.silu)
+def _silu(x):
+    import jax
+
+    return jax.nn.silu(x)
+
+
+@register(aten.add)
+def _add(x, y, alpha=1):
+    return jnp().add(x, y if alpha == 1 else y * alpha)
+
+
+@register(aten.sub)
+def _sub(x, y, alpha=1):
+    return jnp().subtract(x, y if alpha == 1 else y * alpha)
+
+
+@register(aten.rsub)
+def _rsub(x, y, alpha=1):
+    return jnp().subtract(y, x if alpha == 1 else x * alpha)
+
+
+@register(aten.mul)
+def _mul(x, y):
+    return jnp().multiply(x, y)
+
+
+@register(aten.div)
+def _div(x, y, rounding_mode=None):
+    if rounding_mode == "floor":
+        return jnp().floor_divide(x, y)
+    quotient = jnp().true_divide(x, y)
+    if rounding_mode == "trunc":
+        quotient = jnp().trunc(quotient)
+        dtype = jnp().result_type(x, y)
+        return quotient.astype(dtype)
+    return quotient
+
+
+@register(aten.pow)
+def _pow(x, y):
+    return jnp().power(x, y)
+
+
+for _op, _name in (
+    (aten.maximum, "maximum"),
+    (aten.minimum, "minimum"),
+    (aten.eq, "equal"),
+    (aten.ne, "not_equal"),
+    (aten.lt, "less"),
+    (aten.le, "less_equal"),
+    (aten.gt, "greater"),
+    (aten.ge, "greater_equal"),
+    (aten.logical_and, "logical_and"),
+    (aten.logical_or, "logical_or"),
+    (aten.bitwise_and, "bitwise_and"),
+    (aten.bitwise_or, "bitwise_or"),
+    (aten.remainder, "remainder"),
+    (aten.atan2, "arctan2"),
+):
+    ATEN[_op] = (lambda name: lambda x, y: getattr(jnp(), name)(x, y))(_name)
+
+
+@register(aten.where)
+def _where(condition, x, y):
+    return jnp().where(condition, x, y)
+
+
+@register(aten.clamp)
+def _clamp(x, min=None, max=None):
+    return jnp().clip(x, min, max)
+
+
+@register(aten.masked_fill)
+def _masked_fill(x, mask, value):
+    return jnp().where(mask, jnp().asarray(value, dtype=x.dtype), x)
+
+
+@register(aten.lerp)
+def _lerp(x, end, weight):
+    return x + weight * (end - x)
+
+
+# ---------------------------------------------------------------- backward ops of activations
+
+
+@register(aten.tanh_backward)
+def _tanh_backward(grad, output):
+    return grad * (1 - output * output)
+
+
+@register(aten.sigmoid_backward)
+def _sigmoid_backward(grad, output):
+    return grad * output * (1 - output)
+
+
+@register(aten.threshold_backward)
+def _threshold_backward(grad, x, threshold):
+    return jnp().where(x <= threshold, jnp().zeros_like(grad), grad)
+
+
+@register(aten.gelu_backward)
+def _gelu_backward(grad, x, approximate="none"):
+    import jax
+
+    return jax.vjp(lambda v: _gelu(v, approximate), x)[1](grad)[0]
+
+
+@register(aten.silu_backward)
+def _silu_backward(grad, x):
+    import jax
+
+    sigmoid = jax.nn.sigmoid(x)
+    return grad * sigmoid * (1 + x * (1 - sigmoid))
+
+
+@register(aten._softmax)
+def _softmax(x, dim, half_to_float=False):
+    import jax
+
+    return jax.nn.softmax(x, axis=dim)
+
+
+@register(aten._log_softmax)
+def _log_softmax(x, dim, half_to_float=False):
+    import jax
+
+    return jax.nn.log_softmax(x, axis=dim)
+
+
+@register(aten._softmax_backward_data)
+def _softmax_backward_data(grad, output, dim, input_dtype):
+    return output * (grad - (grad * output).sum(axis=dim, keepdims=True))
+
+
+@register(aten._log_softmax_backward_data)
+def _log_softmax_backward_data(grad, output, dim, input_dtype):
+    return grad - jnp().exp(output) * grad.sum(axis=dim, keepdims=True)
+
+
+# ---------------------------------------------------------------- reductions
+
+
+@register(aten.sum)
+def _sum(x, dim=None, keepdim=False, *, dtype=None):
+    dtype = jax_dtype(dtype)
+    if dtype is None and x.dtype == jnp().bool_:
+        dtype = jnp().int32  # torch counts a bool tensor's True values in an integer
+    return jnp().sum(x, axis=_dims(dim, x.ndim), keepdims=keepdim, dtype=dtype)
+
+
+@register(aten.mean)
+def _mean(x, dim=None, keepdim=False, *, dtype=None):
+    return jnp().mean(x, axis=_dims(dim, x.ndim), keepdims=keepdim, dtype=jax_dtype(dtype))
+
+
+@register(aten.prod)
+def _prod(x, dim=None, keepdim=False, *, dtype=None):
+    return jnp().prod(x, axis=_dims(dim, x.ndim), keepdims=keepdim, dtype=jax_dtype(dtype))
+
+
+@register(aten.amax)
+def _amax(x, dim=(), keepdim=False):
+    return jnp().max(x, axis=_dims(dim, x.ndim), keepdims=keepdim)
+
+
+@register(aten.amin)
+def _amin(x, dim=(), keepdim=False):
+    return jnp().min(x, axis=_dims(dim, x.ndim), keepdims=keepdim)
+
+
+@register(aten.argmax)
+def _argmax(x, dim=None, keepdim=False):
+    return jnp().argmax(x, axis=dim, keepdims=keepdim)
+
+
+@register(aten.argmin)
+def _argmin(x, dim=None, keepdim=False):
+    return jnp().argmin(x, axis=dim, keepdims=keepdim)
+
+
+@register(aten.var)
+def _var(x, dim=None, *, correction=1, keepdim=False):
+    return jnp().var(x, axis=_dims(dim, x.ndim), ddof=1 if correction is None else correction, keepdims=keepdim)
+
+
+@register(aten.any)
+def _any(x, dim=None, keepdim=False):
+    return jnp().any(x, axis=_dims(dim, x.ndim), keepdims=keepdim)
+
+
+@register(aten.all)
+def _all(x, dim=None, keepdim=False):
+    return jnp().all(x, axis=_dims(dim, x.ndim), keepdims=keepdim)
+
+
+# ---------------------------------------------------------------- matmuls
+
+
+@register(aten.mm, aten.bmm, aten.matmul, aten.dot)
+def _matmul(x, y):
+    return jnp().matmul(x, y)
+
+
+@register(aten.addmm, aten.baddbmm)
+def _addmm(bias, x, y, *, beta=1, alpha=1):
+    product = jnp().matmul(x, y)
+    return (bias if beta == 1 else beta * bias) + (product if alpha == 1 else alpha * product)
+
+
+@register(aten.einsum)
+def _einsum(equation, operands, path=None):
+    return jnp().einsum(equation, *operands)
+
+
+# ---------------------------------------------------------------- views and shapes (values: copies)
+
+
+@register(aten.view, aten._unsafe_view, aten.reshape)
+def _view(x, shape):
+    return jnp().reshape(x, tuple(shape))
+
+
+@register(aten.expand)
+def _expand(x, shape, *, implicit=False):
+    shape = tuple(shape)
+    offset = len(shape) - x.ndim
+    sizes = tuple(x.shape[i - offset] if size == -1 else size for i, size in enumerate(shape))
+    return jnp().broadcast_to(x, sizes)
+
+
+@register(aten.permute)
+def _permute(x, dims):
+    return jnp().transpose(x, tuple(dims))
+
+
+@register(aten.t, aten.numpy_T)
+def _t(x):
+    return x.T
+
+
+@register(aten.transpose)
+def _transpose(x, dim0, dim1):
+    return jnp().swapaxes(x, dim0, dim1)
+
+
+@register(aten.unsqueeze)
+def _unsqueeze(x, dim):
+    return jnp().expand_dims(x, dim % (x.ndim + 1))
+
+
+@register(aten.squeeze)
+def _squeeze(x, dim=None):
+    dims = _dims(dim, x.ndim)
+    if dims is None:
+        return jnp().squeeze(x)
+    return jnp().squeeze(x, axis=tuple(d for d in dims if x.shape[d] == 1))
+
+
+@register(aten.slice)
+def _slice(x, dim=0, start=None, end=None, step=1):
+    index = [slice(None)] * x.ndim
+    index[dim] = slice(start, end, step)
+    return x[tuple(index)]
+
+
+@register(aten.select)
+def _select(x, dim, index):
+    return jnp().take(x, index, axis=dim)
+
+
+@register(aten.slice_scatter)
+def _slice_scatter(x, source, dim=0, start=None, end=None, step=1):
+    index = [slice(None)] * x.ndim
+    index[dim] = slice(start, end, step)
+    return x.at[tuple(index)].set(source)
+
+
+@register(aten.slice_backward)
+def _slice_backward(grad, input_sizes, dim, start, end, step):
+    return _slice_scatter(jnp().zeros(tuple(input_sizes), grad.dtype), grad, dim, start, end, step)
+
+
+@register(aten.select_scatter)
+def _select_scatter(x, source, dim, index):
+    where = [slice(None)] * x.ndim
+    where[dim] = index
+    return x.at[tuple(where)].set(source)
+
+
+@register(aten.select_backward)
+def _select_backward(grad, input_sizes, dim, index):
+    return _select_scatter(jnp().zeros(tuple(input_sizes), grad.dtype), grad, dim, index)
+
+
+@register(aten.index_select)
+def _index_select(x, dim, index):
+    return jnp().take(x, index, axis=dim)
+
+
+@register(aten.cat)
+def _cat(tensors, dim=0):
+    return jnp().concatenate(list(tensors), axis=dim)
+
+
+@register(aten.stack)
+def _stack(tensors, dim=0):
+    return jnp().stack(list(tensors), axis=dim)
+
+
+@register(aten.split)
+def _split(x, split_size, dim=0):
+    if not isinstance(split_size, int):
+        return _split_with_sizes(x, split_size, dim)
+    size = x.shape[dim]
+    return _split_with_sizes(x, [min(split_size, size - start) for start in range(0, size, split_size)], dim)
+
+
+@register(aten.split_with_sizes)
+def _split_with_sizes(x, sizes, dim=0):
+    points = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+    return list(jnp().split(x, points, axis=dim))
+
+
+@register(aten.flip)
+def _flip(x, dims):
+    return jnp().flip(x, axis=tuple(dims))
+
+
+@register(aten.embedding)
+def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return jnp().take(weight, indices, axis=0)
+
+
+@register(aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy, aten.contiguous)
+def _identity(x, *args, **kwargs):
+    return x
+
+
+@register(aten._to_copy)
+def _to_copy(x, *, dtype=None, **kwargs):
+    return x if dtype is None else x.astype(jax_dtype(dtype))
+
+
+@register(aten.copy)
+def _copy(destination, source, non_blocking=False):
+    return jnp().broadcast_to(source, destination.shape).astype(destination.dtype)
+
+
+@register(aten.sym_size)
+def _sym_size(x, dim):
+    return x.shape[dim]
+
+
+@register(aten.sym_numel)
+def _sym_numel(x):
+    return x.size
+
+
+# ---------------------------------------------------------------- creation
+
+
+@register(aten.zeros)
+def _zeros(size, **kwargs):
+    return jnp().zeros(tuple(size), _creation_dtype(kwargs))
+
+
+@register(aten.ones)
+def _ones(size, **kwargs):
+    return jnp().ones(tuple(size), _creation_dtype(kwargs))
+
+
+@register(aten.full)
+def _full(size, value, **kwargs):
+    dtype = kwargs.get("dtype")
+    return jnp().full(tuple(size), value, jax_dtype(dtype) if dtype is not None else None)
+
+
+@register(aten.scalar_tensor)
+def _scalar_tensor(value, **kwargs):
+    return jnp().asarray(value, _creation_dtype(kwargs))
+
+
+@register(aten.arange)
+def _arange(*args, **kwargs):
+    dtype = kwargs.get("dtype")
+    return jnp().arange(*args, dtype=jax_dtype(dtype) if dtype is not None else None)
+
+
+@register(aten.empty)
+def _empty(size, **kwargs):
+    return jnp().zeros(tuple(size), _creation_dtype(kwargs))  # any value will do: zeros
+
+
+@register(aten.zeros_like, aten.new_zeros, aten.empty_like, aten.new_empty)
+def _zeros_like(x, size=None, **kwargs):
+    return jnp().zeros(x.shape if size is None else tuple(size), _creation_dtype(kwargs, x.dtype))
+
+
+@register(aten.ones_like, aten.new_ones)
+def _ones_like(x, size=None, **kwargs):
+    return jnp().ones(x.shape if size is None else tuple(size), _creation_dtype(kwargs, x.dtype))
+
+
+@register(aten.full_like)
+def _full_like(x, value, **kwargs):
+    return jnp().full(x.shape, value, _creation_dtype(kwargs, x.dtype))
+
+
+@register(aten.new_full)
+def _new_full(x, size, value, **kwargs):
+    return jnp().full(tuple(size), value, _creation_dtype(kwargs, x.dtype))
+
+
+@register(aten.fill)
+def _fill(x, value):
+    return jnp().full(x.shape, value, x.dtype)
