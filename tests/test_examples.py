@@ -11,12 +11,12 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_example(name):
+def run_example(name, *args):
     # A fresh process as a user runs it: not the XLA_USE_SPMD this test process has set.
     env = {k: v for k, v in os.environ.items() if k != "XLA_USE_SPMD"}
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, env=env, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
@@ -28,6 +28,15 @@ def test_sharded_mlp_example():
     assert forward.count('custom_call_target="Sharding"') == 3
     assert backward.count('custom_call_target="Sharding"') == 2
     assert "gradients match eager PyTorch" in backward
+
+
+def test_sharded_mlp_example_through_the_jax_target():
+    pytest.importorskip("jax", reason="target 'jax' needs jax (the 'jax' extra)")
+    forward, backward = run_example("sharded_mlp.py", "--target", "jax").split("# backward StableHLO")
+    layouts = [re.findall(r"sdy\.sharding_constraint %\S+ <@mesh, (\[.*?\])>", text) for text in (forward, backward)]
+    # one per annotation, Shardy's: batch rows over "data", hidden features also over "model"
+    assert layouts == [['[{"data"}, {}]', '[{"data"}, {"model"}]', '[{"data"}, {}]'], ['[{"data"}, {}]', '[{"data"}, {"model"}]']]
+    assert "gradients match eager PyTorch on CPU (target jax, 4 devices)" in backward
 
 
 @pytest.mark.xla
