@@ -33,8 +33,8 @@ each phase's seconds, the optimum. Then, from the same run:
   gradients and Adam state, inputs, saved activations; far below their replicated footprint)
   makes the solver shard more at some cost; the solution's reported memory is within it; a
   budget below the smallest footprint is refused;
-- the MILP solvers on the N=1 scan problem: HiGHS through scipy (the default), HiGHS through
-  highspy, and CBC through PuLP (each optional; skipped with a note when not installed).
+- the search policies on the N=1 scan problem: ``search="exact"`` and ``"auto"``, with and
+  without the eliminations (one optimum).
 
 The anchor (autoparallel, its own ILP over the unrolled joint graph with PuLP/CBC, torch 2.15,
 same model and mesh, measured on this machine kind and quoted in the issue): 320k variables /
@@ -59,7 +59,7 @@ Known (quiet 2-core machine, torch 2.13, issue 24's last session): 8B on 8x8 is 
 74,930 variables at 1 and 32 layers, 3.7 s end to end, 0.55 GB. On 3-D meshes a rank-4
 activation has up to 7^3 layouts and the exact program has 1.64M pair variables after the
 reductions (the same at every depth), so the solver searches mesh-axis neighbourhoods
-(``passes.solver.ilp._axis_search``: a coarse level with two axes tied, then every choice's
+(``passes.solver.search._axis_search``: a coarse level with two axes tied, then every choice's
 one-axis changes and every two-axis plane, solved at once, largest first): 8B on 4x4x4 7.9 s
 (trace 2.4, graph 1.9, build 0.8, solve 2.7), 70B on 8x8x8 8.1 s (2.8 / 1.9 / 0.8 / 2.6), peak
 RSS 0.73-0.83 GB (at one layer: 9.8 and 8.3 s, the search running more rounds before no
@@ -409,18 +409,14 @@ def main() -> None:
     print(f"budget {footprint / 1000 / 2**20:.2f} MiB: {refused}")
     budget_ok = bound.memory <= budget < free.memory < footprint and refused.startswith("refused")
 
-    print("\n# MILP solvers on the N=1 scan problem")
+    print("\n# search policies on the N=1 scan problem")
     graph_1 = results["scan", layer_counts[0]]["solution"].graph
-    for backend in ("scipy", "highspy", "cbc"):
-        try:
-            start = time.perf_counter()
-            solution = solve_graph(graph_1, cost_model=COST_MODEL, milp_solver=backend)
-            print(
-                f"{backend:8s} solve {solution.stats['solve_seconds']:6.2f} s (with model hand-over), "
-                f"optimum {solution.cost * 1e3:.6f} ms"
-            )
-        except ImportError as error:
-            print(f"{backend:8s} not installed ({error})")
+    for search, reduce in (("auto", True), ("exact", True), ("exact", False)):
+        solution = solve_graph(graph_1, cost_model=COST_MODEL, search=search, reduce=reduce)
+        print(
+            f"search={search:5s} reduce={reduce!s:5s} solve {solution.stats['solve_seconds']:6.2f} s, "
+            f"{solution.stats['variables']} variables, optimum {solution.cost * 1e3:.6f} ms"
+        )
 
     scan_first, scan_last = results["scan", first], results["scan", last]
     ratio = medians[last] / medians[first]

@@ -12,9 +12,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import hops
 import passes
 from hops import Mesh, Partial, Replicate, Shard, ShardingSpec
-from passes.solver import CostModel, InfeasiblePlacementError
-from passes.solver.ilp import Choice, Factor, MemoryTerm, Problem, evaluate, memory_of, peak_sets, solve_problem
-from passes.solver.solve import placement_problem, solve_graph
+from passes.solver import CostModel, InfeasiblePlacementError, peak_usage, problem_cost, solve_problem
+from passes.solver.solve import Factor, MemoryTerm, choice_problem, full_plan, placement_problem, solve_graph
 from tests.helpers.snapshot import TestCase, aot_trace, delete_meta
 
 LINE = Mesh((2,), ("data",))
@@ -24,116 +23,139 @@ R, S0, S1 = Replicate(), Shard(0), Shard(1)
 SLOW_LINK = CostModel(peak_flops=1e9, memory_bandwidth=1e9, link_bandwidth=1e8, link_latency=1e-6)
 
 
-def brute_force(problem, budget=None):
+class Choices:
+    """A problem of choices, factors and memory terms (``choice_problem``, the FX front's
+    encoding: a choice's further terms as tied nodes), enumerated over the choices' options."""
+
+    def __init__(self, costs, factors, terms=(), budget=None):
+        self.costs, self.factors, self.terms = costs, factors, list(terms)
+        self.problem, self.ties = choice_problem(costs, factors, self.terms, budget)
+
+    @classmethod
+    def of(cls, problem):
+        """A problem already built (no ties), enumerated over its nodes."""
+        choices = object.__new__(cls)
+        choices.costs, choices.problem, choices.ties = problem.node_costs, problem, []
+        return choices
+
+    def cost(self, options):
+        return problem_cost(self.problem, full_plan(self.ties, options))
+
+    def memory(self, options):
+        return peak_usage(self.problem, full_plan(self.ties, options))
+
+
+def brute_force(choices):
+    budget = choices.problem.usage_limit
     best, best_options = float("inf"), None
-    for options in itertools.product(*(range(len(c.cost)) for c in problem.choices)):
-        if budget is not None and memory_of(problem, options) > budget + 1e-9:
+    for options in itertools.product(*(range(len(c)) for c in choices.costs)):
+        if budget is not None and choices.memory(options) > budget + 1e-9:
             continue
-        cost = evaluate(problem, options)
+        cost = choices.cost(options)
         if cost < best:
             best, best_options = cost, options
     return best, best_options
 
 
-def random_problem(rng, choices=6, options=4, factors=8, forbid=0.15):
-    problem_choices = [
-        Choice(f"c{i}", rng.uniform(0, 5, size=n), rng.integers(0, 10, size=n).astype(float))
-        for i, n in enumerate(rng.integers(1, options + 1, size=choices))
-    ]
-    problem_factors = []
+def random_factors(rng, costs, factors=8, forbid=0.15):
+    out = []
     for _ in range(factors):
-        a, b = rng.choice(choices, size=2, replace=False)
-        na, nb = len(problem_choices[a].cost), len(problem_choices[b].cost)
+        a, b = rng.choice(len(costs), size=2, replace=False)
+        na, nb = len(costs[a]), len(costs[b])
         rows = rng.integers(0, max(1, na - 1), size=na)
         cols = rng.integers(0, max(1, nb - 1), size=nb)
         table = rng.uniform(0, 5, size=(rows.max() + 1, cols.max() + 1))
         table[rng.uniform(size=table.shape) < forbid] = np.inf
-        problem_factors.append(Factor(int(a), int(b), rows, cols, table))
-    return Problem(problem_choices, problem_factors)
+        out.append(Factor(int(a), int(b), rows, cols, table))
+    return out
 
 
 class TestExactness(TestCase):
     def assert_random_problems_match_brute_force(self, make_problem, seed):
-        """40 problems from ``make_problem(rng) -> (problem, budget)``, solved with and without the
-        reductions: the brute-force optimum under the budget, or refused where none exists."""
+        """40 problems from ``make_problem(rng) -> Choices``, solved with and without the
+        eliminations: the brute-force optimum under the budget, or refused where none exists."""
         rng = np.random.default_rng(seed)
         solved = infeasible = 0
         for _ in range(40):
-            problem, budget = make_problem(rng)
-            expected, _ = brute_force(problem, budget)
+            choices = make_problem(rng)
+            budget = choices.problem.usage_limit
+            expected, _ = brute_force(choices)
             for reduce in (True, False):
                 if not np.isfinite(expected):
                     with self.assertRaises(InfeasiblePlacementError):
-                        solve_problem(problem, memory_budget=budget, reduce=reduce)
+                        solve_problem(choices.problem, reduce=reduce)
                     infeasible += 1
                     continue
-                result = solve_problem(problem, memory_budget=budget, reduce=reduce)
+                result = solve_problem(choices.problem, reduce=reduce)
+                options = result.strategies[: len(choices.costs)]
+                self.assertEqual(full_plan(choices.ties, options), result.strategies)  # ties follow their choice
                 self.assertAlmostEqual(result.cost, expected, places=6)
-                self.assertAlmostEqual(evaluate(problem, result.options), expected, places=6)
+                self.assertAlmostEqual(choices.cost(options), expected, places=6)
                 if budget is not None:
-                    self.assertLessEqual(memory_of(problem, result.options), budget + 1e-9)
+                    self.assertLessEqual(choices.memory(options), budget + 1e-9)
                 solved += 1
         self.assertGreater(solved, 20)
         self.assertGreater(infeasible, 0)
 
     def test_random_problems_match_brute_force_with_and_without_reductions(self):
+        # Memory as one sum: every choice live at the one time step 0.
         def make_problem(rng):
-            return random_problem(rng), (float(rng.integers(10, 40)) if rng.uniform() < 0.5 else None)
+            costs = [rng.uniform(0, 5, size=n) for n in rng.integers(1, 5, size=6)]
+            terms = [MemoryTerm(i, 0, 1, rng.integers(0, 10, size=len(c)).astype(float)) for i, c in enumerate(costs)]
+            budget = float(rng.integers(10, 40)) if rng.uniform() < 0.5 else None
+            return Choices(costs, random_factors(rng, costs), terms, budget)
 
         self.assert_random_problems_match_brute_force(make_problem, seed=0)
 
     def test_random_problems_with_live_memory_match_brute_force(self):
         # Memory over time: each term is live on [start, end) and the budget bounds the peak
-        # of the live terms' usages; choices may have several terms, or none.
+        # of the live terms' usages; choices may have several terms (tied nodes), or none.
         def make_problem(rng):
-            problem = random_problem(rng)
-            problem.memory_terms = [
-                MemoryTerm(int(c), int(start), int(start + rng.integers(1, 6)), rng.integers(0, 10, size=len(problem.choices[c].cost)).astype(float))
-                for c, start in zip(rng.integers(0, len(problem.choices), size=8), rng.integers(0, 10, size=8))
+            costs = [rng.uniform(0, 5, size=n) for n in rng.integers(1, 5, size=6)]
+            terms = [
+                MemoryTerm(int(c), int(start), int(start + rng.integers(1, 6)), rng.integers(0, 10, size=len(costs[c])).astype(float))
+                for c, start in zip(rng.integers(0, len(costs), size=8), rng.integers(0, 10, size=8))
             ]
-            for choice in problem.choices:
-                choice.memory = np.zeros(len(choice.cost))
-            for term in problem.memory_terms:
-                problem.choices[term.choice].memory += term.usage
-            return problem, float(rng.integers(12, 36))
+            return Choices(costs, random_factors(rng, costs), terms, float(rng.integers(12, 36)))
 
         self.assert_random_problems_match_brute_force(make_problem, seed=2)
 
     def test_the_peak_counts_the_terms_live_together(self):
         usage = np.array([4.0, 1.0])
-        terms = [MemoryTerm(0, 0, 2, usage), MemoryTerm(1, 2, 4, usage), MemoryTerm(2, 1, 3, usage)]
-        problem = Problem([Choice(f"c{i}", np.zeros(2), np.zeros(2)) for i in range(3)], [], memory_terms=terms)
-        self.assertEqual(memory_of(problem, [0, 0, 0]), 8.0)  # two of the three at any time
-        self.assertEqual(memory_of(problem, [0, 1, 1]), 5.0)  # c0 with c2 at t = 1
-        self.assertEqual(peak_sets(terms), [[0, 2], [1, 2]])
+        terms = [MemoryTerm(0, 0, 2, usage), MemoryTerm(1, 2, 4, usage), MemoryTerm(2, 1, 3, usage), MemoryTerm(0, 3, 4, usage)]
+        choices = Choices([np.zeros(2)] * 3, [], terms)
+        self.assertEqual(choices.memory([0, 0, 0]), 8.0)  # two of the first three at any time
+        self.assertEqual(choices.memory([0, 1, 1]), 5.0)  # c0 with c2 at t = 1, c0's second term with c1 at t = 3
+        self.assertEqual(choices.memory([1, 0, 1]), 5.0)  # c1 with c2 at t = 2
 
     def test_a_chain_and_a_tree_need_no_integer_program(self):
         rng = np.random.default_rng(1)
-        chain = [Choice(f"c{i}", rng.uniform(0, 5, size=3), np.zeros(3)) for i in range(8)]
+        chain = [rng.uniform(0, 5, size=3) for i in range(8)]
         factors = [Factor(i, i + 1, np.arange(3), np.arange(3), rng.uniform(0, 5, size=(3, 3))) for i in range(7)]
         factors.append(Factor(2, 0, np.arange(3), np.arange(3), rng.uniform(0, 5, size=(3, 3))))  # a triangle
-        problem = Problem(chain, factors)
-        result = solve_problem(problem)
-        self.assertAlmostEqual(result.cost, brute_force(problem)[0], places=6)
+        choices = Choices(chain, factors)
+        result = solve_problem(choices.problem)
+        self.assertAlmostEqual(result.cost, brute_force(choices)[0], places=6)
         self.assertEqual(result.stats["variables"], 0)
 
     def test_a_matmul_chain_on_a_mesh_matches_brute_force(self):
         gm = make_fx(lambda x, w1, w2: torch.relu(x @ w1) @ w2)(torch.randn(8, 4), torch.randn(4, 8), torch.randn(8, 2))
         graph = passes.placement_graph(gm, LINE)
         problem, owners = placement_problem(graph, SLOW_LINK)
-        expected, options = brute_force(problem)
+        self.assertEqual(problem.num_nodes, len(owners))  # (no value outside a choice's own term here)
+        expected, options = brute_force(Choices.of(problem))
         solution = solve_graph(graph, cost_model=SLOW_LINK)
         self.assertAlmostEqual(solution.cost, expected, places=12)
         # The same choices, up to ties.
         chosen = [graph.nodes[k]["strategies"].index(solution.strategies[k]) for k in owners]
-        self.assertAlmostEqual(evaluate(problem, chosen), evaluate(problem, options), places=12)
+        self.assertAlmostEqual(problem_cost(problem, chosen), problem_cost(problem, options), places=12)
 
-    def test_highs_through_scipy_and_highspy_agree(self):
+    def test_the_optimum_is_the_same_with_and_without_eliminations_and_by_search_policy(self):
         gm = make_fx(lambda x, w1, w2: torch.relu(x @ w1) @ w2)(torch.randn(8, 4), torch.randn(4, 8), torch.randn(8, 4))
         graph = passes.placement_graph(gm, GRID)
         costs = {
-            (backend, reduce): solve_graph(graph, cost_model=SLOW_LINK, milp_solver=backend, reduce=reduce).cost
-            for backend in ("scipy", "highspy")
+            (search, reduce): solve_graph(graph, cost_model=SLOW_LINK, search=search, reduce=reduce).cost
+            for search in ("auto", "exact")
             for reduce in (True, False)
         }
         self.assertEqual(len({round(c, 12) for c in costs.values()}), 1, costs)

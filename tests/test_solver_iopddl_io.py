@@ -1,6 +1,7 @@
 """``write_iopddl``: the plain problems and the FX front's written in the contest's JSON format,
-read back by ``read_iopddl`` as equal problems; the FX front's problem so written has the same
-plans and optimum (against a brute force over the FX problem); integer costs on request."""
+read back by ``read_iopddl`` as equal problems; the FX front's problem (class tables, tied
+memory terms, a constant) so written has the same plans and optimum (against a brute force
+over its choices); integer costs on request."""
 
 import gzip
 import json
@@ -15,12 +16,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import passes
 from hops import Mesh
-from passes.solver import as_strategy_problem, peak_usage, problem_cost, read_iopddl, solve_problem, write_iopddl
-from passes.solver.ilp import MemoryTerm, evaluate, memory_of
-from passes.solver.ilp import solve_problem as solve_fx
-from passes.solver.solve import placement_problem
-from tests.test_solver import SLOW_LINK, brute_force
-from tests.test_solver import random_problem as random_fx_problem
+from passes.solver import peak_usage, problem_cost, read_iopddl, solve_problem, write_iopddl
+from passes.solver.solve import Factor, MemoryTerm, placement_problem
+from tests.test_solver import SLOW_LINK, Choices, brute_force, random_factors
 from tests.test_solver_problem import forbidden_as_1e18_problem
 
 
@@ -57,49 +55,57 @@ def test_a_plain_problem_reads_back_equal(tmp_path, seed, nodes, memory, large, 
     assert_equal_problems(read_iopddl(path), problem)
 
 
-def fx_problem_with_terms(rng):
-    """The FX front's problem with its every feature: class-compressed tables with forbidden
-    pairs, a factor of a choice with itself, a constant, several memory terms per choice."""
-    problem = random_fx_problem(rng, choices=5, options=3, factors=7)
-    problem.constant = 1.25
-    c = int(rng.integers(len(problem.choices)))
-    n = len(problem.choices[c].cost)
-    problem.factors.append(type(problem.factors[0])(c, c, np.arange(n), np.arange(n), rng.uniform(0, 1, size=(n, n))))
-    problem.memory_terms = [
-        MemoryTerm(int(k), int(start), int(start + rng.integers(1, 5)), rng.integers(0, 10, size=len(problem.choices[k].cost)).astype(float))
-        for k, start in zip(rng.integers(0, len(problem.choices), size=7), rng.integers(0, 8, size=7))
-    ]
-    return problem
+def fx_problem(rng, terms, budget):
+    """The FX front's problem: class tables with forbidden pairs, a factor of a choice with
+    itself, a constant; with ``terms`` several memory terms per choice (tied nodes), else every
+    choice live at one time step."""
+    costs = [rng.uniform(0, 5, size=n) for n in rng.integers(1, 4, size=5)]
+    factors = random_factors(rng, costs, factors=7)
+    c = int(rng.integers(len(costs)))
+    n = len(costs[c])
+    factors.append(Factor(c, c, np.arange(n), np.arange(n), rng.uniform(0, 1, size=(n, n))))
+    if terms:
+        memory = [
+            MemoryTerm(int(k), int(start), int(start + rng.integers(1, 5)), rng.integers(0, 10, size=len(costs[k])).astype(float))
+            for k, start in zip(rng.integers(0, len(costs), size=7), rng.integers(0, 8, size=7))
+        ]
+    else:
+        memory = [MemoryTerm(i, 0, 1, rng.integers(0, 10, size=len(x)).astype(float)) for i, x in enumerate(costs)]
+    choices = Choices(costs, factors, memory, budget)
+    choices.problem = type(choices.problem)(
+        choices.problem.node_costs, choices.problem.node_usages, choices.problem.intervals, choices.problem.edges,
+        choices.problem.edge_costs, budget, name="fx", edge_classes=choices.problem.edge_classes,
+        axes=choices.problem.axes, constant=1.25,
+    )
+    return choices
 
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("terms", [True, False])
 def test_the_fx_front_written_has_its_plans_and_its_optimum(tmp_path, seed, terms):
     rng = np.random.default_rng(seed)
-    fx = fx_problem_with_terms(rng) if terms else random_fx_problem(rng)
     budget = float(rng.integers(10, 30))
-    plain = as_strategy_problem(fx, budget, name="fx")
+    fx = fx_problem(rng, terms, budget)
     path = tmp_path / "fx.json"
-    write_iopddl(fx, path, memory_budget=budget, name="fx")
+    write_iopddl(fx.problem, path)
     read = read_iopddl(path)
-    assert_equal_problems(read, plain)
-    # Every FX plan is a plan of the written problem with the same cost and memory (the extra
+    assert read.num_nodes == fx.problem.num_nodes and read.usage_limit == budget and read.name == "fx"
+    # Every plan is a plan of the written problem with the same cost and memory (the extra
     # nodes of further memory terms follow their choice's option).
-    extra = read.num_nodes - len(fx.choices)  # one per further memory term, tied by the last edges
     for _ in range(20):
-        options = [int(rng.integers(len(c.cost))) for c in fx.choices]
-        full = options + [options[int(read.edges[len(read.edges) - extra + k][0])] for k in range(extra)]
-        assert problem_cost(read, full) == pytest.approx(evaluate(fx, options), rel=1e-12, abs=1e-12)
-        if math.isfinite(evaluate(fx, options)):
-            assert peak_usage(read, full) == pytest.approx(memory_of(fx, options))
-    expected, _ = brute_force(fx, budget)
+        options = [int(rng.integers(len(c))) for c in fx.costs]
+        full = options + [int(of[options[c]]) for c, of in fx.ties]
+        assert problem_cost(read, full) == pytest.approx(fx.cost(options), rel=1e-12, abs=1e-12)
+        assert peak_usage(read, full) == pytest.approx(fx.memory(options))
+    expected, _ = brute_force(fx)
     if math.isinf(expected):
         with pytest.raises(passes.InfeasiblePlacementError):
             solve_problem(read)
+        with pytest.raises(passes.InfeasiblePlacementError):
+            solve_problem(fx.problem, dominance="equal")
         return
-    solution = solve_problem(read)
-    assert solution.cost == pytest.approx(expected, rel=1e-9)
-    assert solve_fx(fx, memory_budget=budget).cost == pytest.approx(expected, rel=1e-9)
+    assert solve_problem(read).cost == pytest.approx(expected, rel=1e-9)
+    assert solve_problem(fx.problem, dominance="equal").cost == pytest.approx(expected, rel=1e-9)
 
 
 def test_a_traced_programs_problem_is_written_with_integer_costs(tmp_path):
@@ -113,17 +119,13 @@ def test_a_traced_programs_problem_is_written_with_integer_costs(tmp_path):
     values = [v for c in data["nodes"]["costs"] for v in c] + [v for c in data["edges"]["costs"] for v in c]
     assert all(isinstance(v, int) for v in values)
     read = read_iopddl(path)
-    expected, _ = brute_force(fx)
+    expected, _ = brute_force(Choices.of(fx))
     assert solve_problem(read).cost == pytest.approx(expected * 1e9, rel=1e-6)
 
 
 def test_bad_arguments_are_refused(tmp_path):
     problem, _ = forbidden_as_1e18_problem(np.random.default_rng(0), 2, 2, 1, 0.0, 0.0, False, False)
-    with pytest.raises(TypeError, match="problem must be a StrategyProblem or a passes.solver.ilp.Problem"):
+    with pytest.raises(TypeError, match="problem must be a StrategyProblem"):
         write_iopddl({"nodes": []}, tmp_path / "x.json")
-    with pytest.raises(ValueError, match="memory_budget is for an ilp.Problem"):
-        write_iopddl(problem, tmp_path / "x.json", memory_budget=3.0)
     with pytest.raises(ValueError, match="cost_scale must be a finite number > 0"):
         write_iopddl(problem, tmp_path / "x.json", cost_scale=0)
-    with pytest.raises(TypeError, match="problem must be a passes.solver.ilp.Problem"):
-        as_strategy_problem(problem)

@@ -24,7 +24,8 @@ from passes.solver import (
     read_iopddl,
     solve_problem,
 )
-from passes.solver import problem as problem_module
+from passes.solver import reduce as reduce_module
+from passes.solver import search as search_module
 from passes.solver.deadline import start_workers, wait_for_workers
 
 
@@ -208,13 +209,13 @@ class TestExactness:
         # neighbourhood, two at once, each against an incumbent using none, both would take it.
         n = 4
         problem = StrategyProblem([[0.0, 5.0]] * n, [[10.0, 0.0]] * n, [[0, 1]] * n, np.zeros((0, 2)), (), usage_limit=10.0)
-        reduced = problem_module._Reduced(problem)
+        reduced = reduce_module.Reduced(problem)
         reduced.reduce(10.0, time.perf_counter() + 5)
-        search = problem_module._Search(reduced, seed=0)
+        search = search_module.Search(reduced, seed=0)
         assert len(search.nodes) == n
         search.assign(np.ones(n, dtype=np.int64))
         with neighbourhoods_only(pairs=1, workers=2):
-            rounds, improvements, _ = problem_module._large_neighbourhood_search(search, time.perf_counter() + 0.5)
+            rounds, improvements, _ = search_module._large_neighbourhood_search(search, time.perf_counter() + 0.5)
         assert rounds > 2 and improvements == 1
         assert search.violation() == 0 and search.objective() == 15.0
 
@@ -241,13 +242,13 @@ class TestExactness:
         edges = [(i, i + 1) for i in range(n - 1)]
         matrices = [np.zeros((2, 2)) for _ in edges]
         problem = StrategyProblem(costs, usages, [[0, 1]] * n, edges, matrices, usage_limit=float(n // 2 * 4 + n // 2))
-        reduced = problem_module._Reduced(problem)
+        reduced = reduce_module.Reduced(problem)
         reduced.reduce(problem.usage_limit, time.perf_counter() + 5)
-        main = problem_module._Search(reduced, seed=0)
+        main = search_module.Search(reduced, seed=0)
         main.assign(np.ones(len(main.nodes), dtype=np.int64))
         start = main.objective()
         with priced_rounds(seconds=0.2):
-            rounds, repairs = problem_module._lagrangian_search(problem, main, problem.usage_limit, time.perf_counter() + 3.0, seed=0)
+            rounds, repairs = search_module._lagrangian_search(problem, main, problem.usage_limit, time.perf_counter() + 3.0, seed=0)
         assert rounds >= 3 and repairs >= 1
         assert main.violation() == 0
         assert main.objective() == 10.0 * (n // 2) < start
@@ -257,13 +258,13 @@ class TestExactness:
 def priced_rounds(seconds):
     """Lagrangian rounds of ``seconds``, run whatever the time limit."""
     names = ["_ROUND_SECONDS", "_LAGRANGIAN_MIN_ROUNDS"]
-    saved = [getattr(problem_module, name) for name in names]
-    problem_module._ROUND_SECONDS, problem_module._LAGRANGIAN_MIN_ROUNDS = seconds, 1
+    saved = [getattr(search_module, name) for name in names]
+    search_module._ROUND_SECONDS, search_module._LAGRANGIAN_MIN_ROUNDS = seconds, 1
     try:
         yield
     finally:
         for name, value in zip(names, saved):
-            setattr(problem_module, name, value)
+            setattr(search_module, name, value)
 
 
 @contextlib.contextmanager
@@ -271,17 +272,17 @@ def neighbourhoods_only(pairs=None, workers=None):
     """Send every problem down the neighbourhood-search path (``pairs``: neighbourhoods of
     that many pair variables; ``workers``: that many solved at once per round)."""
     names = ["_FULL_MILP_PAIRS", "_LNS_FIRST_PAIRS", "_LNS_MIN_PAIRS", "_LNS_WORKERS"]
-    saved = [getattr(problem_module, name) for name in names]
-    problem_module._FULL_MILP_PAIRS = -1
+    saved = [getattr(search_module, name) for name in names]
+    search_module._FULL_MILP_PAIRS = -1
     if pairs is not None:
-        problem_module._LNS_FIRST_PAIRS = problem_module._LNS_MIN_PAIRS = pairs
+        search_module._LNS_FIRST_PAIRS = search_module._LNS_MIN_PAIRS = pairs
     if workers is not None:
-        problem_module._LNS_WORKERS = workers
+        search_module._LNS_WORKERS = workers
     try:
         yield
     finally:
         for name, value in zip(names, saved):
-            setattr(problem_module, name, value)
+            setattr(search_module, name, value)
 
 
 class TestRefusals:
@@ -352,9 +353,9 @@ class TestNeighbourhood:
         usages = [np.zeros(strategies) for _ in range(n)]
         matrices = [np.arange(strategies * strategies, dtype=float).reshape(strategies, strategies) for _ in edges]
         problem = StrategyProblem(costs, usages, [[0, 1]] * n, np.array(edges), matrices)
-        reduced = problem_module._Reduced(problem)  # unreduced: every node and edge stays
+        reduced = reduce_module.Reduced(problem)  # unreduced: every node and edge stays
         reduced.memory_rows(None)
-        return problem_module._Search(reduced, seed=0)
+        return search_module.Search(reduced, seed=0)
 
     @settings(max_examples=30, deadline=None)
     @given(seed=st.integers(0, 10_000), budget=st.integers(1, 40), weighted=st.booleans())
@@ -512,18 +513,18 @@ class TestInfeasibleOnlyWithAProof:
         problem, raw = case
         if problem.usage_limit is None:
             return
-        reduced = problem_module._Reduced(problem)
+        reduced = reduce_module.Reduced(problem)
         try:
             reduced.reduce(problem.usage_limit, time.perf_counter() + 5)
         except InfeasiblePlacementError:
             assert math.isinf(brute_force_raw(raw))
             return
-        main = problem_module._Search(reduced, seed=0)
+        main = search_module.Search(reduced, seed=0)
         if not len(main.nodes):
             return
         main.assign(np.array([int(np.argmax(c)) for c in main.penalized_cost]))  # the worst start
         with priced_rounds(seconds=0.02):
-            problem_module._lagrangian_search(problem, main, problem.usage_limit, time.perf_counter() + 0.3, seed=0)
+            search_module._lagrangian_search(problem, main, problem.usage_limit, time.perf_counter() + 0.3, seed=0)
         assert main.violation() >= 0  # (it returned: no infeasibility claimed)
 
 

@@ -309,7 +309,7 @@ def test_the_axis_search_finds_the_exact_optimum_of_a_small_decoder_on_a_cube(sm
     from passes.solver.solve import solve_graph
 
     graphs, graph = small_decoder_on_a_cube
-    exact = solve_graph(graph, cost_model=SLOW_COMPUTE, search="exact", milp_solver="highspy")
+    exact = solve_graph(graph, cost_model=SLOW_COMPUTE, search="exact")
     searched = solve_graph(graph, cost_model=SLOW_COMPUTE, search="axes")
     assert exact.stats["search"] == "exact" and exact.stats["status"] == "optimal"
     assert searched.stats["search"] == "axes" and "not proven optimal" in searched.stats["status"]
@@ -335,9 +335,9 @@ def test_the_axis_search_finds_the_exact_optimum_of_a_small_decoder_on_a_cube(sm
 
 
 def test_search_is_checked():
-    from passes.solver.ilp import Choice, Problem, solve_problem
+    from passes.solver import StrategyProblem, solve_problem
 
-    problem = Problem([Choice("a", np.zeros(2), np.zeros(2))], [])
+    problem = StrategyProblem((np.zeros(2),), (np.zeros(2),), [(0, 0)], [], ())
     with pytest.raises(ValueError, match="search must be one of"):
         solve_problem(problem, search="fast")
 
@@ -351,7 +351,8 @@ def test_the_axis_search_returns_a_valid_plan_no_better_than_the_optimum_and_wit
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from passes.solver.ilp import Choice, Factor, Problem, evaluate, memory_of, solve_problem
+    from passes.solver import peak_usage, problem_cost, solve_problem
+    from passes.solver.solve import Factor, MemoryTerm, choice_problem
 
     layouts = np.array(list(itertools.product(range(2), repeat=3)))  # 8 options, a code per axis
 
@@ -359,25 +360,27 @@ def test_the_axis_search_returns_a_valid_plan_no_better_than_the_optimum_and_wit
     @given(st.integers(0, 2**32 - 1), st.booleans())
     def check(seed, budgeted):
         rng = np.random.default_rng(seed)
-        choices = [Choice(f"c{i}", rng.uniform(0, 3, 8), rng.integers(0, 5, 8).astype(float), layouts) for i in range(4)]
+        costs = [rng.uniform(0, 3, 8) for _ in range(4)]
+        terms = [MemoryTerm(i, 0, 1, rng.integers(0, 5, 8).astype(float)) for i in range(4)]
         factors = []
         for a, b in itertools.combinations(range(4), 2):  # every choice has 3 neighbours: none is eliminated
             table = rng.uniform(0, 3, (8, 8))
             table[rng.uniform(size=(8, 8)) < 0.2] = np.inf
             np.fill_diagonal(table, 0.0)  # equal layouts: nothing to move
             factors.append(Factor(a, b, np.arange(8), np.arange(8), table))
-        problem = Problem(choices, factors)
+        problem, _ = choice_problem(costs, factors, terms, None, [layouts] * 4)
         plans = list(itertools.product(range(8), repeat=4))
-        budget = float(np.median([memory_of(problem, p) for p in plans])) if budgeted else None
-        feasible = [p for p in plans if budget is None or memory_of(problem, p) <= budget + 1e-9]
-        optimum = min(evaluate(problem, p) for p in feasible)
-        exact = solve_problem(problem, memory_budget=budget, search="exact")
+        budget = float(np.median([peak_usage(problem, p) for p in plans])) if budgeted else None
+        problem = problem.with_usage_limit(budget)
+        feasible = [p for p in plans if budget is None or peak_usage(problem, p) <= budget + 1e-9]
+        optimum = min(problem_cost(problem, p) for p in feasible)
+        exact = solve_problem(problem, search="exact", dominance="equal")
         assert exact.cost == pytest.approx(optimum, rel=1e-9)
-        searched = solve_problem(problem, memory_budget=budget, search="axes")
+        searched = solve_problem(problem, search="axes", dominance="equal")
         assert searched.stats["search"] == "axes"
-        assert np.isfinite(searched.cost) and searched.cost == pytest.approx(evaluate(problem, searched.options))
+        assert np.isfinite(searched.cost) and searched.cost == pytest.approx(problem_cost(problem, searched.strategies))
         assert searched.cost >= optimum - 1e-9
         if budget is not None:
-            assert memory_of(problem, searched.options) <= budget + 1e-9
+            assert peak_usage(problem, searched.strategies) <= budget + 1e-9
 
     check()

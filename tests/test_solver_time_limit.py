@@ -9,24 +9,24 @@ import time
 
 import numpy as np
 
-from passes.solver import ilp, peak_usage, problem_cost, solve_problem
+from passes.solver import NoPlanFoundError, peak_usage, problem_cost, solve_problem
 from passes.solver.deadline import solve_model_by
 from passes.solver.families import contest_like
+from passes.solver.solve import Factor, MemoryTerm, choice_problem
 
 
 def within_contract(seconds, time_limit):
     return seconds <= time_limit + max(1.0, 0.02 * time_limit)
 
 
-def fx_problem(problem):
-    """The FX front's problem of a plain one: a choice per node, a factor per edge, a memory term
-    per node live somewhere."""
-    choices = [ilp.Choice(f"v{i}", c.copy(), u.copy()) for i, (c, u) in enumerate(zip(problem.node_costs, problem.node_usages))]
+def fx_problem(problem, budget=None):
+    """A plain problem as the FX front builds one: choices, factors with class tables, memory
+    terms (``choice_problem``), ``budget`` its usage limit."""
     factors = [
-        ilp.Factor(i, j, np.arange(m.shape[0]), np.arange(m.shape[1]), m) for (i, j), m in zip(problem.edges.tolist(), problem.edge_costs)
+        Factor(i, j, np.arange(m.shape[0]), np.arange(m.shape[1]), m) for (i, j), m in zip(problem.edges.tolist(), problem.edge_costs)
     ]
-    terms = [ilp.MemoryTerm(i, s, e, problem.node_usages[i]) for i, (s, e) in enumerate(problem.intervals.tolist()) if e > s]
-    return ilp.Problem(choices, factors, 0.0, terms)
+    terms = [MemoryTerm(i, s, e, problem.node_usages[i]) for i, (s, e) in enumerate(problem.intervals.tolist()) if e > s]
+    return choice_problem(problem.node_costs, factors, terms, budget)[0]
 
 
 def test_the_plain_front_returns_its_best_plan_within_the_time_limit():
@@ -44,25 +44,25 @@ def test_the_fx_front_returns_its_best_plan_within_the_time_limit():
     plain = contest_like(0, 1500, forbidden=0.0, tightness=None)
     problem = fx_problem(plain)
     began = time.perf_counter()
-    result = ilp.solve_problem(problem, time_limit=3.0)
+    result = solve_problem(problem, time_limit=3.0, dominance="equal")
     took = time.perf_counter() - began
     assert within_contract(took, 3.0), took
-    assert result.cost == ilp.evaluate(problem, result.options) < math.inf
+    assert result.cost == problem_cost(problem, result.strategies) < math.inf
     assert result.stats["status"] != "optimal"
 
 
 def test_the_fx_front_with_a_memory_budget_keeps_the_contract():
     plain = contest_like(1, 1500, forbidden=0.0)
-    problem = fx_problem(plain)
+    problem = fx_problem(plain, plain.usage_limit)
     began = time.perf_counter()
     try:
-        result = ilp.solve_problem(problem, memory_budget=plain.usage_limit, time_limit=3.0)
-    except ilp.NoPlanFoundError:
+        result = solve_problem(problem, time_limit=3.0, dominance="equal")
+    except NoPlanFoundError:
         result = None  # (no plan within the budget found in 3 s: said so, in time)
     took = time.perf_counter() - began
     assert within_contract(took, 3.0), took
     if result is not None:
-        assert ilp.memory_of(problem, result.options) <= plain.usage_limit
+        assert peak_usage(problem, result.strategies) <= plain.usage_limit
 
 
 def test_a_highs_run_past_its_deadline_is_ended_and_the_next_one_runs():

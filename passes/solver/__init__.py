@@ -4,8 +4,9 @@
 - ``solve_placements``: the cheapest placements under a ``CostModel`` and a memory budget;
 - ``apply_placements``: the solution stated as sharding annotations and region choices;
 - ``format_placements`` / ``draw_placements``: the solution printed / pictured;
-- ``StrategyProblem`` / ``solve_problem``: the core as a plain problem (strategies, pair costs,
-  memory over liveness intervals), and ``read_iopddl`` for the IOPDDL contest's files.
+- ``StrategyProblem`` / ``solve_problem``: the one solver core, as a plain problem (strategies,
+  pair costs, memory over liveness intervals) that ``solve_placements`` builds from the graph
+  and ``read_iopddl`` / ``write_iopddl`` read and write in the IOPDDL contest's format.
 """
 
 from passes.solver.apply import apply_placements
@@ -13,9 +14,16 @@ from passes.solver.cost import PRESETS, CostModel
 from passes.solver.draw import draw_placements
 from passes.solver.format import format_placements
 from passes.solver.graph import NodeKind, Strategy, UseKind, placement_graph
-from passes.solver.ilp import InfeasiblePlacementError, NoPlanFoundError
-from passes.solver.iopddl import as_strategy_problem, read_iopddl, write_iopddl
-from passes.solver.problem import ProblemSolution, StrategyProblem, peak_usage, problem_cost, solve_problem
+from passes.solver.iopddl import read_iopddl, write_iopddl
+from passes.solver.problem import (
+    InfeasiblePlacementError,
+    NoPlanFoundError,
+    ProblemSolution,
+    StrategyProblem,
+    peak_usage,
+    problem_cost,
+)
+from passes.solver.search import solve_problem
 from passes.solver.solve import PlacementSolution, solve_placements
 
 __all__ = [
@@ -39,5 +47,4 @@ __all__ = [
     "peak_usage",
     "read_iopddl",
     "write_iopddl",
-    "as_strategy_problem",
 ]

@@ -28,7 +28,8 @@ from passes.solver.graph import (
     required_placement,
     shift_placements,
 )
-from passes.solver.ilp import Choice, Factor, InfeasiblePlacementError, MemoryTerm, Problem, evaluate, memory_of, solve_problem
+from passes.solver.problem import InfeasiblePlacementError, StrategyProblem, peak_usage, problem_cost
+from passes.solver.search import solve_problem
 
 __all__ = ["PlacementSolution", "solve_placements", "InfeasiblePlacementError", "placement_problem"]
 
@@ -80,6 +81,28 @@ class PlacementSolution:
         and a local chunk (gloo has no all-to-all), so it is counted as ``"all_gather"``.
         """
         return predicted_collectives(self, graph, device_type=device_type)
+
+
+@dataclasses.dataclass
+class Factor:
+    """Cost ``table[rows[i], cols[j]]`` when choice ``a`` takes option ``i`` and ``b`` option ``j``."""
+
+    a: int
+    b: int
+    rows: np.ndarray  # class of each option of a
+    cols: np.ndarray  # class of each option of b
+    table: np.ndarray  # seconds; inf: not allowed
+
+
+@dataclasses.dataclass
+class MemoryTerm:
+    """Bytes per device a value takes while it is live, ``[start, end)`` in program order,
+    per option of the choice that places it."""
+
+    choice: int
+    start: int
+    end: int
+    usage: np.ndarray
 
 
 def _itemsize(dtype: torch.dtype | None) -> int:
@@ -337,7 +360,7 @@ class _ProblemBuilder:
 
     def axis_codes(self, strategies: Sequence[Strategy]) -> np.ndarray:
         """Per strategy, a code per mesh axis naming what it places on that axis (every output
-        and input): the ``axes`` of its choice (see ``passes.solver.ilp.Choice``)."""
+        and input): the ``axes`` of its node (see ``passes.solver.problem.StrategyProblem``)."""
         codes = self._axis_codes
         out = np.empty((len(strategies), self.mesh.ndim), dtype=np.int64)
         for i, strategy in enumerate(strategies):
@@ -352,15 +375,20 @@ class _ProblemBuilder:
             out[i] = row
         return out
 
-    def build(self) -> Problem:
-        choices = []
+    def build(self, memory_budget: float | None = None) -> StrategyProblem:
+        """The graph's problem: node i < ``len(owners)`` is the choice of ``owners[i]``'s strategy
+        (its compute seconds, times how often it runs; its per-axis codes; the first value it
+        places as its memory term); each read of a value an edge between the value's choice and
+        the reader's, its table over the classes of equal placements; each further value a
+        choice places a node of its own (its distinct usages as strategies), tied to the choice
+        by an edge. ``memory_budget``: the usage limit. ``self.ties`` maps the tie nodes."""
+        costs, axes = [], []
         for key in self.owners:
             data = self.graph.nodes[key]
-            cost = np.array([self.compute_cost(key, s) * data["multiplier"] for s in data["strategies"]], dtype=float)
-            choices.append(Choice(key, cost, np.zeros(len(cost)), self.axis_codes(data["strategies"])))
+            costs.append(np.array([self.compute_cost(key, s) * data["multiplier"] for s in data["strategies"]], dtype=float))
+            axes.append(self.axis_codes(data["strategies"]))
+        choices = costs
         memory_terms = self.memory_terms()
-        for term in memory_terms:
-            choices[term.choice].memory += term.usage
         factors = []
         for u, v, data in self.graph.edges(data=True):
             if not data["uses"]:
@@ -379,7 +407,7 @@ class _ProblemBuilder:
                     seconds = np.array(
                         [self.redistribute(source["shape"], itemsize, p, materialized(p)) for p in row_values]
                     ) * use.multiplier
-                    choices[self.index[owner_u]].cost += seconds[rows]
+                    choices[self.index[owner_u]] = choices[self.index[owner_u]] + seconds[rows]
                     continue
                 if use.kind is UseKind.INPUT:
                     owner_v, strategies_v = v, self.graph.nodes[v]["strategies"]
@@ -397,7 +425,78 @@ class _ProblemBuilder:
                     table = self.redistribute_table(shape, itemsize, row_values, col_values) * use.multiplier
                 factors.append(Factor(self.index[owner_u], self.index[owner_v], rows, cols, table))
         factors.extend(self.residual_ties())
-        return Problem(choices, factors, memory_terms=memory_terms)
+        return self._problem(costs, axes, factors, memory_terms, memory_budget)
+
+    def _problem(self, costs: list, axes: list, factors: list[Factor], terms: list[MemoryTerm], memory_budget: float | None) -> StrategyProblem:
+        problem, self.ties = choice_problem(costs, factors, terms, memory_budget, axes)
+        return problem
+
+    def full_plan(self, options: Sequence[int]) -> list[int]:
+        """A strategy per node of the last ``build``'s problem from an option per choice."""
+        return full_plan(self.ties, options)
+
+
+
+def choice_problem(
+    costs: Sequence[np.ndarray],
+    factors: Sequence[Factor],
+    terms: Sequence[MemoryTerm],
+    memory_budget: float | None = None,
+    axes: Sequence[np.ndarray | None] | None = None,
+) -> tuple[StrategyProblem, list[tuple[int, np.ndarray]]]:
+    """Choices (an option cost array each), factors between them and memory terms as one
+    ``StrategyProblem``: node i < ``len(costs)`` is choice i; a factor is an edge with its class
+    table (a factor of a choice with itself, costs); a choice's first term gives its node's
+    usages and interval, each further term is a node of its own (the term's distinct usages as
+    strategies, zero cost), tied to the choice's option by an edge (0 where they agree,
+    forbidden elsewhere). Returns the problem and the ties (per node after the choices: its
+    choice and its strategy per option of the choice, for ``full_plan``)."""
+    costs = [np.asarray(c, dtype=np.float64).copy() for c in costs]
+    n = len(costs)
+    usages = [np.zeros(len(c)) for c in costs]
+    intervals = [(0, 0)] * n
+    axes = [None] * n if axes is None else list(axes)
+    edges, tables, classes = [], [], []
+    for f in factors:
+        if f.a == f.b:
+            costs[f.a] = costs[f.a] + f.table[f.rows, f.cols]
+            continue
+        edges.append((f.a, f.b))
+        tables.append(f.table)
+        classes.append((f.rows, f.cols))
+    ties: list[tuple[int, np.ndarray]] = []
+    placed: set[int] = set()
+    for term in terms:
+        if term.choice not in placed:
+            placed.add(term.choice)
+            usages[term.choice] = np.asarray(term.usage, dtype=np.float64)
+            intervals[term.choice] = (term.start, term.end)
+            continue
+        values, of_option = np.unique(term.usage, return_inverse=True)
+        of_option = of_option.reshape(-1)
+        edges.append((term.choice, len(costs)))
+        tables.append(np.where(np.eye(len(values), dtype=bool), 0.0, np.inf))
+        classes.append((of_option, np.arange(len(values))))
+        costs.append(np.zeros(len(values)))
+        usages.append(values)
+        intervals.append((term.start, term.end))
+        axes.append(None)
+        ties.append((term.choice, of_option))
+    if not costs:  # (nothing to place: one node of one strategy)
+        costs, usages, intervals, axes = [np.zeros(1)], [np.zeros(1)], [(0, 0)], [None]
+    problem = StrategyProblem(
+        tuple(costs), tuple(usages), np.array(intervals, dtype=np.int64).reshape(-1, 2),
+        np.array(edges, dtype=np.int64).reshape(-1, 2), tuple(tables), memory_budget,
+        edge_classes=tuple(classes), axes=tuple(axes),
+    )
+    return problem, ties
+
+
+def full_plan(ties: Sequence[tuple[int, np.ndarray]], options: Sequence[int]) -> list[int]:
+    """A strategy per node of ``choice_problem``'s problem from an option per choice."""
+    plan = [int(o) for o in options]
+    plan += [int(of_option[plan[choice]]) for choice, of_option in ties]
+    return plan or [0]
 
 
 def _classes(values: Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
@@ -414,10 +513,14 @@ def _classes(values: Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
     return rows, distinct
 
 
-def placement_problem(graph: nx.DiGraph, cost_model: CostModel | None = None) -> tuple[Problem, list[str]]:
-    """The pairwise cost model of ``graph`` (see ``passes.solver.ilp``) and the node of each choice."""
+def placement_problem(
+    graph: nx.DiGraph, cost_model: CostModel | None = None, memory_budget: float | None = None
+) -> tuple[StrategyProblem, list[str]]:
+    """The problem of ``graph`` (``_ProblemBuilder.build``) under ``memory_budget``, and the
+    graph node whose strategy each of its first ``len(owners)`` nodes chooses; ``write_iopddl``
+    writes it in the contest's format."""
     builder = _ProblemBuilder(graph, graph.graph["mesh"], cost_model or CostModel.preset("h100"))
-    return builder.build(), builder.owners
+    return builder.build(memory_budget), builder.owners
 
 
 def solve_placements(
@@ -427,7 +530,6 @@ def solve_placements(
     cost_model: CostModel | None = None,
     memory_budget: float | None = None,
     example_inputs: Sequence[Any] | None = None,
-    milp_solver: str = "scipy",
     time_limit: float | None = None,
     search: str = "auto",
 ) -> PlacementSolution:
@@ -437,9 +539,10 @@ def solve_placements(
     preset), honouring every placement the program's HOPs fix, and, with ``memory_budget``
     (bytes per device), keeping parameters, gradients, optimizer state, inputs and saved
     activations within it. A scan body is solved once: its choices hold for every step and
-    its costs count once per step. Exact: an integer program solved by HiGHS (through
-    ``scipy.optimize.milp``; ``milp_solver="highspy"`` or ``"cbc"`` for comparison) after exact
-    reductions; ``time_limit`` (seconds) stops it early with the best plan found. ``search``:
+    its costs count once per step. Exact: the graph's ``StrategyProblem`` solved by
+    ``passes.solver.solve_problem`` (exact reductions, then HiGHS); ``time_limit`` (seconds)
+    stops it early with the best plan found (large neighbourhoods of it, memory priced, where
+    the whole program does not finish in time). ``search``:
     ``"exact"`` always solves that one program; ``"axes"`` searches mesh-axis neighbourhoods on
     meshes of 3 or more axes (each an exact program, the plan not proven optimal:
     ``stats["status"]`` says so); ``"auto"`` (default) does ``"axes"`` only when the exact program
@@ -457,7 +560,7 @@ def solve_placements(
     graph = placement_graph(gm, mesh, example_inputs=example_inputs)
     graph_seconds = time.perf_counter() - start
     return solve_graph(
-        graph, cost_model=cost_model, memory_budget=memory_budget, milp_solver=milp_solver,
+        graph, cost_model=cost_model, memory_budget=memory_budget,
         time_limit=time_limit, graph_seconds=graph_seconds, search=search,
     )
 
@@ -467,7 +570,6 @@ def solve_graph(
     *,
     cost_model: CostModel,
     memory_budget: float | None = None,
-    milp_solver: str = "scipy",
     time_limit: float | None = None,
     graph_seconds: float = 0.0,
     reduce: bool = True,
@@ -477,13 +579,24 @@ def solve_graph(
     mesh = graph.graph["mesh"]
     start = time.perf_counter()
     builder = _ProblemBuilder(graph, mesh, cost_model)
-    problem = builder.build()
+    problem = builder.build(memory_budget)
+    if memory_budget is not None:
+        least = [int(np.argmin(u)) for u in problem.node_usages]
+        smallest = peak_usage(problem, least)
+        if smallest > memory_budget:
+            raise InfeasiblePlacementError(
+                f"memory_budget={memory_budget:.6g} bytes per device is below the smallest footprint any "
+                f"placement allows ({smallest:.6g} bytes at its peak: every parameter, gradient, optimizer state "
+                "and live value sharded as far as its strategies go)"
+            )
     problem_seconds = time.perf_counter() - start
-    result = solve_problem(problem, memory_budget=memory_budget, milp_solver=milp_solver, time_limit=time_limit, reduce=reduce, search=search)
-    strategies = {
-        key: graph.nodes[key]["strategies"][option] for key, option in zip(builder.owners, result.options)
-    }
-    option_of = dict(zip(builder.owners, result.options))
+    if time_limit is not None:
+        time_limit = max(1e-3, time_limit - problem_seconds)
+    # (Only equal strategies merged: a scan's problem does not change with its trip count.)
+    result = solve_problem(problem, time_limit=time_limit, reduce=reduce, search=search, dominance="equal")
+    options = result.strategies[: len(builder.owners)]
+    strategies = {key: graph.nodes[key]["strategies"][option] for key, option in zip(builder.owners, options)}
+    option_of = dict(zip(builder.owners, options))
     placements = {}
     for key, data in graph.nodes(data=True):
         if data["kind"] in (NodeKind.LOCAL, NodeKind.REGION) or data["shape"] is None:
@@ -492,7 +605,12 @@ def solve_graph(
         if owner in option_of:
             placements[key] = builder.placement(key, option_of[owner])
     stats = dict(result.stats)
-    stats["build_seconds"] += problem_seconds
+    stats.update(
+        build_seconds=problem_seconds + stats["reduce_seconds"],
+        solve_seconds=stats["seconds"] - stats["reduce_seconds"],
+        choices=len(builder.owners),
+        choices_in_ilp=stats["nodes_left"],
+    )
     stats.update(
         graph_seconds=graph_seconds,
         unsupported_ops=dict(graph.graph.get("unsupported_ops", {})),
@@ -502,7 +620,7 @@ def solve_graph(
         placements=placements,
         strategies=strategies,
         cost=result.cost,
-        memory=memory_of(problem, result.options),
+        memory=peak_usage(problem, result.strategies),
         stats=stats,
         graph=graph,
         mesh=mesh,
@@ -515,7 +633,7 @@ def evaluate_placements(graph: nx.DiGraph, strategies: dict[str, Strategy], cost
     builder = _ProblemBuilder(graph, graph.graph["mesh"], cost_model)
     problem = builder.build()
     options = [graph.nodes[key]["strategies"].index(strategies[key]) for key in builder.owners]
-    return evaluate(problem, options)
+    return problem_cost(problem, builder.full_plan(options))
 
 
 def node_costs(solution: PlacementSolution) -> dict[str, tuple[float, float]]:

@@ -1,0 +1,239 @@
+"""The integer program of a neighbourhood of a search's plan, solved by HiGHS.
+
+``solve_neighbourhood(search, free, ...)`` optimizes the nodes ``free`` (each over all its
+strategies, or those ``masks`` allow) with every other node fixed at the search's plan: one
+binary per strategy, one per node; per edge between two free nodes a continuous variable per
+finite entry of its table compressed to classes (strategies whose rows, or columns, are equal
+share a class), whose row and column sums equal the binaries of each class (exact for binary
+strategies; the LP relaxation is that of the uncompressed table); an edge to a fixed node is a
+cost of the free node's strategies; memory: between two ends or starts of free nodes the free
+nodes live are the same, so one row per such stretch of time (at its least memory left) stands
+for all of its time steps. Costs and memory rows are scaled for HiGHS (bytes per device and
+seconds are far from its tolerances). With ``penalty`` the memory limit is soft (a slack per
+row, priced per unit); with ``soft_forbidden`` a forbidden pair with a fixed node costs the
+search's ``big`` instead of being excluded, so a neighbourhood of a plan that breaks either
+is feasible and repairs what it can. HiGHS runs through ``deadline.solve_model_by``: with a
+deadline in a worker process killed there, HiGHS's own time limit not being kept.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from passes.solver.deadline import solve_model_by
+
+if TYPE_CHECKING:  # pragma: no cover
+    from passes.solver.search import Search
+
+__all__ = ["solve_neighbourhood", "MIP_GAP"]
+
+# Relative gap at which HiGHS may stop (its default, 1e-4, leaves visible cost on the table).
+MIP_GAP = 1e-7
+# The largest cost in the program after scaling: HiGHS's absolute gap (1e-6) is then below the
+# relative one, and its tolerances see the differences between plans.
+_COST_TOP = 1e7
+
+
+def solve_neighbourhood(
+    search: Search,
+    free: np.ndarray,
+    time_limit: float,
+    warm: bool,
+    penalty: float | None = None,
+    soft_forbidden: bool = False,
+    deadline: float = math.inf,
+    want_bound: bool = True,
+    masks: dict[int, np.ndarray] | None = None,
+    gap: float = MIP_GAP,
+) -> tuple[str, np.ndarray | None, float, dict]:
+    """Optimize ``free`` with the others fixed: (status, strategies of ``free`` or None, bound,
+    sizes). Without ``want_bound`` the bound leaves out the fixed nodes' and edges' cost.
+    ``masks``: per free node (local index), the strategies it may take (the plan's must be one
+    of them when ``warm``); ``gap``: the relative gap HiGHS stops at."""
+    import scipy.sparse as sparse
+
+    s = search.s
+    is_free = np.zeros(len(search.nodes), dtype=bool)
+    is_free[free] = True
+    col_cost: list[np.ndarray] = []
+    col_upper: list[np.ndarray] = []
+    integer: list[np.ndarray] = []
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
+    row_lower: list[float] = []
+    row_upper: list[float] = []
+    ncols = 0
+    x_start: dict[int, int] = {}
+    allowed: dict[int, np.ndarray] = {}
+    constant = search.reduced.constant
+    if want_bound:
+        for v in np.flatnonzero(~is_free).tolist():
+            c = search.cost[v][s[v]]
+            constant += float(c) if np.isfinite(c) else search.big
+        for k in np.flatnonzero(~is_free[search.edge_i] & ~is_free[search.edge_j]).tolist():
+            li, lj, m = search.edges[k]
+            value = m[s[li], s[lj]]
+            constant += float(value) if np.isfinite(value) else search.big
+    # The run's own deadline: the caller's, or its time limit from now (whichever is first).
+    if math.isfinite(time_limit):
+        deadline = min(deadline, time.perf_counter() + float(time_limit))
+    out_of_time = ("time limit", None, -math.inf, {})
+    for count, v in enumerate(free.tolist()):
+        if count % 1024 == 1023 and time.perf_counter() >= deadline:
+            return out_of_time
+        mask = None if masks is None else masks.get(v)
+        options = np.arange(len(search.cost[v])) if mask is None else np.flatnonzero(mask)
+        if not len(options):
+            return "infeasible", None, math.inf, {}
+        allowed[v] = options
+        cost = search.cost[v][options].copy()
+        for w, _, m in search.adjacent[v]:
+            if not is_free[w]:
+                cost += m[options, s[w]]
+        if soft_forbidden:
+            own = np.isfinite(search.cost[v][options])
+            cost = np.where(own & ~np.isfinite(cost), search.big, cost)
+        finite = np.isfinite(cost)
+        x_start[v] = ncols
+        col_cost.append(np.where(finite, cost, 0.0))
+        col_upper.append(finite.astype(np.float64))
+        integer.append(np.ones(len(cost), dtype=bool))
+        rows.append(np.full(len(cost), len(row_lower)))
+        cols.append(np.arange(ncols, ncols + len(cost)))
+        vals.append(np.ones(len(cost)))
+        row_lower.append(1.0)
+        row_upper.append(1.0)
+        ncols += len(cost)
+    pair_start = []
+    for count, k in enumerate(np.flatnonzero(is_free[search.edge_i] & is_free[search.edge_j]).tolist()):
+        if count % 1024 == 1023 and time.perf_counter() >= deadline:
+            return out_of_time
+        li, lj, _ = search.edges[k]
+        row_class, col_class, table = search.edge_classes(k)
+        # The classes of the strategies the two nodes may take, renumbered over those used.
+        used_rows, a_class = np.unique(row_class[allowed[li]], return_inverse=True)
+        used_cols, b_class = np.unique(col_class[allowed[lj]], return_inverse=True)
+        sub = table[np.ix_(used_rows, used_cols)]
+        r_idx, c_idx = np.nonzero(np.isfinite(sub))
+        n_pairs = len(r_idx)
+        pair_cols = np.arange(ncols, ncols + n_pairs)
+        pair_start.append((li, lj, a_class.reshape(-1), b_class.reshape(-1), r_idx, c_idx, ncols, sub.shape))
+        col_cost.append(sub[r_idx, c_idx])
+        col_upper.append(np.ones(n_pairs))
+        integer.append(np.zeros(n_pairs, dtype=bool))
+        ncols += n_pairs
+        na, nb = sub.shape
+        base = len(row_lower)
+        a_options = x_start[li] + np.arange(len(allowed[li]))
+        b_options = x_start[lj] + np.arange(len(allowed[lj]))
+        # Row class r of the edge: its pairs sum to the binaries of li's strategies in r; columns alike.
+        rows += [base + r_idx, base + a_class.reshape(-1), base + na + c_idx, base + na + b_class.reshape(-1)]
+        cols += [pair_cols, a_options, pair_cols, b_options]
+        vals += [np.ones(n_pairs), -np.ones(len(a_options)), np.ones(n_pairs), -np.ones(len(b_options))]
+        row_lower += [0.0] * (na + nb)
+        row_upper += [0.0] * (na + nb)
+    if time.perf_counter() >= deadline:
+        return out_of_time
+    free_memory = [v for v in free.tolist() if search.memory[v]]
+    slack_of = None
+    if free_memory and len(search.rhs):
+        available = search.rhs - search.load
+        most = np.zeros(len(search.rhs) + 1)
+        for v in free_memory:
+            u = search.usage[v]
+            available[search.lo[v] : search.hi[v]] += u[s[v]]
+            top = u[allowed[v]].max()
+            most[search.lo[v]] += top
+            most[search.hi[v]] -= top
+        ends = np.concatenate([[0], search.lo[free_memory], search.hi[free_memory]])
+        bounds = np.unique(ends[ends < len(search.rhs)])
+        room = np.minimum.reduceat(available, bounds)
+        segment_most = np.cumsum(most)[bounds]
+        binding = np.flatnonzero(segment_most > room + 1e-9)
+        # Memory rows in units of the largest usage in them (bytes are far from HiGHS's tolerances).
+        unit = max(1.0, max(float(search.usage[v].max()) for v in free_memory))
+        if len(binding) and penalty is not None:
+            # A slack column per row, priced ``penalty`` per unit above the limit.
+            slack_cols = np.arange(ncols, ncols + len(binding))
+            col_cost.append(np.full(len(binding), float(penalty) * unit))
+            col_upper.append(np.full(len(binding), np.inf))
+            integer.append(np.zeros(len(binding), dtype=bool))
+            ncols += len(binding)
+            rows.append(len(row_lower) + np.arange(len(binding)))
+            cols.append(slack_cols)
+            vals.append(-np.ones(len(binding)))
+            slack_of = (binding, slack_cols, room[binding], bounds)
+        if len(binding):
+            row_of = np.full(len(bounds), -1)
+            row_of[binding] = len(row_lower) + np.arange(len(binding))
+            for v in free_memory:
+                ks = np.arange(np.searchsorted(bounds, search.lo[v]), np.searchsorted(bounds, search.hi[v]))
+                ks = ks[row_of[ks] >= 0]
+                u = search.usage[v][allowed[v]]
+                nz = np.flatnonzero(u)
+                if not len(ks) or not len(nz):
+                    continue
+                rows.append(np.repeat(row_of[ks], len(nz)))
+                cols.append(np.tile(x_start[v] + nz, len(ks)))
+                vals.append(np.tile(u[nz] / unit, len(ks)))
+            row_lower += [-math.inf] * len(binding)
+            row_upper += (room[binding] / unit).tolist()
+    if time.perf_counter() >= deadline:
+        return out_of_time
+    cost = np.concatenate(col_cost)
+    top = float(np.abs(cost).max()) if len(cost) else 0.0
+    scale = top / _COST_TOP if top > _COST_TOP or 0.0 < top < 1.0 else 1.0
+    matrix = sparse.csc_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(len(row_lower), ncols))
+    if time.perf_counter() >= deadline:
+        return out_of_time
+    x0 = None
+    if warm:
+        x0 = np.zeros(ncols)
+        for v in free.tolist():
+            hit = np.flatnonzero(allowed[v] == s[v])
+            if not len(hit):
+                x0 = None
+                break
+            x0[x_start[v] + hit[0]] = 1.0
+        if x0 is not None:
+            for li, lj, a_class, b_class, r_idx, c_idx, first, _ in pair_start:
+                ra = a_class[np.flatnonzero(allowed[li] == s[li])[0]]
+                cb = b_class[np.flatnonzero(allowed[lj] == s[lj])[0]]
+                x0[first + np.flatnonzero((r_idx == ra) & (c_idx == cb))] = 1.0
+            if slack_of is not None:
+                binding, slack_cols, room, bounds = slack_of
+                used = np.zeros(len(search.rhs))
+                for v in free_memory:
+                    used[search.lo[v] : search.hi[v]] += search.usage[v][s[v]]
+                x0[slack_cols] = np.maximum(used[bounds[binding]] - room, 0.0) / unit
+    model = dict(
+        col_cost=cost / scale,
+        col_upper=np.concatenate(col_upper),
+        row_lower=np.array(row_lower),
+        row_upper=np.array(row_upper),
+        start=matrix.indptr,
+        index=matrix.indices,
+        value=matrix.data,
+        integer=np.concatenate(integer),
+        options=dict(threads=1, mip_rel_gap=gap),
+        x0=x0,
+    )
+    sizes = dict(variables=int(ncols), constraints=len(row_lower), nodes=len(free))
+    # Building the model took time too: HiGHS gets what is left before the deadline, and
+    # ends there (``solve_model_by``: its own time limit is not kept).
+    result = solve_model_by(model, deadline)
+    if result is None:
+        return out_of_time
+    if result["status"] == "infeasible":
+        return "infeasible", None, math.inf, sizes
+    bound = constant + result["dual_bound"] * scale
+    x = result["x"]
+    if x is None:
+        return result["status"], None, bound, sizes
+    chosen = np.array([int(allowed[v][np.argmax(x[x_start[v] : x_start[v] + len(allowed[v])])]) for v in free.tolist()])
+    return result["status"], chosen, bound, sizes
