@@ -50,9 +50,12 @@ class HopFunction(torch.autograd.Function):
             outputs, saved = plan.forward(operands)
         ctx.plan = plan
         ctx.set_materialize_grads(False)
-        # Ints and symbolic ints cannot go through save_for_backward: keep them aside.
-        ctx.non_tensors = [None if isinstance(v, torch.Tensor) else v for v in saved]
-        ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
+        # Ints and symbolic ints cannot go through save_for_backward: keep them aside. The
+        # operands are kept too (they are this node's inputs: no copy), for a double backward.
+        values = [*operands, *saved]
+        ctx.num_operands = len(operands)
+        ctx.non_tensors = [None if isinstance(v, torch.Tensor) else v for v in values]
+        ctx.save_for_backward(*(v for v in values if isinstance(v, torch.Tensor)))
         not_differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and not (o.is_floating_point() or o.is_complex())]
         if not_differentiable:
             ctx.mark_non_differentiable(*not_differentiable)
@@ -61,8 +64,14 @@ class HopFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *cotangents: Any):
         tensors = iter(ctx.saved_tensors)
-        saved = [next(tensors) if v is None else v for v in ctx.non_tensors]
+        values = [next(tensors) if v is None else v for v in ctx.non_tensors]
+        operands, saved = values[: ctx.num_operands], values[ctx.num_operands :]
         if all(c is None for c in cotangents):
             return (None,) * len(ctx.needs_input_grad)
+        if torch.is_grad_enabled() and any(isinstance(o, torch.Tensor) and o.requires_grad for o in operands):
+            # Double backward: the gradients must be differentiable in the operands, also
+            # through the residuals, which the forward computed below autograd (constants
+            # here). They are computed again from the operands, where autograd is live.
+            _, saved = ctx.plan.forward(operands)
         grads = ctx.plan.backward(saved, list(cotangents))
         return (None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:])))

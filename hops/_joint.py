@@ -82,8 +82,12 @@ def joint_function(body: Callable, needs_grad: Sequence[bool], unconnected: list
     fills ``unconnected`` with whether that is so, per primal with ``needs_grad``).
     There is one cotangent per differentiable (floating or complex) output, in order.
 
-    The vjp is taken with ``create_graph=True``: run on tensors that require grad, the
-    gradients are themselves differentiable (double backward through a traced body)."""
+    The vjp is taken without ``create_graph``: the joint is a trace, not a result anyone
+    differentiates. Its graph is run later as ops, and differentiated again (double backward)
+    only by tracing that graph's own joint when a caller asks for it. With ``create_graph``,
+    every HOP call in a backward (a region's backward nested in this body) would be
+    differentiated at once while tracing, i.e. the derivative of each op's derivative taken
+    whether or not anyone wants it: ops without a double backward (SDPA on CPU) fail."""
     num_primals = len(needs_grad)
 
     def joint(*primals_and_cotangents: Any) -> tuple[Any, ...]:
@@ -98,9 +102,7 @@ def joint_function(body: Callable, needs_grad: Sequence[bool], unconnected: list
         pairs = [(o, c) for o, c in zip(differentiable, cotangents) if o.requires_grad]
         wanted = [p for p, need in zip(primals, needs_grad) if need]
         grads = (
-            torch.autograd.grad(
-                [o for o, _ in pairs], wanted, [c for _, c in pairs], allow_unused=True, create_graph=True
-            )
+            torch.autograd.grad([o for o, _ in pairs], wanted, [c for _, c in pairs], allow_unused=True)
             if pairs and wanted
             else [None] * len(wanted)
         )
@@ -156,10 +158,15 @@ def functional_graph(gm: fx.GraphModule, examples: Sequence[Any]) -> fx.GraphMod
     h[0] = x``), which a graph records as ``copy_`` into a view. Whoever reads a graph as a
     data flow (``split_joint`` keeps the nodes an output depends on) would drop such a
     write, so the graph is traced again through functionalization, which turns each write
-    into a new value (``select_scatter``). A graph without in-place ops is returned as is."""
+    into a new value (``select_scatter``). A graph without in-place ops is returned as is.
+
+    The graph is traced again without grad: it is a joint, a result of differentiation. Traced
+    where autograd is live (as inside AOTAutograd's own joint), its HOP calls would go through
+    their autograd rules, differentiating the backward regions in it once more."""
     if not any(_writes(node) for node in gm.graph.nodes):
         return gm
-    return trace_graph(torch.func.functionalize(gm, remove="mutations"), examples)
+    with torch.no_grad():
+        return trace_graph(torch.func.functionalize(gm, remove="mutations"), examples)
 
 
 def trace_connected_joint(

@@ -163,5 +163,5 @@ class GraphModule(torch.nn.Module):
                 mul_2: "f32[2, 4]" = torch.ops.aten.mul.Tensor(mul, rsub)
                 hops_kernel_einsum: "f32[2, 4]" = torch.ops.higher_order.hops_kernel_einsum(mul_2, arg1_1, hops.KernelParams.of(equation='bo,oi->bi'))
                 hops_kernel_einsum_1: "f32[4, 4]" = torch.ops.higher_order.hops_kernel_einsum(mul_2, arg0_1, hops.KernelParams.of(equation='bo,bi->oi'))
-                return (hops_kernel_einsum, mul_2, hops_kernel_einsum_1, rsub, mul_2)
+                return (hops_kernel_einsum, mul_2, hops_kernel_einsum_1)
 """)

@@ -303,7 +303,7 @@ class GraphModule(torch.nn.Module):
                 tanh_backward: "f32[3, 5]" = torch.ops.aten.tanh_backward.default(arg3_1, arg2_1)
                 hops_kernel_einsum: "f32[3, 4]" = torch.ops.higher_order.hops_kernel_einsum(tanh_backward, arg1_1, hops.KernelParams.of(equation='bo,oi->bi'))
                 hops_kernel_einsum_1: "f32[5, 4]" = torch.ops.higher_order.hops_kernel_einsum(tanh_backward, arg0_1, hops.KernelParams.of(equation='bo,bi->oi'))
-                return (hops_kernel_einsum, hops_kernel_einsum_1, tanh_backward)
+                return (hops_kernel_einsum, hops_kernel_einsum_1)
 """)
 
 
