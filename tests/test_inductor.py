@@ -17,8 +17,6 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import hops
 from hops import Mesh, Replicate, Shard
@@ -82,7 +80,11 @@ def inductor_graphs():
         compiled.append(gm)
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
-    with config.patch(post_grad_custom_post_pass=Keep(), force_disable_caches=True):
+    # No FX-graph or AOTAutograd cache: a hit would skip the passes that keep the graphs. The
+    # compiled kernels may still be reused: they are what these tests do not look at.
+    with config.patch(post_grad_custom_post_pass=Keep(), fx_graph_cache=False), torch._functorch.config.patch(
+        enable_autograd_cache=False
+    ):
 
         def backend(gm, example_inputs):
             return compile_fx(gm, example_inputs, inner_compile=inner)
@@ -140,17 +142,24 @@ def scan_program(length, unroll=1, width=4, reverse=False):
     return program, (h, ws)
 
 
-def lowered_graphs(length, unroll=1, width=4, reverse=False):
-    """The forward and backward graphs inductor lowers for ``scan_program``, after checking
-    the compiled values and gradients against eager."""
+def lowered_graphs(length, unroll=1, width=4, reverse=False, backward=True):
+    """The graphs inductor lowers for ``scan_program`` (forward, and backward unless
+    ``backward=False``: AOTAutograd compiles it at the first backward), after checking the
+    compiled values (and gradients) against eager."""
     program, inputs = scan_program(length, unroll, width, reverse)
     torch._dynamo.reset()
     with inductor_graphs() as (backend, received, lowered):
         compiled = torch.compile(program, backend=backend, fullgraph=True)
-        got, got_grads = forward_backward(compiled, fresh(inputs))
-    expected, expected_grads = forward_backward(program, fresh(inputs))
+        if backward:
+            got, got_grads = forward_backward(compiled, fresh(inputs))
+        else:
+            got = compiled(*fresh(inputs))
+    if backward:
+        expected, expected_grads = forward_backward(program, fresh(inputs))
+        torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4)
+    else:
+        expected = program(*fresh(inputs))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4)
     return lowered
 
 
@@ -177,7 +186,8 @@ def steps_per_iteration(gm):
 
 
 def lowered_forward(length, unroll, width=4):
-    return lowered_graphs(length, unroll, width)[0]
+    (forward,) = lowered_graphs(length, unroll, width, backward=False)
+    return forward
 
 
 def test_the_steps_an_iteration_runs():
@@ -186,12 +196,13 @@ def test_the_steps_an_iteration_runs():
     assert steps_per_iteration(lowered_forward(8, None)) == 1
     assert steps_per_iteration(lowered_forward(8, 2)) == 2
     assert steps_per_iteration(lowered_forward(9, 3)) == 3
-    sizes = [graph_size(lowered_forward(length, None)) for length in (16, 32)]
-    assert sizes[0] == sizes[1], sizes
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
-@given(length=st.integers(0, 7), unroll=st.sampled_from([None, 1, 2, 3, 5]), reverse=st.booleans())
+@pytest.mark.parametrize(
+    "length, unroll, reverse",
+    [(0, None, False), (5, 2, True), (7, 3, False), (3, 5, True)],
+    ids=["empty", "remainder-reverse", "remainder", "unroll-past-the-end-reverse"],
+)
 def test_any_length_unroll_and_direction_gives_eager_values(length, unroll, reverse):
     # Values and gradients equal eager (checked by lowered_graphs) whether the steps divide
     # into iterations or leave a remainder after the loop, forward or reverse; an iteration
@@ -416,14 +427,15 @@ def test_compiled_step_inside_eager_scan():
 # --------------------------------------------------------------------------- caches
 
 
-def compile_counting(program, inputs):
-    """Compile ``program`` (default backend) in a fresh Dynamo state, run forward and
-    backward; AOTAutograd's and inductor's cache counters of that compile, and the results."""
+def compile_counting(program, inputs, backward=True):
+    """Compile ``program`` (default backend) in a fresh Dynamo state, run forward (and
+    backward); AOTAutograd's and inductor's cache counters of that compile, and the results."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    results = forward_backward(torch.compile(program, fullgraph=True), fresh(inputs))
+    compiled = torch.compile(program, fullgraph=True)
+    results = forward_backward(compiled, fresh(inputs)) if backward else compiled(*fresh(inputs))
     aot, inductor = dict(counters["aot_autograd"]), dict(counters["inductor"])
     return (
         {
@@ -490,11 +502,12 @@ def test_a_program_differing_in_one_spec_or_body_misses(fresh_caches):
     compile_counting(annotated_scan(), inputs)
     assert compile_counting(annotated_scan(), inputs)[0] == {"aot": "hit", "fx": "hit"}
     for what, change in CHANGES.items():
-        changed, (got, got_grads) = compile_counting(annotated_scan(**change), inputs)
+        # The cache is looked up when the forward compiles: the forward's values show whether
+        # what ran is the changed program (a wrong hit would run the first one's code).
+        changed, got = compile_counting(annotated_scan(**change), inputs, backward=False)
         assert changed["aot"] == "miss", (what, changed)
-        expected, expected_grads = forward_backward(annotated_scan(**change), fresh(inputs))
+        expected = annotated_scan(**change)(*fresh(inputs))
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=what)
-        torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4, msg=what)
 
 
 @pytest.mark.parametrize("active", [0, 1])
