@@ -27,10 +27,11 @@ def _declared_backends() -> dict[str, str]:
 
 
 def test_each_backend_lives_where_its_name_says():
-    # hops_inductor has nothing to do with XLA; hops_xla belongs to the XLA target.
+    # hops_inductor has nothing to do with XLA; hops_xla belongs to the XLA target, hops_jax to the jax one.
     assert _declared_backends() == {
         "hops_xla": "passes.xla.backend:hops_xla",
         "hops_inductor": "passes.backends:hops_inductor",
+        "hops_jax": "passes.jax.backend:hops_jax",
     }
     for name, target in _declared_backends().items():
         module, _, attribute = target.partition(":")

@@ -1,0 +1,118 @@
+"""``torch.compile(model, backend=hops_jax)``: Dynamo (HOPs kept) -> AOTAutograd (forward and
+backward graphs with the HOPs) -> ``lower_to_jax`` -> ``jax.jit``, run on the caller's CPU tensors.
+
+Each AOTAutograd graph is lowered and jitted once (jax then compiles once per input signature).
+A call hands the caller's tensors to jax through DLPack and jax's results back the same way:
+no copy where the memory can be shared (a contiguous tensor in; a result that lives on one
+device, or is replicated, out). Copies remain where the program runs over a mesh: each input
+is placed on the mesh's devices (replicated), and a result jax leaves sharded over them is
+gathered into one host tensor; ``JaxGraph.copies`` counts them, per direction.
+
+Found by name (``backend="hops_jax"``) through the ``torch_dynamo_backends`` entry point. A
+first slice: CPU tensors only (a tensor on another device is refused, naming it); one mesh per
+graph. Not yet: ``hops.assume_pure`` through ``jax.vjp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+__all__ = ["hops_jax", "JaxGraph"]
+
+
+def _to_jax(value: Any, copies: dict[str, int], where: str) -> Any:
+    import jax
+
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.device.type != "cpu":
+        raise ValueError(f"hops_jax: {where} is a {value.device} tensor; this backend runs on CPU tensors")
+    tensor = value.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+        copies["in"] += 1
+    return jax.dlpack.from_dlpack(tensor)
+
+
+def _to_torch(value: Any, copies: dict[str, int]) -> Any:
+    import jax
+    import numpy as np
+
+    if not isinstance(value, jax.Array):
+        return value
+    shards = value.addressable_shards
+    if value.is_fully_replicated or len(shards) == 1:
+        return torch.from_dlpack(shards[0].data)
+    copies["out"] += 1
+    return torch.from_numpy(np.array(value))
+
+
+class JaxGraph:
+    """An AOTAutograd graph lowered to JAX and jitted, called on torch tensors."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        import jax
+
+        from passes.jax import lower_to_jax
+
+        lowered = lower_to_jax(gm)
+        self.function = jax.jit(lowered)
+        self.placement = _replicated_on_mesh(lowered.graph_module)
+        self.copies = {"in": 0, "out": 0}
+
+    def __call__(self, *args: Any) -> list[Any]:
+        import jax
+
+        inputs = [_to_jax(a, self.copies, f"input {i}") for i, a in enumerate(args)]
+        if self.placement is not None:
+            # DLPack gives arrays committed to one device; a program over a mesh takes them on the
+            # mesh's devices (replicated: a copy per device, on CPU as anywhere).
+            moved = [jax.device_put(x, self.placement) if isinstance(x, jax.Array) else x for x in inputs]
+            self.copies["in"] += sum(isinstance(x, jax.Array) for x in inputs)
+            inputs = moved
+        outputs = self.function(*inputs)
+        return [_to_torch(o, self.copies) for o in outputs]
+
+
+def _replicated_on_mesh(gm: fx.GraphModule) -> Any:
+    """The replicated sharding over the one mesh the lowered graph's specs name (None without a
+    mesh); ``ValueError`` for a graph naming two meshes (not taken yet)."""
+    import jax
+
+    from hops.specs import Mesh
+    from passes._infra import graph_modules
+    from passes.jax.rules import jax_mesh
+
+    meshes = set()
+    for module in graph_modules(gm):
+        for node in module.graph.nodes:
+            for arg in node.args:
+                mesh = getattr(arg, "mesh", None)
+                if isinstance(mesh, Mesh):
+                    meshes.add(mesh)
+    if len(meshes) > 1:
+        raise ValueError(f"hops_jax: a graph over {len(meshes)} meshes {sorted(map(repr, meshes))}; one mesh per graph is taken")
+    if not meshes:
+        return None
+    return jax.sharding.NamedSharding(jax_mesh(meshes.pop()), jax.sharding.PartitionSpec())
+
+
+COMPILED: list[JaxGraph] = []  # the graphs this process compiled, last one last (for measurements)
+
+
+def _compile(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    from functorch.compile import make_boxed_func
+
+    graph = JaxGraph(gm)
+    COMPILED.append(graph)
+    return make_boxed_func(graph)
+
+
+def hops_jax(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    """The Dynamo backend (see the module docstring)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(fw_compiler=_compile, bw_compiler=_compile)(gm, example_inputs)

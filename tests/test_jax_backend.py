@@ -1,0 +1,79 @@
+"""``torch.compile(backend=passes.jax.backend.hops_jax)``: Dynamo -> AOTAutograd -> target
+``"jax"``, on CPU tensors (4 virtual CPU devices: ``tests/conftest.py`` sets ``XLA_FLAGS``).
+
+Every ``hop_db`` sample compiled gives eager's outputs and gradients; a program without a mesh
+hands its tensors to jax and back without a copy (DLPack: the result's memory is jax's
+buffer); one over a mesh counts the copies it makes; Dynamo's other backends still work after.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ACCELERATOR_BEFORE_JAX = torch.accelerator.current_accelerator()
+
+jax = pytest.importorskip("jax", reason="backend hops_jax needs jax (the 'jax' extra)")
+
+import hops  # noqa: E402
+from passes.jax import backend  # noqa: E402
+from passes.jax.backend import hops_jax  # noqa: E402
+from tests.helpers.hop_db import ROWS, SAMPLES, forward_backward, fresh  # noqa: E402
+from tests.helpers.snapshot import TestCase  # noqa: E402
+
+
+class TestHopsJax(TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+
+    def test_every_sample_compiled_gives_eager_outputs_and_gradients(self):
+        for sample in SAMPLES:
+            with self.subTest(sample=sample.name):
+                torch._dynamo.reset()
+                compiled = torch.compile(sample.program, backend=hops_jax, fullgraph=True)
+                inputs = sample.inputs(1)
+                outputs, grads = forward_backward(compiled, fresh(inputs))
+                expected, expected_grads = forward_backward(sample.reference, fresh(inputs))
+                for got, want in zip([*outputs, *grads], [*expected, *expected_grads]):
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    def test_no_copy_in_or_out_without_a_mesh(self):
+        compiled = torch.compile(lambda x, w: torch.tanh(hops.einsum("ij,jk->ik", x, w)), backend=hops_jax)
+        x, w = torch.randn(4, 3), torch.randn(3, 5)
+        compiled(x, w)  # compiles
+        graph = backend.COMPILED[-1]
+        before = dict(graph.copies)
+        self.assertEqual(graph.copies, {"in": 0, "out": 0})
+        (out,) = graph(x, w)
+        self.assertEqual(graph.copies, before)
+        torch.testing.assert_close(out, torch.tanh(x @ w))
+        # the input is jax's view of the tensor's memory, the output torch's view of jax's buffer
+        self.assertEqual(backend._to_jax(x, {"in": 0}, "x").unsafe_buffer_pointer(), x.data_ptr())
+        result = jax.numpy.ones((2, 3)) * 2
+        self.assertEqual(backend._to_torch(result, {"out": 0}).data_ptr(), result.unsafe_buffer_pointer())
+
+    def test_a_program_over_a_mesh_counts_its_copies(self):
+        compiled = torch.compile(lambda x: hops.annotate_sharding(x * 2, ROWS).sin(), backend=hops_jax)
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(compiled(x), (x * 2).sin())
+        graph = backend.COMPILED[-1]
+        copies = dict(graph.copies)
+        compiled(x)
+        self.assertEqual(graph.copies["in"], 2 * copies["in"])  # the input placed on the mesh, each call
+        self.assertGreaterEqual(copies["in"], 1)
+
+    def test_a_tensor_on_another_device_is_refused_naming_it(self):
+        with self.assertRaisesRegex(ValueError, r"hops_jax: input 0 is a meta tensor; this backend runs on CPU tensors"):
+            backend._to_jax(torch.empty(2, device="meta"), {"in": 0}, "input 0")
+
+    def test_torch_compile_finds_it_by_name(self):
+        self.assertIs(torch._dynamo.lookup_backend("hops_jax"), hops_jax)  # the torch_dynamo_backends entry point
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(torch.compile(lambda v: hops.annotate_sharding(v, ROWS).exp(), backend="hops_jax")(x), x.exp())
+
+    def test_other_backends_still_compile_afterwards(self):
+        torch.compile(lambda x: hops.annotate_sharding(x, ROWS) + 1, backend=hops_jax)(torch.randn(4, 4))
+        self.assertEqual(torch.accelerator.current_accelerator(), ACCELERATOR_BEFORE_JAX)
+        torch._dynamo.reset()
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(torch.compile(lambda v: hops.annotate_sharding(v * 3, ROWS).cos(), backend="aot_eager")(x), (x * 3).cos())
