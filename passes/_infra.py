@@ -320,8 +320,11 @@ def typed_spec(node: fx.Node, target: str, spec_type: type) -> Any:
 def copy_body_into(node: fx.Node, body: fx.GraphModule, inputs: list) -> list:
     """Copy ``body``'s nodes before ``node``, fed ``inputs``; return its outputs (a list).
 
-    Subgraphs the body refers to (bodies of HOPs inside it) move along under fresh names
-    of the module that owns ``node``.
+    What the body's ``get_attr`` nodes read (subgraphs of HOPs inside it, tensor constants)
+    moves along to the module that owns ``node``: under its own name where the owner has
+    nothing there (or the very same object), else under a fresh name. The owner's attribute
+    of the same name is another value (both graphs number their constants from
+    ``_tensor_constant0``): a copied node must never read it.
     """
     graph = node.graph
     owner = graph.owning_module
@@ -330,22 +333,51 @@ def copy_body_into(node: fx.Node, body: fx.GraphModule, inputs: list) -> list:
         raise PassError(
             f"{node.format_node()}: its body takes {len(placeholders)} inputs but the node passes {len(inputs)}"
         )
+    before = set(graph.nodes)
     with graph.inserting_before(node):
         outputs = graph.graph_copy(body.graph, dict(zip(placeholders, inputs)))
     renamed: dict[str, str] = {}
-    for copied in list(graph.nodes):
-        if copied.op == "get_attr" and not hasattr(owner, str(copied.target)) and hasattr(body, str(copied.target)):
-            target = str(copied.target)
-            if target not in renamed:
-                fresh = target
+    missing = object()
+    for copied in [n for n in graph.nodes if n not in before and n.op == "get_attr"]:
+        target = str(copied.target)
+        if target not in renamed:
+            value = _attribute(body, target, missing)
+            if value is missing:
+                raise PassError(f"{node.format_node()}: its body reads {target!r}, which it does not have")
+            fresh = target
+            if _attribute(owner, target, missing) is not value:
+                base = fresh = target.replace(".", "_")
                 suffix = 0
-                while hasattr(owner, fresh):
+                while (present := getattr(owner, fresh, missing)) is not missing and present is not value:
                     suffix += 1
-                    fresh = f"{target}_{suffix}"
-                owner.register_module(fresh, getattr(body, target))
-                renamed[target] = fresh
-            copied.target = renamed[target]
+                    fresh = f"{base}_{suffix}"
+                if present is missing:
+                    _bind(owner, fresh, value)
+            renamed[target] = fresh
+        copied.target = renamed[target]
     return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+
+
+def _attribute(module: torch.nn.Module, path: str, default: Any) -> Any:
+    value: Any = module
+    for part in path.split("."):
+        value = getattr(value, part, default)
+        if value is default:
+            return default
+    return value
+
+
+def _bind(owner: torch.nn.Module, name: str, value: Any) -> None:
+    """``value`` as ``owner``'s attribute ``name``, as a GraphModule holds it: a module, a
+    parameter, a tensor as a buffer, else plain."""
+    if isinstance(value, torch.nn.Module):
+        owner.register_module(name, value)
+    elif isinstance(value, torch.nn.Parameter):
+        owner.register_parameter(name, value)
+    elif isinstance(value, torch.Tensor):
+        owner.register_buffer(name, value)
+    else:
+        setattr(owner, name, value)
 
 
 def replace_tuple_output(node: fx.Node, values: list[Any]) -> None:

@@ -225,6 +225,11 @@ def test_an_op_without_a_dtensor_rule_runs_on_gathered_inputs_under_autograd(res
     assert report["grad_placements"] == [S0, R]
 
 
+def test_tensor_constants_and_factory_ops_run_as_replicated_dtensors(results):
+    report = scenario(results, "constants_and_factory_ops")  # its numbers equal eager on every rank
+    assert report["placements"] == [S0, R]
+
+
 @pytest.mark.parametrize("name", ["replicated_attention", "solved_attention"])
 def test_sdpa_attention_runs_replicated_forward_and_backward(results, name):
     # Causal SDPA on CPU, which DTensor has no strategy for; the loss and every gradient equal

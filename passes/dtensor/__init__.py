@@ -34,12 +34,14 @@ class _DTensorPass(HopRulePass):
         self.state["local"] = rules.local_bodies(graph_module)
         # Before the HOPs: region bodies are still their own graphs (their ops see local tensors).
         replicated = rules.run_ops_without_rules_replicated(graph_module, self.state["local"])
+        rules.register_device_mesh(self.state["mesh"], self.state["device_mesh"])
+        plain = rules.replicate_plain_tensors(graph_module, self.state["local"], self.state["mesh"])
         token = rules._LOWERING.set(self.state)
         try:
             result = super().call(graph_module)
         finally:
             rules._LOWERING.reset(token)
-        return PassResult(result.graph_module, result.modified or replicated)
+        return PassResult(result.graph_module, result.modified or replicated or plain)
 
     def ensures(self, graph_module: fx.GraphModule) -> None:
         token = rules._LOWERING.set(self.state)
@@ -72,7 +74,8 @@ def lower_to_dtensor(gm: fx.GraphModule, device_mesh: Any, *, record_scopes: boo
     graph takes and returns DTensors on it (plain tensors inside ``local_map`` bodies).
     An ATen op DTensor has no sharding strategy for (``stats["unsupported_ops"]`` of a
     solution, e.g. SDPA on CPU forward and backward) runs as the solver prices it: its inputs
-    gathered to ``Replicate``, the op on local tensors, its outputs replicated DTensors.
+    gathered to ``Replicate``, the op on local tensors, its outputs replicated DTensors. A tensor
+    constant or a factory op's result outside region bodies becomes a replicated DTensor.
     ``record_scopes``: run named scopes under ``torch.profiler.record_function`` instead of
     inlining them. Raises ``PassError`` naming the node for a mesh mismatch, a kernel outside
     a region, a region inside a region, or an in-place op DTensor has no strategy for.

@@ -24,6 +24,8 @@ An ATen op outside region bodies for which DTensor's sharding propagator has no 
 ``stats["unsupported_ops"]``, e.g. CPU flash attention and its backward) becomes
 ``run_replicated``: inputs gathered to ``Replicate``, the op on local tensors, outputs
 replicated DTensors. An in-place op without a strategy is refused (it would update a copy).
+A tensor made there from no tensor (a tensor constant, a factory op such as ``arange``) is
+taken as a replicated DTensor (``replicated``): every rank computes it whole.
 
 Every spec's mesh must be the lowering's DeviceMesh (shape, axis names, ranks): else a
 ``PassError`` naming the node.
@@ -58,6 +60,7 @@ from passes.dtensor.runtime import (
     enter_region,
     exit_region,
     register_device_mesh,
+    replicated,
     run_in_profiler_scope,
     run_replicated,
     run_scan_on_dtensors,
@@ -115,6 +118,50 @@ def run_ops_without_rules_replicated(gm: fx.GraphModule, local: set[int]) -> boo
             found = True
         if found:
             module.graph.lint()
+            module.recompile()
+            changed = True
+    return changed
+
+
+def _makes_plain_tensor(module: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` makes a tensor from no tensor: a tensor constant (``get_attr``) or an
+    ATen factory op (``arange``, ``full``, ``scalar_tensor``: no tensor argument, one tensor
+    result). Read from the graph and the ops' schemas only, never from ``meta``."""
+    if node.op == "get_attr":
+        value = module
+        for part in str(node.target).split("."):
+            value = getattr(value, part, None)
+        return isinstance(value, torch.Tensor)
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    schema = node.target._schema
+    returns = [str(r.type) for r in schema.returns]
+    return returns == ["Tensor"] and not any("Tensor" in str(a.type) for a in schema.arguments)
+
+
+def replicate_plain_tensors(gm: fx.GraphModule, local: set[int], mesh: Mesh) -> bool:
+    """In the graphs of ``gm`` that compute on DTensors (not in ``local``), every tensor made
+    from no tensor (``_makes_plain_tensor``: the same on every rank) is taken as a replicated
+    DTensor (``replicated``) before its users see it: DTensor refuses an op that mixes plain
+    tensors and DTensors. (The solver places such values like any other; an annotation after
+    one redistributes it.) Whether any was."""
+    changed = False
+    for module in graph_modules(gm):
+        if id(module) in local:
+            continue
+        graph = module.graph
+        found = False
+        for node in list(graph.nodes):
+            users = [user for user in node.users if user.target is not replicated]
+            if not users or not _makes_plain_tensor(module, node):
+                continue
+            with graph.inserting_after(node):
+                wrapped = graph.call_function(replicated, (node, mesh))
+            for user in users:
+                user.replace_input_with(node, wrapped)
+            found = True
+        if found:
+            graph.lint()
             module.recompile()
             changed = True
     return changed

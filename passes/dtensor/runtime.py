@@ -13,6 +13,8 @@ graph comes back the same) and takes the node's typed spec as its last argument:
 - ``run_scan_on_dtensors(body, *inputs, spec)``: the scan as a Python loop over steps;
 - ``run_in_profiler_scope(body, *inputs, spec)``: a named scope's body under
   ``torch.profiler.record_function(spec.name)``;
+- ``replicated(value, mesh)``: a graph's tensor constant or a factory op's result (a plain
+  tensor every rank computes whole) as a replicated DTensor;
 - ``run_replicated(op, *args, **kwargs)``: an ATen op DTensor has no sharding strategy for (the
   solver prices it so): its DTensor inputs gathered to ``Replicate`` (``redistribute``, which
   autograd differentiates), the op run on their local tensors, its tensor outputs replicated
@@ -45,6 +47,7 @@ __all__ = [
     "run_scan_on_dtensors",
     "run_in_profiler_scope",
     "run_replicated",
+    "replicated",
     "redistribute_to",
     "register_device_mesh",
     "device_mesh_for",
@@ -228,6 +231,16 @@ def run_in_profiler_scope(body: Callable, *inputs_and_spec: Any) -> Any:
     runner_spec("run_in_profiler_scope", spec, ScopeSpec)
     with torch.profiler.record_function(spec.name):
         return without_module_hooks(body)(*inputs)
+
+
+@leaf_call
+def replicated(value: Any, mesh: Mesh) -> Any:
+    """A tensor every rank computes whole (a graph's tensor constant, a factory op's result,
+    made without DTensor inputs) as a replicated DTensor on ``mesh``'s DeviceMesh: DTensor ops
+    refuse a plain tensor next to DTensors."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return as_dtensor(value, device_mesh_for(mesh, "replicated"))
 
 
 @leaf_call

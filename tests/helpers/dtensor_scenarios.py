@@ -328,6 +328,20 @@ def op_without_a_rule_under_autograd(device_mesh, report):
     report["grad_placements"] = names(distributed.grad.placements)
 
 
+@scenario
+def constants_and_factory_ops(device_mesh, report):
+    # A tensor constant (get_attr) and factory ops' results (arange, full) next to DTensors:
+    # every rank makes them whole, the lowering takes them as replicated DTensors.
+    def fn(x):
+        return (x * torch.tensor([1.0, -2.0, 3.0, 0.5]) + torch.arange(4.0)) * torch.full((4, 4), 2.0)
+
+    x = torch.randn(4, 4)
+    gm = passes.lower_to_dtensor(make_fx(fn)(x), device_mesh)
+    out = gm(on_mesh(device_mesh, x, ROWS))
+    torch.testing.assert_close(out.full_tensor(), fn(x))
+    report["placements"] = names(out.placements)
+
+
 # --------------------------------------------------------------------------- plans: examples, the solver
 #
 # What a rank runs of an example is a plan (``run_on_dtensor``): graphs traced (and solved)
