@@ -631,3 +631,125 @@ def _new_full(x, size, value, **kwargs):
 @register(aten.fill)
 def _fill(x, value):
     return jnp().full(x.shape, value, x.dtype)
+
+
+# ---------------------------------------------------------------- what real models' graphs hold
+
+
+@register(aten.chunk)
+def _chunk(x, chunks, dim=0):
+    size = -(-x.shape[dim] // chunks)  # torch: chunks of ceil(n / chunks), the last smaller
+    return _split(x, size, dim)
+
+
+@register(aten.embedding_dense_backward)
+def _embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    if scale_grad_by_freq:
+        raise NotImplementedError("lower_to_jax: aten.embedding_dense_backward with scale_grad_by_freq=True has no rule yet")
+    rows = indices.reshape(-1)
+    grad = grad.reshape(rows.shape[0], -1)
+    if padding_idx >= 0:
+        grad = jnp().where((rows == padding_idx)[:, None], 0, grad)
+    return jnp().zeros((num_weights, grad.shape[1]), grad.dtype).at[rows].add(grad)
+
+
+def _nll_weights(x, target, weight, ignore_index):
+    kept = target != ignore_index
+    safe = jnp().where(kept, target, 0)
+    w = jnp().ones(target.shape, x.dtype) if weight is None else jnp().take(weight, safe)
+    return safe, jnp().where(kept, w, 0).astype(x.dtype)
+
+
+@register(aten.nll_loss_forward)
+def _nll_loss_forward(x, target, weight, reduction, ignore_index):
+    safe, w = _nll_weights(x, target, weight, ignore_index)
+    picked = -jnp().take_along_axis(x, safe[..., None], axis=-1)[..., 0] * w
+    total = w.sum()
+    if reduction == 0:  # none
+        return picked, total
+    return (picked.sum() / total if reduction == 1 else picked.sum()), total
+
+
+@register(aten.nll_loss_backward)
+def _nll_loss_backward(grad_output, x, target, weight, reduction, ignore_index, total_weight):
+    safe, w = _nll_weights(x, target, weight, ignore_index)
+    scale = grad_output / total_weight if reduction == 1 else grad_output
+    per_item = -w * scale
+    one_hot = jnp().arange(x.shape[-1]) == safe[..., None]
+    return jnp().where(one_hot, per_item[..., None], 0).astype(x.dtype)
+
+
+def _attention(query, key, value, is_causal, attn_mask, scale):
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = jnp().matmul(query, jnp().swapaxes(key, -1, -2)) * scale
+    if is_causal:
+        length, source = scores.shape[-2:]
+        scores = jnp().where(jnp().tril(jnp().ones((length, source), bool)), scores, -jnp().inf)
+    if attn_mask is not None:
+        scores = jnp().where(attn_mask, scores, -jnp().inf) if attn_mask.dtype == jnp().bool_ else scores + attn_mask
+    logsumexp = __import__("jax").nn.logsumexp(scores, axis=-1)
+    return jnp().matmul(jnp().exp(scores - logsumexp[..., None]), value), logsumexp
+
+
+@register(aten._scaled_dot_product_flash_attention_for_cpu)
+def _flash_attention_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    if dropout_p:
+        raise NotImplementedError("lower_to_jax: scaled dot product attention with dropout has no rule yet")
+    return _attention(query, key, value, is_causal, attn_mask, scale)
+
+
+@register(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+def _flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    import jax
+
+    _, vjp = jax.vjp(lambda q, k, v: _attention(q, k, v, is_causal, attn_mask, scale)[0], query, key, value)
+    return vjp(grad_out)
+
+
+def _layer_norm(x, normalized_shape, weight, bias, eps):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    mean = x.mean(axis=axes, keepdims=True)
+    rstd = lax().rsqrt(((x - mean) ** 2).mean(axis=axes, keepdims=True) + eps)
+    out = (x - mean) * rstd
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out, mean, rstd
+
+
+@register(aten.native_layer_norm)
+def _native_layer_norm(x, normalized_shape, weight, bias, eps):
+    return _layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+@register(aten.native_layer_norm_backward)
+def _native_layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    batch = tuple(range(x.ndim - len(normalized_shape)))
+    normalized = (x - mean) * rstd
+    g = grad_out if weight is None else grad_out * weight
+    dx = rstd * (g - g.mean(axis=axes, keepdims=True) - normalized * (g * normalized).mean(axis=axes, keepdims=True))
+    dw = None if weight is None else (grad_out * normalized).sum(axis=batch)
+    db = None if bias is None else grad_out.sum(axis=batch)
+    return tuple(g if wanted else None for g, wanted in zip((dx, dw, db), output_mask))
+
+
+@register(aten.view_as_complex)
+def _view_as_complex(x):
+    return lax().complex(x[..., 0], x[..., 1])
+
+
+@register(aten.view_as_real)
+def _view_as_real(x):
+    return jnp().stack([jnp().real(x), jnp().imag(x)], axis=-1)
+
+
+@register(aten._conj, aten.conj_physical)
+def _conj(x):
+    return jnp().conj(x)
+
+
+@register(aten.permute_copy)
+def _permute_copy(x, dims):
+    return jnp().transpose(x, tuple(dims))

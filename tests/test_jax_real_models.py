@@ -1,0 +1,54 @@
+"""Real model code through target ``"jax"``: as ``examples/auto_shard.py`` (and
+``tests/test_real_models.py``'s solver test), the layers scanned, the attention a ``local_map``
+region, AOTAutograd's forward and backward graphs solved together and the plan applied as
+annotations; then lowered to JAX and jitted on 4 virtual CPU devices: the plain model's loss and
+gradients, and the StableHLO holds the plan (Shardy constraints, one manual computation, one
+while loop). The models' ATen ops (SDPA's CPU kernels and their backward, ``nll_loss``,
+``native_layer_norm``, the complex rotary embedding of torchtitan) all have JAX rules.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+jax = pytest.importorskip("jax", reason="target 'jax' needs jax (the 'jax' extra)")
+
+import passes  # noqa: E402
+from passes.jax import lower_to_jax  # noqa: E402
+from tests.helpers import real_models as rm  # noqa: E402
+from tests.helpers.snapshot import aot_trace  # noqa: E402
+from tests.test_real_models import assert_same, build, one_thread, reference, scanned_grads, some  # noqa: E402, F401
+
+
+@pytest.mark.parametrize("name", some("hf_gpt2_sdpa", "torchtitan_llama3"))
+def test_solver_plan_of_the_scanned_layers_runs_through_the_jax_target(name):
+    real = build(name)
+    (ids, targets), (expected_loss, expected_grads) = reference(real)
+    region = rm.region_attention(real)
+    model = rm.ScannedDecoder(region)
+    names = [n for n, _ in model.named_parameters()]
+    buffers = dict(model.named_buffers())
+
+    def loss_fn(ids, targets, *args):
+        params = dict(zip(names, args[: len(names)]))
+        logits = torch.func.functional_call(model, (params, buffers), (ids, *args[len(names) :]))
+        return rm.loss_of(logits, targets)
+
+    leaves = [p.detach().requires_grad_() for _, p in model.named_parameters()]
+    inputs = [ids, targets, *leaves, *rm.layer_tensors(region)]
+    forward, backward, _ = aot_trace(loss_fn, *inputs)
+    solution = passes.solve_placements((forward, backward), rm.MESH, cost_model=passes.CostModel.preset("tpu-v5e"))
+    passes.apply_placements((forward, backward), solution)
+
+    forward_jax, backward_jax = jax.jit(lower_to_jax(forward)), jax.jit(lower_to_jax(backward))
+    arrays = [t.detach().numpy() for t in inputs]
+    loss, *saved = forward_jax(*arrays)
+    grads = backward_jax(*saved, np.ones((), np.float32))
+    as_torch = [None if g is None else torch.from_numpy(np.array(g)) for g in grads[2 : 2 + len(names)]]
+    assert_same(torch.from_numpy(np.array(loss)), scanned_grads(model, dict(zip(names, as_torch))), expected_loss, expected_grads, rtol=1e-4, atol=1e-5)
+
+    text = forward_jax.lower(*arrays).as_text()
+    assert text.count("sdy.sharding_constraint") >= 10, "the plan's layouts are constraints of the program"
+    assert text.count("sdy.manual_computation(") == 1 and text.count("stablehlo.while") == 1
