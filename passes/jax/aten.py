@@ -532,6 +532,11 @@ def _split(x, split_size, dim=0):
     return _split_with_sizes(x, [min(split_size, size - start) for start in range(0, size, split_size)], dim)
 
 
+@register(aten.unbind)
+def _unbind(x, dim=0):
+    return [jnp().take(x, i, axis=dim) for i in range(x.shape[dim])]
+
+
 @register(aten.split_with_sizes)
 def _split_with_sizes(x, sizes, dim=0):
     points = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]

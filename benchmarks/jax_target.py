@@ -1,0 +1,145 @@
+"""Target ``"jax"``: per-step host time of ``backend="hops_jax"`` against the same model written in
+JAX by hand and against eager torch; compile time of a scan of N layers against the unrolled
+program, both lowered with ``lower_to_jax`` (4 virtual CPU devices).
+
+1. Step: a two-layer MLP block with sharding annotations, loss and gradients per step, 8 layers;
+   ``hops_jax`` (Dynamo -> AOTAutograd -> lower_to_jax -> jax.jit, DLPack in and out), the same
+   computation as ``jax.jit(jax.value_and_grad(...))`` with ``with_sharding_constraint``, and eager
+   torch. Target (issue 35): hops_jax / hand-written JAX <= 1.1.
+2. Compile: ``make_fx`` of the loss and gradients of N blocks (``hops.scan`` over stacked weights,
+   or a Python loop), ``lower_to_jax``, ``jax.jit(...).lower(...).compile()``, N = 4 and 64.
+   Target: T(64) / T(4) <= 1.5 for the scan.
+
+Usage: python benchmarks/jax_target.py   (prints ratios measured in this run; PASS/FAIL per target)
+"""
+
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+import hops  # noqa: E402
+from hops import Mesh, Replicate, Shard, ShardingSpec  # noqa: E402
+from passes.jax import lower_to_jax  # noqa: E402
+from passes.jax.backend import hops_jax  # noqa: E402
+
+MESH = Mesh((2, 2), ("data", "model"))
+ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
+HIDDEN = ShardingSpec(MESH, (Shard(0), Shard(1)))
+BATCH, DIM, LAYERS = 64, 128, 8
+
+
+def block(h, up, down):
+    hidden = hops.annotate_sharding(torch.relu(h @ up), HIDDEN)
+    return hops.annotate_sharding(h + hidden @ down, ROWS)
+
+
+def torch_loss(h, ups, downs):
+    for up, down in zip(ups, downs):
+        h = block(h, up, down)
+    return h.square().mean()
+
+
+def jax_loss(h, ups, downs):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    hidden_layout = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
+    for up, down in zip(ups, downs):
+        hidden = jax.lax.with_sharding_constraint(jax.nn.relu(h @ up), hidden_layout)
+        h = jax.lax.with_sharding_constraint(h + hidden @ down, rows)
+    return jnp.mean(h * h)
+
+
+def per_step(step, repeats=30) -> float:
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def step_times() -> dict[str, float]:
+    torch.manual_seed(0)
+    h = torch.randn(BATCH, DIM)
+    ups = [(torch.randn(DIM, 2 * DIM) / DIM**0.5).requires_grad_() for _ in range(LAYERS)]
+    downs = [(torch.randn(2 * DIM, DIM) / (2 * DIM) ** 0.5).requires_grad_() for _ in range(LAYERS)]
+    params = [*ups, *downs]
+
+    def torch_step(loss_fn):
+        def step():
+            loss = loss_fn(h, ups, downs)
+            grads = torch.autograd.grad(loss, params)
+            return loss.item(), grads
+
+        return step
+
+    compiled = torch.compile(torch_loss, backend=hops_jax, fullgraph=True)
+    by_hand = jax.jit(jax.value_and_grad(jax_loss, argnums=(1, 2)))
+    h_np, ups_np, downs_np = h.numpy(), [u.detach().numpy() for u in ups], [d.detach().numpy() for d in downs]
+
+    def jax_step():
+        loss, grads = by_hand(h_np, ups_np, downs_np)
+        jax.block_until_ready(grads)
+        return float(loss)
+
+    return {"hops_jax": per_step(torch_step(compiled)), "jax by hand": per_step(jax_step), "eager torch": per_step(torch_step(torch_loss))}
+
+
+def compile_time(layers: int, scanned: bool) -> float:
+    h = torch.randn(BATCH, DIM)
+    ups = torch.randn(layers, DIM, 2 * DIM) / DIM**0.5
+    downs = torch.randn(layers, 2 * DIM, DIM) / (2 * DIM) ** 0.5
+
+    def loss(h, ups, downs):
+        if scanned:
+            h, _ = hops.scan(lambda c, w: (block(c, w[0], w[1]), None), h, (ups, downs))
+        else:
+            for up, down in zip(ups, downs):
+                h = block(h, up, down)
+        return h.square().mean()
+
+    def loss_and_grads(h, ups, downs):
+        value = loss(h, ups, downs)
+        return value, torch.autograd.grad(value, (ups, downs))
+
+    start = time.perf_counter()
+    graph = make_fx(loss_and_grads, tracing_mode="fake")(h, ups.requires_grad_(), downs.requires_grad_())
+    jax.jit(lower_to_jax(graph)).lower(h.numpy(), ups.detach().numpy(), downs.detach().numpy()).compile()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    times = step_times()
+    print(f"per step (ms, median; {LAYERS} layers, batch {BATCH}, dim {DIM}, 4 CPU devices):")
+    for name, ms in times.items():
+        print(f"  {name:12s} {ms:8.2f}")
+    ratio = times["hops_jax"] / times["jax by hand"]
+    print(f"  hops_jax / jax by hand = {ratio:.2f}  target <= 1.1: {'PASS' if ratio <= 1.1 else 'FAIL'}")
+    print(f"  hops_jax / eager torch = {times['hops_jax'] / times['eager torch']:.2f}")
+    print("compile (s: make_fx + lower_to_jax + jit compile, loss and gradients):")
+    results = {}
+    for scanned in (True, False):
+        for layers in (4, 64):
+            results[scanned, layers] = compile_time(layers, scanned)
+            print(f"  {'scan    ' if scanned else 'unrolled'} N={layers:3d}: {results[scanned, layers]:7.2f}")
+    growth = results[True, 64] / results[True, 4]
+    print(f"  scan T(64)/T(4) = {growth:.2f}  target <= 1.5: {'PASS' if growth <= 1.5 else 'FAIL'}")
+    print(f"  unrolled T(64)/T(4) = {results[False, 64] / results[False, 4]:.2f}; unrolled/scan at 64 = {results[False, 64] / results[True, 64]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
