@@ -223,7 +223,7 @@ def solve_neighbourhood(
         options=dict(threads=1, mip_rel_gap=gap),
         x0=x0,
     )
-    sizes = dict(variables=int(ncols), constraints=len(row_lower), nodes=len(free))
+    sizes = dict(variables=int(ncols), constraints=len(row_lower), milp_nodes=len(free))
     # Building the model took time too: HiGHS gets what is left before the deadline, and
     # ends there (``solve_model_by``: its own time limit is not kept).
     result = solve_model_by(model, deadline)

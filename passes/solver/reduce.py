@@ -59,14 +59,14 @@ class Reduced:
         self._dirty: set[int] = set()  # edges whose separable part may not be folded yet
         # Per edge, a class per strategy of each side (oriented as the edge): strategies of one
         # class have equal rows (columns) in the table. From the problem's class tables, else
-        # the table's equal rows and columns; merges and eliminations combine them, so they
-        # follow the problem's structure (the integer program's pair variables are per class).
-        self.classes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # the table's equal rows and columns (found when first needed: ``None`` until then);
+        # merges and eliminations combine them, so they follow the problem's structure (the
+        # integer program's pair variables are per class).
+        self.classes: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
         given = problem.edge_classes
         for k, (i, j) in enumerate(problem.edges.tolist()):
             m = np.array(problem.edge_matrix(k), dtype=np.float64)
-            pair = None if given is None else given[k]
-            self._add_edge(i, j, m, pair if pair is not None else (_equal(m, 0), _equal(m, 1)))
+            self._add_edge(i, j, m, None if given is None else given[k])
 
     def axes(self, node: int) -> np.ndarray | None:
         """The per-mesh-axis codes of ``node``'s kept strategies (``None``: none given)."""
@@ -75,7 +75,7 @@ class Reduced:
 
     # ------------------------------------------------------------------ edges
 
-    def _add_edge(self, i: int, j: int, m: np.ndarray, classes: tuple[np.ndarray, np.ndarray]) -> None:
+    def _add_edge(self, i: int, j: int, m: np.ndarray, classes: tuple[np.ndarray, np.ndarray] | None) -> None:
         if i == j:
             self.cost[i] = self.cost[i] + np.diag(m)
             return
@@ -83,9 +83,12 @@ class Reduced:
             eid = self.adjacent[i][j]
             a, _, existing = self.edges[eid]
             self.edges[eid][2] = existing + (m if a == i else m.T)
-            rows, cols = classes if a == i else classes[::-1]
-            old_rows, old_cols = self.classes[eid]
-            self.classes[eid] = (_paired(old_rows, rows), _paired(old_cols, cols))
+            if classes is None or self.classes[eid] is None:
+                self.classes[eid] = None
+            else:
+                rows, cols = classes if a == i else classes[::-1]
+                old_rows, old_cols = self.classes[eid]
+                self.classes[eid] = (_paired(old_rows, rows), _paired(old_cols, cols))
             self._dirty.add(eid)
             return
         eid = self._next
@@ -105,8 +108,16 @@ class Reduced:
     def oriented_classes(self, node: int, neighbour: int) -> tuple[np.ndarray, np.ndarray]:
         """The classes of the edge node-neighbour: (of ``node``'s strategies, of the neighbour's)."""
         eid = self.adjacent[node][neighbour]
-        rows, cols = self.classes[eid]
+        rows, cols = self.edge_classes(eid)
         return (rows, cols) if self.edges[eid][0] == node else (cols, rows)
+
+    def edge_classes(self, eid: int) -> tuple[np.ndarray, np.ndarray]:
+        """The classes of edge ``eid`` (of its first node's strategies, of its second's)."""
+        found = self.classes[eid]
+        if found is None:
+            m = self.edges[eid][2]
+            found = self.classes[eid] = (_equal(m, 0), _equal(m, 1))
+        return found
 
     def oriented(self, node: int, neighbour: int) -> np.ndarray:
         """The matrix of the edge node-neighbour, rows indexed by ``node``'s strategies."""
@@ -154,8 +165,9 @@ class Reduced:
         for eid in self.adjacent[node].values():
             i, _, m = self.edges[eid]
             self.edges[eid][2] = m[mask] if i == node else m[:, mask]
-            rows, cols = self.classes[eid]
-            self.classes[eid] = (rows[mask], cols) if i == node else (rows, cols[mask])
+            if self.classes[eid] is not None:
+                rows, cols = self.classes[eid]
+                self.classes[eid] = (rows[mask], cols) if i == node else (rows, cols[mask])
             self._dirty.add(eid)
 
     def _allowed(self, node: int) -> np.ndarray:
@@ -369,7 +381,11 @@ class Reduced:
 
 def _equal(m: np.ndarray, axis: int) -> np.ndarray:
     """A class per row (``axis=0``) or column of ``m``: equal ones share it."""
-    return np.unique(m, axis=axis, return_inverse=True)[1].reshape(-1) if m.size else np.zeros(m.shape[axis], np.int64)
+    if not m.size:
+        return np.zeros(m.shape[axis], np.int64)
+    lines = np.ascontiguousarray(m if axis == 0 else m.T) + 0.0  # (+ 0.0: -0.0 and 0.0 alike)
+    keys = lines.view(np.dtype((np.void, lines.dtype.itemsize * lines.shape[1]))).reshape(-1)
+    return np.unique(keys, return_inverse=True)[1].reshape(-1)
 
 
 def _paired(one: np.ndarray, other: np.ndarray) -> np.ndarray:

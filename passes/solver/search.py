@@ -47,6 +47,7 @@ from passes.solver.problem import (
     NoPlanFoundError,
     ProblemSolution,
     StrategyProblem,
+    _check_strategies,
     _TimeSteps,
     peak_usage,
     problem_cost,
@@ -79,7 +80,7 @@ class Search:
         for eid, (i, j, m) in reduced.edges.items():
             li, lj = local[i], local[j]
             self.edges.append((li, lj, m))
-            self.edge_class_ids.append(reduced.classes[eid])
+            self.edge_class_ids.append(eid)
             finite_max += float(np.max(m[np.isfinite(m)], initial=0.0))
         self.edge_i = np.array([e[0] for e in self.edges], dtype=np.int64)
         self.edge_j = np.array([e[1] for e in self.edges], dtype=np.int64)
@@ -95,7 +96,7 @@ class Search:
         self.load = np.zeros(len(self.rhs))
         self._classes: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # The largest integer program solved so far (its variables, constraints and nodes), and how many.
-        self.milp_sizes = dict(variables=0, constraints=0, nodes=0)
+        self.milp_sizes = dict(variables=0, constraints=0, milp_nodes=0)
         self.milps = 0
 
     def edge_classes(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -104,7 +105,7 @@ class Search:
         found = self._classes.get(k)
         if found is None:
             m = self.edges[k][2]
-            rows, cols = self.edge_class_ids[k]
+            rows, cols = self.reduced.edge_classes(self.edge_class_ids[k])
             rows, first_rows = _renumbered(rows)
             cols, first_cols = _renumbered(cols)
             found = self._classes[k] = (rows, cols, m[np.ix_(first_rows, first_cols)])
@@ -409,6 +410,7 @@ def solve_problem(
     search: str = "auto",
     reduce: bool = True,
     dominance: str = "full",
+    start: Sequence[int] | None = None,
 ) -> ProblemSolution:
     """The cheapest strategies found within ``time_limit`` seconds (``None``: solve to optimality,
     within a relative gap of 1e-7), with a lower bound no solution beats. ``seed``: the random
@@ -423,6 +425,9 @@ def solve_problem(
     else ``"exact"``. ``reduce=False`` eliminates no node (for tests of the reductions);
     ``dominance="equal"`` drops only strategies equal to another but for a higher cost (the
     reduced size then follows the problem's structure, not its costs; ``reduce.Reduced``).
+    ``start``: a plan (a strategy per node) the search also starts from, repaired back within
+    the memory limit if it breaks it (by default, where memory binds, the problem's optimum
+    without the limit).
 
     Raises ``InfeasiblePlacementError`` (a ``ValueError``) only with a proof that no choice fits
     the memory limit with finite cost (the reductions' or the MILP's), and ``NoPlanFoundError``
@@ -434,6 +439,8 @@ def solve_problem(
             raise ValueError(f"time_limit must be a number of seconds > 0 or None, got {time_limit!r}")
     if search not in _SEARCHES:
         raise ValueError(f"search must be one of {list(_SEARCHES)}, got {search!r}")
+    if start is not None:
+        start = _check_strategies(problem, start).tolist()
     begin = time.perf_counter()
     # The search (every engine call in it) ends by ``deadline``; the time after it, up to the
     # time limit, is kept for expanding and checking the plan (``_answer_reserve``).
@@ -484,6 +491,18 @@ def solve_problem(
             search.construct(deadline, **variant)
             search.descend(deadline)
             candidates.append((search.objective(), search.s.copy()))
+        if len(search.rhs) and (start is not None or pairs_left <= _FULL_MILP_PAIRS):
+            # Memory binds: the problem's optimum without the limit (reduced without it, which
+            # eliminates what memory kept; where the whole program is small), greedily repaired
+            # back within the limit.
+            share = math.inf if time_limit is None else time.perf_counter() + 0.3 * (deadline - time.perf_counter())
+            plan = _unconstrained_plan(problem, dominance, seed, min(deadline, share)) if start is None else start
+            if plan is not None:
+                search.assign_full(plan)
+                if search.repair(deadline):
+                    search.descend(deadline)
+                    stats["unconstrained_start"] = search.objective()
+                    candidates.append((search.objective(), search.s.copy()))
         search.assign(min(candidates, key=lambda candidate: candidate[0])[1])
         stats["start_violation"] = search.violation()
         best = search.objective()
@@ -493,6 +512,9 @@ def solve_problem(
         if time_limit is None or stats["pairs_left"] <= _FULL_MILP_PAIRS:
             method = "milp"
             left = math.inf if time_limit is None else deadline - time.perf_counter()
+            if len(search.rhs):
+                # (Memory rows make the whole program far slower to prove: leave the searches time.)
+                left *= _MEMORY_MILP_SHARE
             status, chosen, bound = search.solve_milp(
                 np.arange(len(search.nodes)),
                 left,
@@ -509,7 +531,7 @@ def solve_problem(
                     search.move(v, a)
             lower = max(lower, bound)
             stats["milp_optimal"] = status == "optimal"
-        if not stats.get("milp_optimal") and time.perf_counter() < deadline:
+        if not stats.get("milp_optimal") and time.perf_counter() < deadline < math.inf:
             method = "milp-lns" if method == "milp" else "lns"
             # A bound of the LP relaxation's kind, for a tenth of the time left.
             began = time.perf_counter()
@@ -541,12 +563,38 @@ def solve_problem(
         raise AssertionError("the solver returned strategies above the usage limit")
     stats.update(
         method=method, seconds=time.perf_counter() - begin, search="exact", milps=search.milps, **search.milp_sizes,
-        status="optimal" if stats.get("milp_optimal") or (method == "reductions") else f"{method} (not proven optimal)",
+        status="optimal" if stats.get("milp_optimal") or not len(search.nodes) else f"{method} (not proven optimal)",
     )
     if integral:
         # Integer costs: no solution costs less than the bound rounded up.
         lower = math.ceil(lower - 1e-9 * max(1.0, abs(lower)))
     return ProblemSolution(strategies, cost, min(lower, cost), stats)
+
+
+# The share of the time left the program over the whole problem gets when memory binds.
+_MEMORY_MILP_SHARE = 0.5
+
+
+def _unconstrained_plan(problem: StrategyProblem, dominance: str, seed: int, deadline: float) -> list[int] | None:
+    """The problem's optimum without its memory limit (``None`` if its program is too large
+    or not solved by ``deadline``)."""
+    reduced = Reduced(problem, dominance)
+    try:
+        reduced.reduce(None, deadline)
+    except InfeasiblePlacementError:  # pragma: no cover - the constrained reductions said so first
+        return None
+    free = Search(reduced, seed)
+    if not len(free.nodes):
+        return free.plan()
+    if free.pair_count() > _FULL_MILP_PAIRS:
+        return None
+    free.start(least_usage=False)
+    free.descend(deadline, respect_memory=False)
+    _, chosen, _ = free.solve_milp(np.arange(len(free.nodes)), math.inf, warm=free.objective() < free.big, deadline=deadline)
+    if chosen is None:
+        return None
+    free.assign(chosen)
+    return free.plan()
 
 
 def _answer_reserve(problem: StrategyProblem, time_limit: float) -> float:
