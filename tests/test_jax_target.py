@@ -197,7 +197,8 @@ class TestScans(TestCase):
     """Scan options and HOPs nested in scan bodies, against the Python loop."""
 
     def check_scan(self, step, reference_step, options, gradients=True):
-        inputs = (torch.randn(4, 3), torch.randn(5, 4, 3), torch.randn(3, 3))
+        generator = torch.Generator().manual_seed(0)
+        inputs = tuple(torch.randn(*shape, generator=generator) for shape in ((4, 3), (5, 4, 3), (3, 3)))
         graph = make_fx(lambda h, xs, w: hops.scan(step, h, xs, additional_inputs=(w,), **options))(*inputs)
         function = lower_to_jax(graph)
         h, xs, w = (t.clone().requires_grad_() for t in inputs)
@@ -210,7 +211,8 @@ class TestScans(TestCase):
         if gradients:
             grads = jax.jit(jax.grad(lambda *v: weighted_loss(function(*v)), argnums=(0, 1, 2)))(*arrays(inputs))
             weighted_loss_torch = sum((o * (i + 1)).sum() for i, o in enumerate(expected))
-            close(self, grads, torch.autograd.grad(weighted_loss_torch, (h, xs, w)), f"scan {options} gradients")
+            # float32 rounding accumulates over the steps (jax and torch differ in summation order)
+            close(self, grads, torch.autograd.grad(weighted_loss_torch, (h, xs, w)), f"scan {options} gradients", rtol=1e-4)
 
     def test_reverse_unroll_remat_with_a_scope_an_einsum_and_a_constraint_in_the_body(self):
         @hops.named_scope("cell")
