@@ -220,7 +220,7 @@ def solve_neighbourhood(
         index=matrix.indices,
         value=matrix.data,
         integer=np.concatenate(integer),
-        options=dict(threads=1, mip_rel_gap=gap),
+        options=dict(threads=1, mip_rel_gap=gap, presolve="choose" if search.presolve else "off"),
         x0=x0,
     )
     sizes = dict(variables=int(ncols), constraints=len(row_lower), milp_nodes=len(free))

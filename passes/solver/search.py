@@ -98,6 +98,10 @@ class Search:
         # The largest integer program solved so far (its variables, constraints and nodes), and how many.
         self.milp_sizes = dict(variables=0, constraints=0, milp_nodes=0)
         self.milps = 0
+        # HiGHS's presolve, unless ``solve_problem(presolve=False)`` (the FX front's programs:
+        # one-hot options, pair variables tied to them by row and column sums, relaxations
+        # integral at the root or nearly; it took half of each solve and removed little).
+        self.presolve = True
 
     def edge_classes(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Edge k's table compressed: (class of each row, class of each column, table over classes),
@@ -411,6 +415,7 @@ def solve_problem(
     reduce: bool = True,
     dominance: str = "full",
     start: Sequence[int] | None = None,
+    presolve: bool = True,
 ) -> ProblemSolution:
     """The cheapest strategies found within ``time_limit`` seconds (``None``: solve to optimality,
     within a relative gap of 1e-7), with a lower bound no solution beats. ``seed``: the random
@@ -453,6 +458,7 @@ def solve_problem(
     reduced.reduce(limit, begin + 0.25 * (deadline - begin), eliminate=reduce)
     reduce_seconds = time.perf_counter() - begin
     search_ = Search(reduced, seed)
+    search_.presolve = presolve
     by_axes = search != "exact" and _axis_count(search_) >= 3
     pairs_left = search_.pair_count()
     if by_axes and search == "auto":

@@ -641,14 +641,14 @@ def _solve_with_budget(problem: StrategyProblem, memory_budget, time_limit, redu
     without the budget first (exact); that plan if it fits (then optimal), else the budgeted
     search started from it, for twice that time (its status and lower bound say how close)."""
     if memory_budget is None or time_limit is not None:
-        return solve_problem(problem, time_limit=time_limit, reduce=reduce, search=search, dominance="equal")
+        return solve_problem(problem, time_limit=time_limit, reduce=reduce, search=search, dominance="equal", presolve=False)
     began = time.perf_counter()
-    free = solve_problem(problem.with_usage_limit(None), reduce=reduce, search=search, dominance="equal")
+    free = solve_problem(problem.with_usage_limit(None), reduce=reduce, search=search, dominance="equal", presolve=False)
     took = time.perf_counter() - began
     if peak_usage(problem, free.strategies) <= memory_budget:
         return free
     limit = max(_BUDGET_MIN_SECONDS, _BUDGET_TIME_FACTOR * took)
-    result = solve_problem(problem, time_limit=limit, reduce=reduce, search=search, dominance="equal", start=free.strategies)
+    result = solve_problem(problem, time_limit=limit, reduce=reduce, search=search, dominance="equal", start=free.strategies, presolve=False)
     result.stats["unbudgeted_seconds"] = took
     return result
 
