@@ -27,6 +27,14 @@ import torch
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
 
 
+# What importing this package changes in torch, by version: nothing on 2.13 and later. On
+# 2.9, one method Dynamo lacks (``dynamo_trace_compiled_function_hasattr``). Tested by
+# tests/test_inductor_pass_chaining.py against a snapshot of Dynamo's functions.
+IMPORT_PATCHES: tuple[str, ...] = (
+    ("torch._dynamo.variables.functions.WrapperUserFunctionVariable.call_obj_hasattr",) if TORCH_VERSION < (2, 13) else ()
+)
+
+
 def torch_xla_available() -> bool:
     """True when torch_xla can be imported (it exists only for torch 2.9 here)."""
     return importlib.util.find_spec("torch_xla") is not None
@@ -74,9 +82,13 @@ def dynamo_graph_break(gb_type: str, context: str, explanation: str, from_exc: B
 
 
 def dynamo_trace_compiled_function_hasattr() -> None:
-    """Let Dynamo 2.9 trace ``hasattr`` of a ``torch.compile``d function (as 2.13 does), which
-    ``compiled_function_inside`` asks: 2.9's ``WrapperUserFunctionVariable`` (private) traces
-    only a call and the wrapped function's attribute. Answered from the wrapper itself."""
+    """Torch 2.9 only (2.13 and later trace it themselves; this then does nothing): let Dynamo
+    trace ``hasattr`` of a ``torch.compile``d function, which ``compiled_function_inside``
+    asks. 2.9's ``WrapperUserFunctionVariable`` (private) traces only a call and the wrapped
+    function's attribute, and neither ``getattr`` with a default nor ``try``/``except`` tell a
+    wrapper from another function there. It adds the one method 2.9 lacks (answered from
+    the wrapper itself), at import: the scan that asks may be the first HOP a program meets,
+    before any rule of this package runs. Listed in ``IMPORT_PATCHES``."""
     if TORCH_VERSION >= (2, 13):
         return
     from torch._dynamo.variables.constant import ConstantVariable
@@ -124,76 +136,6 @@ def is_dynamo_observed_exception(error: BaseException) -> bool:
     from torch._dynamo.exc import ObservedException
 
     return isinstance(error, ObservedException)
-
-
-def dynamo_uncaught_exception(error: BaseException) -> tuple[type, tuple, str] | None:
-    """Behind Dynamo's "Observed exception" error (traced code raised an exception nothing
-    in the traced code caught, under ``fullgraph=True``): the exception's class and constant
-    arguments, and the file of the traced function that raised it; else None.
-
-    Dynamo keeps no reference to its tracers on the error. The stand-in exception
-    (``ObservedException``, the error's cause) was re-raised through the frame of each
-    tracer it left, outermost first on its traceback: the tracers are the ``self`` of those
-    frames, the innermost one traced the raising function (``f_code``), and their shared
-    ``exn_vt_stack`` holds the exception (``dynamo_raised_exception``). Private, the same
-    names from 2.9 to 2.15."""
-    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
-
-    observed = error
-    seen = set()
-    while observed is not None and not is_dynamo_observed_exception(observed) and id(observed) not in seen:
-        seen.add(id(observed))
-        observed = observed.__cause__ or observed.__context__
-    if observed is None or not is_dynamo_observed_exception(observed):
-        return None
-    tracers = []
-    traceback = observed.__traceback__
-    while traceback is not None:
-        tracer = traceback.tb_frame.f_locals.get("self")
-        if isinstance(tracer, InstructionTranslatorBase) and (not tracers or tracers[-1] is not tracer):
-            tracers.append(tracer)
-        traceback = traceback.tb_next
-    if not tracers:
-        return None
-    raised = dynamo_raised_exception(tracers[0])
-    code = getattr(tracers[-1], "f_code", None)
-    if raised is None or code is None:
-        return None
-    return raised[0], raised[1], code.co_filename
-
-
-def install_dynamo_frame_error_filter(typed_error: Any) -> None:
-    """Let ``typed_error(error)`` replace the error that ends a Dynamo frame compile.
-
-    Dynamo rewraps every exception leaving a frame's compile that is not one of its own
-    (or an ``AssertionError``) as ``InternalTorchDynamoError``, and reports traced code's
-    uncaught exceptions as its generic "Observed exception": there is no hook for an
-    exception to reach the caller as itself. ``torch._dynamo.convert_frame._compile``
-    (private, a module function called by name from 2.9 to 2.15) is wrapped, once: what
-    ``typed_error`` returns for the error (None: keep Dynamo's) is raised instead, which
-    Dynamo's callers re-raise unchanged (it is no graph break)."""
-    import functools
-
-    from torch._dynamo import convert_frame
-
-    compile_frame = convert_frame._compile
-    if getattr(compile_frame, "hops_error_filter", False):
-        return
-
-    @functools.wraps(compile_frame)
-    def _compile(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return compile_frame(*args, **kwargs)
-        except Exception as error:
-            replacement = typed_error(error)
-            if replacement is None:
-                raise
-        # Without the tracer's frames (as Dynamo strips its own errors'): they would keep the
-        # whole trace alive for as long as the caller holds the error.
-        raise replacement.with_traceback(None) from None
-
-    _compile.hops_error_filter = True  # type: ignore[attr-defined]
-    convert_frame._compile = _compile
 
 
 def dynamo_speculate_subgraph(tx: Any, body: Any, body_inputs: list, hop: Any) -> tuple:

