@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from hops.lowering import register_graph_compiler
 from passes._infra import HopRulePass
-from passes.xla import eager, rules  # noqa: F401  (register the target's and the device's rules)
+from passes.xla import eager, portable, rules  # noqa: F401  (register the target's and the device's rules)
 from passes.xla.backend import lowered_and_staged, prepare_autograd_for_xla
 from passes.xla.rules import run_in_named_scope, run_scan
 
@@ -26,7 +26,9 @@ __all__ = ["lower_to_xla", "run_scan", "run_in_named_scope"]
 def lower_to_xla(gm: fx.GraphModule) -> fx.GraphModule:
     """Lower every HOP of this package in ``gm`` and its subgraphs (in place); return ``gm``.
     Every tensor constant of ``gm`` and of its bodies runs on the device its graph runs on
-    (``rules.constants_to_graph_device``)."""
+    (``rules.constants_to_graph_device``), and every op only the tracing host runs (CPU flash
+    attention) runs as ordinary ops (``portable.replace_host_only_ops``)."""
     HopRulePass(rules.TARGET, name="lower_to_xla")(gm)
     rules.constants_to_graph_device(gm)
+    portable.replace_host_only_ops(gm)
     return gm
