@@ -327,10 +327,8 @@ def test_solver_plan_runs_on_one_device(name):
     assert_same(loss, dict(zip(plan["names"], grads)), expected_loss, expected_grads, rtol=1e-4, atol=1e-5)
 
 
-# HF Llama's graph makes tensors with device=cpu in its factory ops (its masks and positions),
-# which lower_to_xla leaves on the CPU: the open bug of the next session, not here yet.
 @pytest.mark.xla
-@pytest.mark.parametrize("name", some("torchtitan_llama3"))
+@pytest.mark.parametrize("name", some("hf_llama_sdpa", "torchtitan_llama3"))
 def test_solver_plan_runs_on_xla(name):
     """The solved plan (``solved_plan``, traced on CPU: its attention is CPU flash attention)
     lowered with ``lower_to_xla`` and run by torch_xla on its 4 CPU devices under SPMD: a

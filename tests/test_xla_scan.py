@@ -560,3 +560,43 @@ def test_tensor_constants_of_forward_and_backward_graphs_run_on_the_xla_device()
     torch.testing.assert_close(out.cpu(), reference.detach(), rtol=1e-4, atol=1e-4)
     for grad, expected in zip(grads, reference_grads):
         torch.testing.assert_close(grad.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+def made_with_the_inputs_device(h, xss):
+    """Positions and a mask made with ``device=h.device`` (as models make them), in the program,
+    in a scan step and in a region: traced on CPU, the factory ops say ``device=cpu``."""
+    region = hops.local_map(
+        lambda x: x * torch.arange(x.shape[-1], device=x.device),
+        mesh=MESH,
+        in_placements=((Shard(0), Replicate()),),
+        out_placements=((Shard(0), Replicate()),),
+    )
+
+    def step(c, x):
+        keep = torch.ones(x.shape, device=x.device).tril()
+        c = c + region(x * keep).sum(0)
+        return c, torch.full((2,), 3.0, device=c.device) * c.sum()
+
+    scale = torch.arange(1, h.shape[0] + 1, device=h.device, dtype=h.dtype)
+    return hops.scan(step, h * scale, xss)
+
+
+def test_factory_ops_traced_with_the_hosts_device_run_on_the_xla_device():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    h, xss = torch.randn(4), torch.randn(3, 4, 4)
+    gm = make_fx(made_with_the_inputs_device)(h, xss)
+    on_host = [
+        n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
+        if n.op == "call_function" and n.kwargs.get("device") == torch.device("cpu")
+    ]
+    assert len(on_host) >= 4, on_host  # the program's, the step's two and the region's
+    passes.lower_to_xla(gm)
+    assert not [
+        n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
+        if n.op == "call_function" and n.kwargs.get("device") == torch.device("cpu")
+    ]
+    last, ys = gm(h.to(device()), xss.to(device()))
+    expected_last, expected_ys = made_with_the_inputs_device(h, xss)
+    torch.testing.assert_close(last.cpu(), expected_last, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ys.cpu(), expected_ys, rtol=1e-5, atol=1e-5)

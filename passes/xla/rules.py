@@ -226,6 +226,49 @@ def constants_to_graph_device(gm: fx.GraphModule) -> bool:
     return changed
 
 
+def _made_on_the_host(node: fx.Node) -> bool:
+    """A factory op (no tensor argument) the trace recorded with ``device=cpu``: the tracing
+    host's device, not a choice of the program (a model making its masks and positions with
+    ``device=x.device`` traced on CPU)."""
+    device = node.kwargs.get("device")
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and isinstance(device, torch.device)
+        and device.type == "cpu"
+        and not _has_node_argument(node)
+    )
+
+
+def _has_node_argument(node: fx.Node) -> bool:
+    found = []
+    fx.node.map_arg((node.args, node.kwargs), found.append)
+    return bool(found)
+
+
+def factories_to_graph_device(gm: fx.GraphModule) -> bool:
+    """Make every tensor ``gm`` and its bodies create with a factory op on the host
+    (``_made_on_the_host``) on the device each graph runs on: its ``device=`` becomes that
+    device, read at run time (``graph_device``). Whether any graph changed."""
+    changed = False
+    for module in graph_modules(gm):
+        graph = module.graph
+        factories = [node for node in graph.nodes if _made_on_the_host(node)]
+        placeholders = list(graph.find_nodes(op="placeholder"))
+        if not factories or not placeholders:
+            continue
+        device = next((n for n in graph.nodes if n.op == "call_function" and n.target is graph_device), None)
+        if device is None:
+            with graph.inserting_after(placeholders[-1]):
+                device = graph.call_function(graph_device, tuple(placeholders))
+        for node in factories:
+            node.update_kwarg("device", device)
+        graph.lint()
+        module.recompile()
+        changed = True
+    return changed
+
+
 def _attribute(module: torch.nn.Module, target: str) -> Any:
     value: Any = module
     for name in target.split("."):
