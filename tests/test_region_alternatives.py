@@ -265,8 +265,11 @@ class GraphModule(torch.nn.Module):
         with self.assertRaisesRegex(ValueError, message):
             region(x, w)
         torch._dynamo.reset()
-        with self.assertRaisesRegex(ValueError, message):
+        # Under fullgraph, Dynamo's Unsupported names it and carries it as its cause.
+        with self.assertRaisesRegex(torch._dynamo.exc.Unsupported, message) as compiled:
             torch.compile(lambda x, w: region(x, w), backend="aot_eager", fullgraph=True)(x, w)
+        self.assertIsInstance(compiled.exception.__cause__, ValueError)
+        self.assertRegex(str(compiled.exception.__cause__), message)
 
 
 class TestAutograd(TestCase):
