@@ -22,8 +22,19 @@ from tests.helpers.snapshot import aot_trace  # noqa: E402
 from tests.test_real_models import assert_same, build, one_thread, reference, scanned_grads, some  # noqa: E402, F401
 
 
+@pytest.fixture
+def shardy():
+    """Shardy's partitioner for the test: torch_xla, where a test of this process used it,
+    switched jax to GSPMD for the whole process (its jax_workarounds.py), whose text holds
+    GSPMD custom calls instead of the ``sdy`` constraints read below."""
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", True)
+    yield
+    jax.config.update("jax_use_shardy_partitioner", previous)
+
+
 @pytest.mark.parametrize("name", some("hf_gpt2_sdpa", "torchtitan_llama3"))
-def test_solver_plan_of_the_scanned_layers_runs_through_the_jax_target(name):
+def test_solver_plan_of_the_scanned_layers_runs_through_the_jax_target(name, shardy):
     real = build(name)
     (ids, targets), (expected_loss, expected_grads) = reference(real)
     region = rm.region_attention(real)
