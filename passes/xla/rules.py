@@ -227,23 +227,17 @@ def constants_to_graph_device(gm: fx.GraphModule) -> bool:
 
 
 def _made_on_the_host(node: fx.Node) -> bool:
-    """A factory op (no tensor argument) the trace recorded with ``device=cpu``: the tracing
-    host's device, not a choice of the program (a model making its masks and positions with
-    ``device=x.device`` traced on CPU)."""
+    """A factory op (its schema takes no tensor) the trace recorded with ``device=cpu``: the
+    tracing host's device, not a choice of the program (a model making its masks and positions
+    with ``device=x.device`` traced on CPU). Sizes may be symbolic (nodes of their own)."""
     device = node.kwargs.get("device")
     return (
         node.op == "call_function"
         and isinstance(node.target, torch._ops.OpOverload)
         and isinstance(device, torch.device)
         and device.type == "cpu"
-        and not _has_node_argument(node)
+        and not any("Tensor" in str(argument.type) for argument in node.target._schema.arguments)
     )
-
-
-def _has_node_argument(node: fx.Node) -> bool:
-    found = []
-    fx.node.map_arg((node.args, node.kwargs), found.append)
-    return bool(found)
 
 
 def factories_to_graph_device(gm: fx.GraphModule) -> bool:
