@@ -17,17 +17,7 @@ import hops
 import passes
 from hops._subgraph import strip_detach
 from tests.helpers.hop_db import SAMPLES, Module, Sample
-from tests.helpers.snapshot import TestCase, aot_trace, compile_trace, delete_meta, readable
-
-
-def hop_nodes(gm: fx.GraphModule, hop) -> list[fx.Node]:
-    return [
-        node
-        for module in gm.modules()
-        if isinstance(module, fx.GraphModule)
-        for node in module.graph.nodes
-        if node.op == "call_function" and node.target is hop
-    ]
+from tests.helpers.snapshot import TestCase, aot_trace, compile_trace, delete_meta, hop_nodes, readable
 
 
 def operations(gm: fx.GraphModule) -> list:

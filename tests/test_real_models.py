@@ -29,14 +29,13 @@ import os
 
 import pytest
 import torch
-import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
 from hops import ShardingSpec, _compat
 from tests.helpers import real_models as rm
-from tests.helpers.snapshot import aot_trace
+from tests.helpers.snapshot import aot_trace, hop_nodes
 
 HF = ["hf_llama_eager", "hf_llama_sdpa", "hf_gpt2_eager", "hf_gpt2_sdpa"]
 TITAN = ["torchtitan_llama3"]
@@ -81,16 +80,6 @@ def build(name: str) -> rm.RealModel:
         pytest.skip(f"{module} does not import with torch {torch.__version__} ({error}); the 'test' extra installs it")
     real = _built(name)[0]
     return dataclasses.replace(real, model=copy.deepcopy(real.model))
-
-
-def hop_nodes(gm: fx.GraphModule, hop) -> list[fx.Node]:
-    return [
-        node
-        for module in gm.modules()
-        if isinstance(module, fx.GraphModule)
-        for node in module.graph.nodes
-        if node.op == "call_function" and node.target is hop
-    ]
 
 
 def assert_same(loss, grads: dict, expected_loss, expected_grads: dict, **tolerance) -> None:

@@ -184,6 +184,16 @@ def on_graph_device(constant: torch.Tensor, device: torch.device | None) -> torc
     return torch.ops.aten._to_copy.default(constant, device=device)
 
 
+def _graph_device_node(graph: fx.Graph, placeholders: list[fx.Node]) -> fx.Node:
+    """The node of ``graph`` giving the device it runs on (``graph_device`` of its inputs),
+    made after its inputs if the graph has none yet: one per graph, whichever rewrite asks."""
+    device = next(iter(graph.find_nodes(op="call_function", target=graph_device)), None)
+    if device is None:
+        with graph.inserting_after(placeholders[-1]):
+            device = graph.call_function(graph_device, tuple(placeholders))
+    return device
+
+
 def constants_to_graph_device(gm: fx.GraphModule) -> bool:
     """Move every tensor constant of ``gm`` and of its bodies to the device each graph runs on
     (``on_graph_device`` after each ``get_attr`` of a tensor); whether any graph changed. A
@@ -200,10 +210,7 @@ def constants_to_graph_device(gm: fx.GraphModule) -> bool:
         placeholders = list(graph.find_nodes(op="placeholder"))
         if not constants or not placeholders:
             continue
-        device = next((n for n in graph.nodes if n.op == "call_function" and n.target is graph_device), None)
-        if device is None:
-            with graph.inserting_after(placeholders[-1]):
-                device = graph.call_function(graph_device, tuple(placeholders))
+        device = _graph_device_node(graph, placeholders)
         anchor = device
         for node in constants:
             anchor.append(node)  # a get_attr reads no value: it may stand anywhere before its users
@@ -251,10 +258,7 @@ def factories_to_graph_device(gm: fx.GraphModule) -> bool:
         placeholders = list(graph.find_nodes(op="placeholder"))
         if not factories or not placeholders:
             continue
-        device = next((n for n in graph.nodes if n.op == "call_function" and n.target is graph_device), None)
-        if device is None:
-            with graph.inserting_after(placeholders[-1]):
-                device = graph.call_function(graph_device, tuple(placeholders))
+        device = _graph_device_node(graph, placeholders)
         for node in factories:
             node.update_kwarg("device", device)
         graph.lint()

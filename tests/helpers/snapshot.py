@@ -32,6 +32,17 @@ def readable(gm: fx.GraphModule) -> str:
     return normalize(gm.print_readable(print_output=False))
 
 
+def hop_nodes(gm: fx.GraphModule, hop) -> list[fx.Node]:
+    """The nodes calling ``hop`` in ``gm`` and in every subgraph it holds."""
+    return [
+        node
+        for module in gm.modules()
+        if isinstance(module, fx.GraphModule)
+        for node in module.graph.nodes
+        if node.op == "call_function" and node.target is hop
+    ]
+
+
 def delete_meta(gm: fx.GraphModule) -> None:
     """Delete every ``node.meta`` and ``gm.meta`` in ``gm`` and its subgraphs."""
     for module in gm.modules():
