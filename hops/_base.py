@@ -54,19 +54,18 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, trac
 from hops import _compat, _inductor
 from hops._autograd import AutogradPlan, HopFunction, needs_traced_autograd
 from hops._body import at_boundary, distinct_tensors
-from hops._body_record import is_known_functional, known_functional, plan_body, set_trace_key
+from hops._body_record import is_known_functional, known_functional
 from hops._caches import cached_plan
-from hops._call import DeviceMismatchError, argument_names, call_body_hop, check_one_device
+from hops._call import call_body_hop
 from hops._dynamo import CALL_DESCRIPTION
 from hops._errors import call_prefix, hop_prefix, public_name
-from hops._flat_body import FlatBody, OptionBodies, flat_body, map_options, option_body
+from hops._flat_body import FlatBody, OptionBodies, map_options, option_body
 from hops._joint import is_tracing, trace_graph
 from hops._region_plan import RegionPlan
 from hops._subgraph import (
     body_name,
     clone_aliased_outputs,
     find_input_mutation_and_aliasing,
-    fresh_outputs,
     lift_tensor_constants,
     named,
     refuse_untracked_xla_operands,
@@ -74,15 +73,7 @@ from hops._subgraph import (
 )
 from hops._targets import load_device_rules
 
-# BodyHOP, and the names a HOP module written against the earlier single-module layout
-# imports from here (CONTRIBUTING's ``hops._base.call_body_hop``); each is defined in the
-# module named for it.
-__all__ = [
-    "BodyHOP",
-    "AutogradPlan", "DeviceMismatchError", "FlatBody", "HopFunction", "OptionBodies", "RegionPlan", "argument_names",
-    "cached_plan", "call_body_hop", "check_one_device", "flat_body", "fresh_outputs", "map_options",
-    "needs_traced_autograd", "option_body", "plan_body", "set_trace_key",
-]
+__all__ = ["BodyHOP"]
 
 
 class BodyHOP(HigherOrderOperator):
