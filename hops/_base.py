@@ -54,15 +54,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, trac
 from hops import _compat, _inductor
 from hops._autograd import AutogradPlan, HopFunction, needs_traced_autograd
 from hops._body import at_boundary, distinct_tensors
-from hops._body_record import is_known_functional, known_functional
-from hops._caches import cached_plan
-from hops._call import call_body_hop
-from hops._dynamo import CALL_DESCRIPTION
-from hops._errors import call_prefix, hop_prefix, public_name
-from hops._flat_body import FlatBody, OptionBodies, map_options, option_body
-from hops._joint import is_tracing, trace_graph
-from hops._region_plan import RegionPlan
-from hops._subgraph import (
+from hops._body_hop.subgraph import (
     body_name,
     clone_aliased_outputs,
     find_input_mutation_and_aliasing,
@@ -71,6 +63,14 @@ from hops._subgraph import (
     refuse_untracked_xla_operands,
     symbolic_trace_call,
 )
+from hops._body_record import is_known_functional, known_functional
+from hops._caches import cached_plan
+from hops._call import call_body_hop
+from hops._dynamo import CALL_DESCRIPTION
+from hops._errors import call_prefix, hop_prefix, public_name
+from hops._flat_body import FlatBody, OptionBodies, map_options, option_body
+from hops._joint import is_tracing, trace_graph
+from hops._region_plan import RegionPlan
 from hops._targets import load_device_rules
 
 __all__ = ["BodyHOP"]

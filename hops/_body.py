@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from hops import _compat
-from hops._subgraph import body_name, named
+from hops._body_hop.subgraph import body_name, named
 
 __all__ = [
     "BodyInfo", "StandInRun", "inspect_body", "run_on_stand_ins", "lift_closure", "stand_in", "describe_tensor",

@@ -481,7 +481,7 @@ def inductor_graph_pass(function: Any) -> type:
 
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    sources = tuple(sorted(str(p) for p in pathlib.Path(__file__).parent.glob("*.py")))
+    sources = tuple(sorted(str(p) for p in pathlib.Path(__file__).parent.rglob("*.py")))
 
     class GraphPass(CustomGraphPass):
         def __init__(self, then: Any = None) -> None:

@@ -445,7 +445,7 @@ def _raised_here(error: BaseException) -> bool:
         return False
     while traceback.tb_next is not None:
         traceback = traceback.tb_next
-    return os.path.dirname(os.path.abspath(traceback.tb_frame.f_code.co_filename)) == _PACKAGE_DIRECTORY
+    return _in_package(traceback.tb_frame.f_code.co_filename)
 
 
 def _typed_error(tx: Any, error: BaseException) -> BaseException | None:
@@ -554,6 +554,11 @@ def _subgraph_name(tx: Any, body: Any) -> str:
 _PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__))
 
 
+def _in_package(filename: str) -> bool:
+    """Whether ``filename`` is one of this package's sources (its subpackages' included)."""
+    return os.path.abspath(filename).startswith(_PACKAGE_DIRECTORY + os.sep)
+
+
 def _wrapped_user_function(tx: Any, body: Any) -> Any:
     """The variable of ``fn`` in the closure of a nested function defined in this package."""
     code = getattr(getattr(body, "code", None), "value", None)
@@ -562,7 +567,7 @@ def _wrapped_user_function(tx: Any, body: Any) -> Any:
         not isinstance(code, types.CodeType)
         or closure is None
         or "fn" not in code.co_freevars
-        or os.path.dirname(os.path.abspath(code.co_filename)) != _PACKAGE_DIRECTORY
+        or not _in_package(code.co_filename)
     ):
         return None
     try:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch.utils._pytree as pytree
 
-from hops._subgraph import body_name
+from hops._body_hop.subgraph import body_name
 
 __all__ = ["PREFIX_PATTERN", "call_prefix", "hop_prefix", "leaf_name", "leaf_names", "public_name"]
 

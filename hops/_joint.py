@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from hops._subgraph import is_view, strip_detach
+from hops._body_hop.subgraph import is_view, strip_detach
 
 __all__ = [
     "is_tracing",

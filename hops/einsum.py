@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
+from hops._body_hop.subgraph import shares_storage as _shares_storage
 from hops._errors import call_prefix
-from hops._subgraph import shares_storage as _shares_storage
 from hops.kernel import kernel
 
 __all__ = ["einsum", "einsum_linear", "patch_linear", "EinsumLinear", "einsum_kernel", "einsum_linear_kernel"]

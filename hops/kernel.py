@@ -45,9 +45,9 @@ from torch.fx.experimental.proxy_tensor import (
 
 from hops import _compat, _dynamo, _inductor
 from hops._body import version_counter
+from hops._body_hop.subgraph import fresh_outputs, refuse_untracked_xla_operands
 from hops._errors import call_prefix
 from hops._joint import is_tracing
-from hops._subgraph import fresh_outputs, refuse_untracked_xla_operands
 from hops._targets import load_device_rules
 from hops.specs import _FxLiteral, register_spec_type
 

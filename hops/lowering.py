@@ -47,12 +47,12 @@ runs graphs traced for that device's tensors; see ``hops._targets``).
 from __future__ import annotations
 
 from hops._body import at_boundary, distinct_tensors
+from hops._body_hop.subgraph import body_name, clone_aliased_outputs, is_view
 from hops._body_record import across_calls_key, plan_body_key, traced_graph
 from hops._errors import hop_prefix, leaf_name
 from hops._flat_body import flat_body
 from hops._inductor import inductor_rule
 from hops._layout import device_coordinates, global_shape, local_shape, replicated
-from hops._subgraph import body_name, clone_aliased_outputs, is_view
 from hops._targets import register_graph_compiler
 from hops.scan import run_scan_steps, scan_length, scan_step_examples, split_scan_operands
 

@@ -26,7 +26,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 
 from hops import _compat, _dynamo, _inductor
-from hops._subgraph import refuse_untracked_xla_operands
+from hops._body_hop.subgraph import refuse_untracked_xla_operands
 from hops._targets import load_device_rules
 from hops.specs import Shard, ShardingSpec
 

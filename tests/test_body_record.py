@@ -12,6 +12,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
+from hops._body_hop.subgraph import named
 from hops._body_record import (
     BodyRecord,
     across_calls_key,
@@ -25,7 +26,6 @@ from hops._body_record import (
     traced_graph,
 )
 from hops._flat_body import FlatBody, OptionBodies
-from hops._subgraph import named
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
 import passes
-from hops._subgraph import strip_detach
+from hops._body_hop.subgraph import strip_detach
 from tests.helpers.hop_db import SAMPLES, Module, Sample
 from tests.helpers.snapshot import TestCase, aot_trace, compile_trace, delete_meta, hop_nodes, readable
 

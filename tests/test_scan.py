@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import hops
 import passes
 from hops import Mesh, Replicate, Shard, ShardingSpec
-from hops._subgraph import body_name
+from hops._body_hop.subgraph import body_name
 from tests.helpers.snapshot import TestCase, aot_trace, readable
 
 MESH = Mesh((2, 2), ("data", "model"))

@@ -8,7 +8,7 @@ import expecttest
 import torch
 import torch.fx as fx
 
-from hops._subgraph import strip_detach  # noqa: F401  (re-exported for tests)
+from hops._body_hop.subgraph import strip_detach  # noqa: F401  (re-exported for tests)
 
 # Comments differ between torch versions (stack traces, 2.15's backward provenance).
 _DROP = re.compile(r"^\s*(#|# No stacktrace found.*|# File: .*|# Annotation: .*|# Backward of forward node: .*)$")
