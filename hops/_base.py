@@ -7,7 +7,7 @@ flat tuple of its results. Each HOP says what is particular to it in a few metho
 - ``check(body, operands, spec)``: validate a call (raise ``TypeError``/``ValueError``);
 - ``body_operands(operands, spec)``: what the body sees (one slice of xs, device 0's
   shards); the rules hand it over as ``body_inputs``, in the layout every body may assume
-  (``hops._body.at_boundary``: contiguous), and ``run_at_boundary`` makes what ``run`` takes
+  (``hops._body_hop.body.at_boundary``: contiguous), and ``run_at_boundary`` makes what ``run`` takes
   and returns so too;
 - ``check_outputs(body, outputs, operands, spec)``: refuse what the body returns as eager
   does (a scan carry changing shape), naming the body;
@@ -53,7 +53,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, trac
 
 from hops import _compat, _inductor
 from hops._autograd import AutogradPlan, HopFunction, needs_traced_autograd
-from hops._body import at_boundary, distinct_tensors
+from hops._body_hop.body import at_boundary, distinct_tensors
 from hops._body_hop.subgraph import (
     body_name,
     clone_aliased_outputs,
@@ -116,7 +116,7 @@ class BodyHOP(HigherOrderOperator):
     # ----------------------------------------------------------------- the boundary
     #
     # A body is traced on stand-ins and run on whatever arrives: both are made contiguous
-    # here, once for every HOP and every rule (see ``hops._body.at_boundary``).
+    # here, once for every HOP and every rule (see ``hops._body_hop.body.at_boundary``).
 
     def body_inputs(self, operands: Sequence[Any], spec: Any) -> tuple:
         """What the body is called with: ``body_operands``, each tensor contiguous."""

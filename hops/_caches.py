@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._guards import detect_fake_mode
 
-from hops._body import BodyInfo, active_closure_modes, unwrap_functional
+from hops._body_hop.body import BodyInfo, active_closure_modes, unwrap_functional
 from hops._body_record import across_calls_key, plan_key, trace_key
 from hops._code_key import CodeKey
 

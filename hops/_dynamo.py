@@ -377,7 +377,7 @@ def _refuse_input_writes(body_gm: torch.fx.GraphModule, example_args: Sequence[A
     its outputs; a write into one of its own inputs raises eager's ``BodyMutationError`` (the
     body is traced allowing input writes so that this package, not Dynamo, names the input).
     ``what`` names the call where no public function described it (``scan(step)``)."""
-    from hops._body import BodyMutationError
+    from hops._body_hop.body import BodyMutationError
 
     placeholders = list(body_gm.graph.find_nodes(op="placeholder"))
     inputs = []

@@ -121,7 +121,7 @@ def trace_graph(fn: Callable, examples: Sequence[Any], *, enable_grad: bool = Fa
     inside the current tracer when one records, else on fake copies of ``examples``."""
     from torch._higher_order_ops.utils import materialize_as_graph
 
-    from hops._body import distinct_tensors
+    from hops._body_hop.body import distinct_tensors
     from hops._compat import eager_stance
 
     with eager_stance():
@@ -135,7 +135,7 @@ def trace_joint(
     """``body``'s joint traced on fake copies of ``primals``, with a cotangent like each
     differentiable one of ``outputs`` (fake example outputs of ``body``); ``unconnected``
     as ``joint_function`` fills it."""
-    from hops._body import at_boundary, fake_run_context, inspection_mode, stand_in
+    from hops._body_hop.body import at_boundary, fake_run_context, inspection_mode, stand_in
 
     mode = inspection_mode(primals)
     with fake_run_context():
@@ -189,7 +189,7 @@ def trace_connected_joint(
 def body_output_examples(body: Callable, inputs: Sequence[Any]) -> list[Any]:
     """Fake stand-ins of ``body``'s flat outputs on ``inputs`` (its ops run on fake copies,
     of its inputs and of the tensors it reads from its closure alike)."""
-    from hops._body import run_on_stand_ins
+    from hops._body_hop.body import run_on_stand_ins
 
     return pytree.tree_leaves(run_on_stand_ins(body, inputs).outputs)
 
@@ -372,7 +372,7 @@ def split_joint(
 
 def restride(graph: fx.Graph, value: fx.Node, traced: Any) -> fx.Node:
     """``value`` (contiguous, as a residual crosses a HOP's boundary: see
-    ``hops._body.at_boundary``) in ``traced``'s layout, which the backward's ops were traced
+    ``hops._body_hop.body.at_boundary``) in ``traced``'s layout, which the backward's ops were traced
     on: an SDPA output saved for backward is permuted, and the ``view`` its backward holds is
     valid on that layout only. A dense permuted layout is made exactly (dims ordered by
     stride, made contiguous, ordered back: one copy); any other is left contiguous."""

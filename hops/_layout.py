@@ -126,7 +126,7 @@ def _difference(first: torch.Tensor, other: torch.Tensor) -> float | None:
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-    from hops._body import unwrap_functional
+    from hops._body_hop.body import unwrap_functional
 
     values = []
     for t in (first, other):

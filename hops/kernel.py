@@ -44,7 +44,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 
 from hops import _compat, _dynamo, _inductor
-from hops._body import version_counter
+from hops._body_hop.body import version_counter
 from hops._body_hop.subgraph import fresh_outputs, refuse_untracked_xla_operands
 from hops._errors import call_prefix
 from hops._joint import is_tracing
@@ -454,7 +454,7 @@ def _check_against_abstract(kernel_hop: Kernel, tensors: Sequence[torch.Tensor],
     key = (_metadata(tensors), params)
     promised = kernel_hop.abstract_cache.get(key)
     if promised is None:
-        from hops._body import fake_run_context, inspection_mode, stand_in
+        from hops._body_hop.body import fake_run_context, inspection_mode, stand_in
 
         mode = inspection_mode(tensors)
         with fake_run_context():

@@ -38,7 +38,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor
 from hops._base import BodyHOP
-from hops._body import version_counter
+from hops._body_hop.body import version_counter
 from hops._body_hop.subgraph import body_name, fresh_outputs, rename_inner_function
 from hops._body_record import set_trace_key
 from hops._call import argument_names, call_body_hop

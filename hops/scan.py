@@ -40,7 +40,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from hops import _compat, _dynamo, _inductor
 from hops._autograd import AutogradPlan
 from hops._base import BodyHOP
-from hops._body import at_boundary, run_on_stand_ins
+from hops._body_hop.body import at_boundary, run_on_stand_ins
 from hops._body_hop.subgraph import body_name, fresh_outputs, inline_graph, named, rename_inner_function
 from hops._body_record import plan_body, set_trace_key
 from hops._caches import cached_plan
@@ -461,7 +461,7 @@ def _promote_weak_init(
     mismatch."""
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-    from hops._body import inspect_body
+    from hops._body_hop.body import inspect_body
 
     step = _make_step(fn, carry_treespec, xs_treespec, spec.num_xs, init_leaves, name)
 

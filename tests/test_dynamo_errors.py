@@ -14,7 +14,7 @@ import torch
 
 import hops
 from hops import Mesh, Replicate, Shard, ShardingSpec
-from hops._body import BodyMutationError
+from hops._body_hop.body import BodyMutationError
 from hops.local_map import LocalMapArgumentError
 from hops.scan import ScanArgumentError, ScanDimError
 

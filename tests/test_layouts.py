@@ -1,7 +1,7 @@
 """Property tests: what reaches a body is laid out otherwise than the stand-ins it was traced on.
 
 A body is traced once, on stand-ins, and its graph keeps what the trace decided from their
-layout (a ``view`` where the stand-in allowed one). The contract (``hops._body.at_boundary``):
+layout (a ``view`` where the stand-in allowed one). The contract (``hops._body_hop.body.at_boundary``):
 every body HOP makes its body's operands, and its own results, contiguous. These tests
 generate programs whose operands, carries, gradients and saved tensors are laid out every way
 a user's program lays them out:
