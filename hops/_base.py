@@ -26,7 +26,7 @@ are not tracers. Each HOP module still registers one function per key, so a read
 "what happens under fake tensors" by one decorator, as in torch's own HOPs.
 
 The rules' helpers each live in a module named for what they do: the forms a rule sees a
-body in (``hops._flat_body``), what is known about a body (``hops._body_record``), how a
+body in (``hops._flat_body``), what is known about a body (``hops._body_hop.body_record``), how a
 public function calls the HOP (``hops._call``), the caches of inspections and plans
 (``hops._caches``), traced autograd (``hops._autograd``) and the region HOPs' plan
 (``hops._region_plan``).
@@ -54,6 +54,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, trac
 from hops import _compat, _inductor
 from hops._autograd import AutogradPlan, HopFunction, needs_traced_autograd
 from hops._body_hop.body import at_boundary, distinct_tensors
+from hops._body_hop.body_record import is_known_functional, known_functional
 from hops._body_hop.subgraph import (
     body_name,
     clone_aliased_outputs,
@@ -63,7 +64,6 @@ from hops._body_hop.subgraph import (
     refuse_untracked_xla_operands,
     symbolic_trace_call,
 )
-from hops._body_record import is_known_functional, known_functional
 from hops._caches import cached_plan
 from hops._call import call_body_hop
 from hops._dynamo import CALL_DESCRIPTION

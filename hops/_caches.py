@@ -13,8 +13,8 @@ import torch
 from torch._guards import detect_fake_mode
 
 from hops._body_hop.body import BodyInfo, active_closure_modes, unwrap_functional
-from hops._body_record import across_calls_key, plan_key, trace_key
-from hops._code_key import CodeKey
+from hops._body_hop.body_record import across_calls_key, plan_key, trace_key
+from hops._body_hop.code_key import CodeKey
 
 __all__ = ["ACROSS_CALLS_SIZE", "cached_per_trace", "cached_plan"]
 
@@ -88,7 +88,7 @@ def cached_per_trace(kind: str, make: Callable[[], Any], body: Callable, operand
     cache: an inspection, an autograd plan). AOTAutograd runs a function twice (metadata,
     then the joint): an equal call is inspected, traced and split once.
 
-    Equal means the same body (or the same trace key, ``hops._body_record``: public
+    Equal means the same body (or the same trace key, ``hops._body_hop.body_record``: public
     functions make a new body per call around one user function; for a plan, the same plan
     key: a new closure with the same code over tensors in the same places), operand metadata
     and requires_grad, and spec. Eagerly on XLA tensors, a body keyed by ``code_key`` reuses what

@@ -9,8 +9,8 @@ from typing import Any, Callable, Sequence
 
 import torch.utils._pytree as pytree
 
+from hops._body_hop.body_record import BodyRecord, body_record, trace_key
 from hops._body_hop.subgraph import body_name
-from hops._body_record import BodyRecord, body_record, trace_key
 
 __all__ = ["FlatBody", "OptionBodies", "flat_body", "map_options", "option_body"]
 

@@ -41,8 +41,8 @@ from hops import _compat, _dynamo, _inductor
 from hops._autograd import AutogradPlan
 from hops._base import BodyHOP
 from hops._body_hop.body import at_boundary, run_on_stand_ins
+from hops._body_hop.body_record import plan_body, set_trace_key
 from hops._body_hop.subgraph import body_name, fresh_outputs, inline_graph, named, rename_inner_function
-from hops._body_record import plan_body, set_trace_key
 from hops._caches import cached_plan
 from hops._call import call_body_hop
 from hops._errors import call_prefix, hop_prefix, leaf_name
@@ -319,7 +319,7 @@ def scan(
 
     Called eagerly on XLA tensors, the step is traced, split and lowered once and reused by
     later calls whose step has the same code and reads the same Python state (closure,
-    defaults, globals: keyed by value, tensors by identity; see ``hops/_code_key.py``), with
+    defaults, globals: keyed by value, tensors by identity; see ``hops/_body_hop/code_key.py``), with
     inputs of the same shapes, dtypes and ``requires_grad``; a step reading state with no key
     (an object's attributes) is traced on every call, and so is every step with
     ``is_fn_pure=False``.

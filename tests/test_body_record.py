@@ -1,5 +1,5 @@
 """What is known about a body travels with it as one frozen ``BodyRecord`` (``body.__hops__``,
-``hops/_body_record.py``), not as attributes set here and there."""
+``hops/_body_hop/body_record.py``), not as attributes set here and there."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hops
-from hops._body_hop.subgraph import named
-from hops._body_record import (
+from hops._body_hop.body_record import (
     BodyRecord,
     across_calls_key,
     body_record,
@@ -25,6 +24,7 @@ from hops._body_record import (
     trace_key,
     traced_graph,
 )
+from hops._body_hop.subgraph import named
 from hops._flat_body import FlatBody, OptionBodies
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

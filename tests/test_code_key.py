@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hops
-from hops._code_key import code_key
+from hops._body_hop.code_key import code_key
 
 SPEC = hops.ShardingSpec(hops.Mesh((2, 2), ("a", "b")), (hops.Shard(0), hops.Replicate()))
 OFFSET = 1.0

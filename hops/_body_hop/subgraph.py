@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from hops._body_record import update_record
+from hops._body_hop.body_record import update_record
 
 
 def body_name(body: Any) -> str:

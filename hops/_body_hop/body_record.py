@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from hops._code_key import CodeKey, code_key
+from hops._body_hop.code_key import CodeKey, code_key
 
 __all__ = [
     "BodyRecord",
