@@ -26,7 +26,7 @@ are not tracers. Each HOP module still registers one function per key, so a read
 "what happens under fake tensors" by one decorator, as in torch's own HOPs.
 
 The rules' helpers each live in a module named for what they do: the forms a rule sees a
-body in (``hops._flat_body``), what is known about a body (``hops._body_hop.body_record``), how a
+body in (``hops._body_hop.flat_body``), what is known about a body (``hops._body_hop.body_record``), how a
 public function calls the HOP (``hops._call``), the caches of inspections and plans
 (``hops._caches``), traced autograd (``hops._autograd``) and the region HOPs' plan
 (``hops._region_plan``).
@@ -55,6 +55,7 @@ from hops import _compat, _inductor
 from hops._autograd import AutogradPlan, HopFunction, needs_traced_autograd
 from hops._body_hop.body import at_boundary, distinct_tensors
 from hops._body_hop.body_record import is_known_functional, known_functional
+from hops._body_hop.flat_body import FlatBody, OptionBodies, map_options, option_body
 from hops._body_hop.subgraph import (
     body_name,
     clone_aliased_outputs,
@@ -68,7 +69,6 @@ from hops._caches import cached_plan
 from hops._call import call_body_hop
 from hops._dynamo import CALL_DESCRIPTION
 from hops._errors import call_prefix, hop_prefix, public_name
-from hops._flat_body import FlatBody, OptionBodies, map_options, option_body
 from hops._joint import is_tracing, trace_graph
 from hops._region_plan import RegionPlan
 from hops._targets import load_device_rules

@@ -16,8 +16,8 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from hops._autograd import AutogradPlan
 from hops._body_hop.body_record import plan_body
+from hops._body_hop.flat_body import flat_body
 from hops._body_hop.subgraph import body_name, named
-from hops._flat_body import flat_body
 from hops._joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
 
 if TYPE_CHECKING:

@@ -48,9 +48,9 @@ from __future__ import annotations
 
 from hops._body_hop.body import at_boundary, distinct_tensors
 from hops._body_hop.body_record import across_calls_key, plan_body_key, traced_graph
+from hops._body_hop.flat_body import flat_body
 from hops._body_hop.subgraph import body_name, clone_aliased_outputs, is_view
 from hops._errors import hop_prefix, leaf_name
-from hops._flat_body import flat_body
 from hops._inductor import inductor_rule
 from hops._layout import device_coordinates, global_shape, local_shape, replicated
 from hops._targets import register_graph_compiler

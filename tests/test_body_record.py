@@ -24,8 +24,8 @@ from hops._body_hop.body_record import (
     trace_key,
     traced_graph,
 )
+from hops._body_hop.flat_body import FlatBody, OptionBodies
 from hops._body_hop.subgraph import named
-from hops._flat_body import FlatBody, OptionBodies
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
