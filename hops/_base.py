@@ -18,7 +18,7 @@ flat tuple of its results. Each HOP says what is particular to it in a few metho
 - ``fold_lifted(operands, spec, lifted)``: operands and spec once tensors the body closed
   over become trailing inputs;
 - ``autograd_plan(body, operands, spec)``: how the HOP differentiates while traced (the
-  forward and backward nodes, see ``hops._joint`` and ``HopFunction``).
+  forward and backward nodes, see ``hops._body_hop.joint`` and ``HopFunction``).
 
 and this class implements the rules from them, once: the call (symbolic tracing, Dynamo's
 node form, validation), fake, functionalization, proxy, autograd, and dispatch modes that
@@ -28,7 +28,7 @@ are not tracers. Each HOP module still registers one function per key, so a read
 The rules' helpers each live in a module named for what they do: the forms a rule sees a
 body in (``hops._body_hop.flat_body``), what is known about a body (``hops._body_hop.body_record``), how a
 public function calls the HOP (``hops._call``), the caches of inspections and plans
-(``hops._caches``), traced autograd (``hops._autograd``) and the region HOPs' plan
+(``hops._caches``), traced autograd (``hops._body_hop.autograd``) and the region HOPs' plan
 (``hops._region_plan``).
 
 Autograd has two paths. Outside tracing, on the devices where the eager semantics runs, the
@@ -52,10 +52,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
 from hops import _compat, _inductor
-from hops._autograd import AutogradPlan, HopFunction, needs_traced_autograd
+from hops._body_hop.autograd import AutogradPlan, HopFunction, needs_traced_autograd
 from hops._body_hop.body import at_boundary, distinct_tensors
 from hops._body_hop.body_record import is_known_functional, known_functional
 from hops._body_hop.flat_body import FlatBody, OptionBodies, map_options, option_body
+from hops._body_hop.joint import is_tracing, trace_graph
 from hops._body_hop.subgraph import (
     body_name,
     clone_aliased_outputs,
@@ -69,7 +70,6 @@ from hops._caches import cached_plan
 from hops._call import call_body_hop
 from hops._dynamo import CALL_DESCRIPTION
 from hops._errors import call_prefix, hop_prefix, public_name
-from hops._joint import is_tracing, trace_graph
 from hops._region_plan import RegionPlan
 from hops._targets import load_device_rules
 

@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-from hops._autograd import needs_traced_autograd
+from hops._body_hop.autograd import needs_traced_autograd
 from hops._body_hop.body import describe_tensor, inspect_body, lift_closure, unwrap_functional
 from hops._body_hop.body_record import body_record, known_functional, lifted_plan_key, update_record
 from hops._body_hop.code_key import CodeKey

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-from hops._autograd import AutogradPlan
+from hops._body_hop.autograd import AutogradPlan
 from hops._body_hop.body_record import plan_body
 from hops._body_hop.flat_body import flat_body
+from hops._body_hop.joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
 from hops._body_hop.subgraph import body_name, named
-from hops._joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
 
 if TYPE_CHECKING:
     from hops._base import BodyHOP

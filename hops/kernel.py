@@ -45,9 +45,9 @@ from torch.fx.experimental.proxy_tensor import (
 
 from hops import _compat, _dynamo, _inductor
 from hops._body_hop.body import version_counter
+from hops._body_hop.joint import is_tracing
 from hops._body_hop.subgraph import fresh_outputs, refuse_untracked_xla_operands
 from hops._errors import call_prefix
-from hops._joint import is_tracing
 from hops._targets import load_device_rules
 from hops.specs import _FxLiteral, register_spec_type
 
@@ -167,7 +167,7 @@ class Kernel(HigherOrderOperator):
         self.abstract_cache: dict[tuple, tuple] = {}
 
     # The kernel's code is opaque: it may draw random numbers, so its result is never
-    # recomputed in a backward (see hops._joint.draws_random_numbers).
+    # recomputed in a backward (see hops._body_hop.joint.draws_random_numbers).
     hops_opaque = True
 
     def __call__(self, *args: Any, **kwargs: Any):

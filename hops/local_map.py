@@ -38,8 +38,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor, _layout
-from hops._autograd import AutogradPlan
 from hops._base import BodyHOP
+from hops._body_hop.autograd import AutogradPlan
 from hops._body_hop.body import version_counter
 from hops._body_hop.body_record import across_calls_key, plan_body, set_trace_key, typed_values
 from hops._body_hop.flat_body import OptionBodies, option_body
@@ -379,7 +379,7 @@ def _check_alternatives_eagerly(
     cannot run on fake tensors (it reads tensor values in Python) is checked when traced.
     (Never traced by Dynamo: where a compiled call falls back to eager, the body runs here
     on fake tensors, not as code of the compiled graph.)"""
-    from hops._joint import is_tracing
+    from hops._body_hop.joint import is_tracing
 
     if not spec.alternatives or is_tracing(tensors):
         return

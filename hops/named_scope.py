@@ -17,7 +17,7 @@ Rules:
 - fake: the body on fake tensors;
 - functionalization / proxy: the body must not mutate or alias its inputs (refused, naming
   the function and argument); it is traced into a subgraph named after the user function;
-- autograd: the body's joint is traced once and split (``hops._joint``): the forward region
+- autograd: the body's joint is traced once and split (``hops._body_hop.joint``): the forward region
   also returns the residuals its backward reads, and the backward region
   (``ScopeSpec(name + '/bwd')``) takes primals, residuals and cotangents, so nothing is
   recomputed. Outside tracing the body simply runs under autograd.

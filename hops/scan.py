@@ -17,7 +17,7 @@ Rules:
 - fake: one step on fake slices, ys stacked;
 - functionalization / proxy: the step must not write into its inputs (refused, naming the
   leaf); it is traced once into a subgraph named after the user function;
-- traced autograd: one step's joint is traced and split (``hops._joint``). The forward scan
+- traced autograd: one step's joint is traced and split (``hops._body_hop.joint``). The forward scan
   also stacks each step's residuals (with ``remat``, only the carries entering each step and
   the random values), the backward is a reverse ``scan_hop`` over them, so HOPs in the body
   (annotations, local_map regions, kernels, scopes) appear in forward and backward bodies.
@@ -38,16 +38,16 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor
-from hops._autograd import AutogradPlan
 from hops._base import BodyHOP
+from hops._body_hop.autograd import AutogradPlan
 from hops._body_hop.body import at_boundary, run_on_stand_ins
 from hops._body_hop.body_record import plan_body, set_trace_key
 from hops._body_hop.flat_body import flat_body
+from hops._body_hop.joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
 from hops._body_hop.subgraph import body_name, fresh_outputs, inline_graph, named, rename_inner_function
 from hops._caches import cached_plan
 from hops._call import call_body_hop
 from hops._errors import call_prefix, hop_prefix, leaf_name
-from hops._joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
 from hops.specs import _FxLiteral, register_spec_type
 
 __all__ = ["scan", "scan_hop", "ScanSpec"]

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hops._joint import is_tracing
+from hops._body_hop.joint import is_tracing
 
 __all__ = ["AutogradPlan", "HopFunction", "needs_traced_autograd"]
 
