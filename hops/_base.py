@@ -28,7 +28,7 @@ are not tracers. Each HOP module still registers one function per key, so a read
 The rules' helpers each live in a module named for what they do: the forms a rule sees a
 body in (``hops._body_hop.flat_body``), what is known about a body (``hops._body_hop.body_record``), how a
 public function calls the HOP (``hops._call``), the caches of inspections and plans
-(``hops._caches``), traced autograd (``hops._body_hop.autograd``) and the region HOPs' plan
+(``hops._body_hop.caches``), traced autograd (``hops._body_hop.autograd``) and the region HOPs' plan
 (``hops._region_plan``).
 
 Autograd has two paths. Outside tracing, on the devices where the eager semantics runs, the
@@ -55,6 +55,7 @@ from hops import _compat, _inductor
 from hops._body_hop.autograd import AutogradPlan, HopFunction, needs_traced_autograd
 from hops._body_hop.body import at_boundary, distinct_tensors
 from hops._body_hop.body_record import is_known_functional, known_functional
+from hops._body_hop.caches import cached_plan
 from hops._body_hop.flat_body import FlatBody, OptionBodies, map_options, option_body
 from hops._body_hop.joint import is_tracing, trace_graph
 from hops._body_hop.subgraph import (
@@ -66,7 +67,6 @@ from hops._body_hop.subgraph import (
     refuse_untracked_xla_operands,
     symbolic_trace_call,
 )
-from hops._caches import cached_plan
 from hops._call import call_body_hop
 from hops._dynamo import CALL_DESCRIPTION
 from hops._errors import call_prefix, hop_prefix, public_name

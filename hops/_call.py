@@ -16,9 +16,9 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from hops._body_hop.autograd import needs_traced_autograd
 from hops._body_hop.body import describe_tensor, inspect_body, lift_closure, unwrap_functional
 from hops._body_hop.body_record import body_record, known_functional, lifted_plan_key, update_record
+from hops._body_hop.caches import cached_per_trace
 from hops._body_hop.code_key import CodeKey
 from hops._body_hop.subgraph import body_name
-from hops._caches import cached_per_trace
 from hops._dynamo import call_description
 
 if TYPE_CHECKING:
