@@ -24,7 +24,7 @@ from hops.specs import (
 
 _compat.register_fx_global("hops", "import hops", _sys.modules[__name__])
 
-from hops._call import DeviceMismatchError  # noqa: E402
+from hops._body_hop.call import DeviceMismatchError  # noqa: E402
 from hops.assume_pure import assume_pure  # noqa: E402
 from hops.einsum import (  # noqa: E402
     EinsumLinear,

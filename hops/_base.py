@@ -27,7 +27,7 @@ are not tracers. Each HOP module still registers one function per key, so a read
 
 The rules' helpers each live in a module named for what they do: the forms a rule sees a
 body in (``hops._body_hop.flat_body``), what is known about a body (``hops._body_hop.body_record``), how a
-public function calls the HOP (``hops._call``), the caches of inspections and plans
+public function calls the HOP (``hops._body_hop.call``), the caches of inspections and plans
 (``hops._body_hop.caches``), traced autograd (``hops._body_hop.autograd``) and the region HOPs' plan
 (``hops._region_plan``).
 
@@ -56,6 +56,7 @@ from hops._body_hop.autograd import AutogradPlan, HopFunction, needs_traced_auto
 from hops._body_hop.body import at_boundary, distinct_tensors
 from hops._body_hop.body_record import is_known_functional, known_functional
 from hops._body_hop.caches import cached_plan
+from hops._body_hop.call import call_body_hop
 from hops._body_hop.flat_body import FlatBody, OptionBodies, map_options, option_body
 from hops._body_hop.joint import is_tracing, trace_graph
 from hops._body_hop.subgraph import (
@@ -67,7 +68,6 @@ from hops._body_hop.subgraph import (
     refuse_untracked_xla_operands,
     symbolic_trace_call,
 )
-from hops._call import call_body_hop
 from hops._dynamo import CALL_DESCRIPTION
 from hops._errors import call_prefix, hop_prefix, public_name
 from hops._region_plan import RegionPlan

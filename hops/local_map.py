@@ -43,9 +43,9 @@ from hops._body_hop.autograd import AutogradPlan
 from hops._body_hop.body import version_counter
 from hops._body_hop.body_record import across_calls_key, plan_body, set_trace_key, typed_values
 from hops._body_hop.caches import cached_plan
+from hops._body_hop.call import argument_names, call_body_hop
 from hops._body_hop.flat_body import OptionBodies, option_body
 from hops._body_hop.subgraph import body_name, named, rename_inner_function
-from hops._call import argument_names, call_body_hop
 from hops._errors import call_prefix, hop_prefix, leaf_names
 from hops._region_plan import RegionPlan
 from hops.specs import (

@@ -40,8 +40,8 @@ from hops import _compat, _dynamo, _inductor
 from hops._base import BodyHOP
 from hops._body_hop.body import version_counter
 from hops._body_hop.body_record import set_trace_key
+from hops._body_hop.call import argument_names, call_body_hop
 from hops._body_hop.subgraph import body_name, fresh_outputs, rename_inner_function
-from hops._call import argument_names, call_body_hop
 from hops._errors import call_prefix, hop_prefix
 from hops.specs import _FxLiteral, register_spec_type
 

@@ -43,10 +43,10 @@ from hops._body_hop.autograd import AutogradPlan
 from hops._body_hop.body import at_boundary, run_on_stand_ins
 from hops._body_hop.body_record import plan_body, set_trace_key
 from hops._body_hop.caches import cached_plan
+from hops._body_hop.call import call_body_hop
 from hops._body_hop.flat_body import flat_body
 from hops._body_hop.joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
 from hops._body_hop.subgraph import body_name, fresh_outputs, inline_graph, named, rename_inner_function
-from hops._call import call_body_hop
 from hops._errors import call_prefix, hop_prefix, leaf_name
 from hops.specs import _FxLiteral, register_spec_type
 

@@ -115,7 +115,7 @@ class TestTraceReuse(TestCase):
         # Each distinct step is inspected once and its joint traced once: a second scan of it
         # and AOTAutograd's second pass reuse them (the steps read no tensor but their inputs,
         # so their code keys are equal in both passes).
-        call_module = importlib.import_module("hops._call")
+        call_module = importlib.import_module("hops._body_hop.call")
         scan_module = importlib.import_module("hops.scan")  # (hops.scan is the function)
         inspected, plans = [], []
         inspect_body, make_plan = call_module.inspect_body, scan_module._ScanPlan.__init__
