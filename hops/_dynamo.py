@@ -180,7 +180,7 @@ def register_subgraph_hop(hop: Any) -> None:
     form without ``lifted``.
 
     ``hop.body_inputs(args, spec)`` (``args``: one fake tensor per tensor arg; see
-    ``hops._base.BodyHOP``) returns the inputs the body really sees (e.g. local shards): the
+    ``hops._body_hop.base.BodyHOP``) returns the inputs the body really sees (e.g. local shards): the
     body is speculated on their shapes. The node's output
     metadata comes from the HOP's own FakeTensorMode rule, run on the node, never from the
     body's outputs.

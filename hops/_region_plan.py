@@ -21,7 +21,7 @@ from hops._body_hop.joint import body_output_examples, is_differentiable, split_
 from hops._body_hop.subgraph import body_name, named
 
 if TYPE_CHECKING:
-    from hops._base import BodyHOP
+    from hops._body_hop.base import BodyHOP
 
 __all__ = ["RegionPlan"]
 

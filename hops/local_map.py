@@ -38,8 +38,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor, _layout
-from hops._base import BodyHOP
 from hops._body_hop.autograd import AutogradPlan
+from hops._body_hop.base import BodyHOP
 from hops._body_hop.body import version_counter
 from hops._body_hop.body_record import across_calls_key, plan_body, set_trace_key, typed_values
 from hops._body_hop.caches import cached_plan

@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor
-from hops._base import BodyHOP
+from hops._body_hop.base import BodyHOP
 from hops._body_hop.body import version_counter
 from hops._body_hop.body_record import set_trace_key
 from hops._body_hop.call import argument_names, call_body_hop
@@ -282,7 +282,7 @@ def _proxy(mode: ProxyTorchDispatchMode, body: Callable, *inputs_and_spec: Any):
 # --------------------------------------------------------------------------- autograd
 #
 # Eager: the body runs under autograd (its ops record their own backward). Traced: the joint
-# is split (hops._base.RegionPlan): the forward region also returns the residuals its
+# is split (hops._body_hop.base.RegionPlan): the forward region also returns the residuals its
 # backward reads, and the backward region, named ``<name>/bwd``, takes primals, residuals and
 # cotangents, so nothing is recomputed.
 

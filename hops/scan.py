@@ -38,8 +38,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor
-from hops._base import BodyHOP
 from hops._body_hop.autograd import AutogradPlan
+from hops._body_hop.base import BodyHOP
 from hops._body_hop.body import at_boundary, run_on_stand_ins
 from hops._body_hop.body_record import plan_body, set_trace_key
 from hops._body_hop.caches import cached_plan

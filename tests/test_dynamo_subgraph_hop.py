@@ -1,4 +1,4 @@
-"""``hops._base.BodyHOP`` under Dynamo: torch.compile keeps a body HOP whole.
+"""``hops._body_hop.base.BodyHOP`` under Dynamo: torch.compile keeps a body HOP whole.
 
 The HOP under test is a toy defined here, a local_map in miniature: it splits its first
 ``spec.num_split`` tensors into ``spec.pieces`` pieces along dim 0, runs the body on each
@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, make_fx
 
 from hops import _compat, _dynamo
-from hops._base import BodyHOP
+from hops._body_hop.base import BodyHOP
 from hops.specs import _FxLiteral
 from tests.helpers.snapshot import TestCase, readable
 

@@ -25,7 +25,7 @@ KEY_PATH = re.compile(r"\b[a-z_]+(?:\[(?:\d+|'[^']*')\])+")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The modules defining a public function that calls a HOP, and those functions.
-HOP_MODULES = ["scan", "local_map", "named_scope", "kernel", "einsum", "sharding_annotation", "_base"]
+HOP_MODULES = ["scan", "local_map", "named_scope", "kernel", "einsum", "sharding_annotation", "_body_hop/base"]
 FUNCTIONS = ("scan", "local_map", "named_scope", "kernel", "einsum", "einsum_linear", "patch_linear", "annotate_sharding")
 # A literal message head: one of those functions' prefixes, or a constructor's (``ScanSpec(length=...)``).
 LITERAL_HEAD = re.compile(rf"^(?:(?:{'|'.join(FUNCTIONS)})(?:\(|: )|[A-Z]\w*(?:\(|: |\.))")

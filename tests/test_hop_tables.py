@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import hops
 import passes
 from hops import ShardingSpec
-from hops._base import BodyHOP
+from hops._body_hop.base import BodyHOP
 from passes._infra import hop_tables, is_package_hop, missing_rows, ordinary_op
 from tests.helpers.hop_db import MESH, ROWS
 

@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import hops
 import passes
 from hops import LocalMapSpec, Partial, Replicate, Shard, ShardingSpec
-from hops._base import BodyHOP
+from hops._body_hop.base import BodyHOP
 from passes._infra import is_package_hop
 from tests.helpers.hop_db import MESH, ROWS, SAMPLES
 from tests.helpers.snapshot import TestCase, readable

@@ -22,7 +22,7 @@ from hops._body_hop.subgraph import body_name
 from hops._dynamo import call_description
 
 if TYPE_CHECKING:
-    from hops._base import BodyHOP
+    from hops._body_hop.base import BodyHOP
 
 __all__ = ["DeviceMismatchError", "argument_names", "call_body_hop", "check_one_device"]
 
