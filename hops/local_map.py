@@ -45,9 +45,9 @@ from hops._body_hop.body_record import across_calls_key, plan_body, set_trace_ke
 from hops._body_hop.caches import cached_plan
 from hops._body_hop.call import argument_names, call_body_hop
 from hops._body_hop.flat_body import OptionBodies, option_body
+from hops._body_hop.region import RegionPlan
 from hops._body_hop.subgraph import body_name, named, rename_inner_function
 from hops._errors import call_prefix, hop_prefix, leaf_names
-from hops._region_plan import RegionPlan
 from hops.specs import (
     LocalMapSpec,
     Mesh,

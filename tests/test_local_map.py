@@ -487,7 +487,7 @@ class TestTraceReuse(TestCase):
         import importlib
         import unittest.mock
 
-        plans = importlib.import_module("hops._region_plan")
+        plans = importlib.import_module("hops._body_hop.region")
         built = []
         make_plan = plans.RegionPlan.__init__
 

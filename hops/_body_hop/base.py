@@ -29,7 +29,7 @@ The rules' helpers each live in a module named for what they do: the forms a rul
 body in (``hops._body_hop.flat_body``), what is known about a body (``hops._body_hop.body_record``), how a
 public function calls the HOP (``hops._body_hop.call``), the caches of inspections and plans
 (``hops._body_hop.caches``), traced autograd (``hops._body_hop.autograd``) and the region HOPs' plan
-(``hops._region_plan``).
+(``hops._body_hop.region``).
 
 Autograd has two paths. Outside tracing, on the devices where the eager semantics runs, the
 HOP runs ``run`` above autograd: the reference's own gradients are exact, to any order,
@@ -59,6 +59,7 @@ from hops._body_hop.caches import cached_plan
 from hops._body_hop.call import call_body_hop
 from hops._body_hop.flat_body import FlatBody, OptionBodies, map_options, option_body
 from hops._body_hop.joint import is_tracing, trace_graph
+from hops._body_hop.region import RegionPlan
 from hops._body_hop.subgraph import (
     body_name,
     clone_aliased_outputs,
@@ -70,7 +71,6 @@ from hops._body_hop.subgraph import (
 )
 from hops._dynamo import CALL_DESCRIPTION
 from hops._errors import call_prefix, hop_prefix, public_name
-from hops._region_plan import RegionPlan
 from hops._targets import load_device_rules
 
 __all__ = ["BodyHOP"]
