@@ -620,6 +620,15 @@ DTENSOR_FLATTENS_SHARDED_DIMS = TORCH_VERSION >= (2, 13)
 DTENSOR_RUNS_FILL_SCALAR = TORCH_VERSION >= (2, 13)
 DTENSOR_ADDS_REPLICATE_TO_PARTIAL_LOCALLY = TORCH_VERSION >= (2, 13)
 
+# Private torch symbols the package (hops/, passes/) names that some supported torch lacks,
+# with the first version that has it; the code reaching each is guarded by that version or by
+# ``getattr``. Every other private symbol named in the package exists on every supported
+# version (tests/test_private_torch_symbols.py resolves each, one test per symbol).
+PRIVATE_SYMBOLS_SINCE: dict[str, tuple[int, int]] = {
+    # DTensor's single-mesh-dim strategies (passes/solver/_dtensor.py), absent in 2.9.
+    "torch.distributed.tensor._ops.single_dim_strategy._expand_single_dim_strategy_to_mesh": (2, 13),
+}
+
 
 def select_step(x: torch.Tensor, index: int) -> torch.Tensor:
     """``x.select(0, index)``: step ``index`` of a scan's stacked ``x``. A DTensor on a torch whose
