@@ -39,13 +39,12 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor, _layout
 from hops._body_hop.autograd import AutogradPlan
-from hops._body_hop.base import BodyHOP
 from hops._body_hop.body import version_counter
 from hops._body_hop.body_record import across_calls_key, plan_body, set_trace_key, typed_values
 from hops._body_hop.caches import cached_plan
 from hops._body_hop.call import argument_names, call_body_hop
 from hops._body_hop.flat_body import OptionBodies, option_body
-from hops._body_hop.region import RegionPlan
+from hops._body_hop.region import RegionHOP, RegionPlan
 from hops._body_hop.subgraph import body_name, named, rename_inner_function
 from hops._errors import call_prefix, hop_prefix, leaf_names
 from hops.specs import (
@@ -63,7 +62,7 @@ from hops.specs import (
 __all__ = ["local_map", "local_map_hop"]
 
 
-class LocalMap(BodyHOP):
+class LocalMap(RegionHOP):
     """HOP ``hops_local_map(body, *tensors, spec)``."""
 
     spec_type = LocalMapSpec

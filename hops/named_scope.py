@@ -37,10 +37,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 
 from hops import _compat, _dynamo, _inductor
-from hops._body_hop.base import BodyHOP
 from hops._body_hop.body import version_counter
 from hops._body_hop.body_record import set_trace_key
 from hops._body_hop.call import argument_names, call_body_hop
+from hops._body_hop.region import RegionHOP
 from hops._body_hop.subgraph import body_name, fresh_outputs, rename_inner_function
 from hops._errors import call_prefix, hop_prefix
 from hops.specs import _FxLiteral, register_spec_type
@@ -78,7 +78,7 @@ class ScopeSpec(_FxLiteral):
 register_spec_type("ScopeSpec", ScopeSpec)
 
 
-class NamedScope(BodyHOP):
+class NamedScope(RegionHOP):
     """HOP ``hops_named_scope(body, *inputs, spec)``."""
 
     spec_type = ScopeSpec

@@ -7,8 +7,8 @@ flat tuple of its results. Each HOP says what is particular to it in a few metho
 - ``check(body, operands, spec)``: validate a call (raise ``TypeError``/``ValueError``);
 - ``body_operands(operands, spec)``: what the body sees (one slice of xs, device 0's
   shards); the rules hand it over as ``body_inputs``, in the layout every body may assume
-  (``hops._body_hop.body.at_boundary``: contiguous), and ``run_at_boundary`` makes what ``run`` takes
-  and returns so too;
+  (``hops._body_hop.body.at_boundary``: contiguous), and ``run_at_boundary`` makes what
+  ``run`` takes and returns so too;
 - ``check_outputs(body, outputs, operands, spec)``: refuse what the body returns as eager
   does (a scan carry changing shape), naming the body;
 - ``outputs_from_body(outputs, operands, spec)``: the HOP's results from the body's (fake)
@@ -25,11 +25,11 @@ node form, validation), fake, functionalization, proxy, autograd, and dispatch m
 are not tracers. Each HOP module still registers one function per key, so a reader finds
 "what happens under fake tensors" by one decorator, as in torch's own HOPs.
 
-The rules' helpers each live in a module named for what they do: the forms a rule sees a
-body in (``hops._body_hop.flat_body``), what is known about a body (``hops._body_hop.body_record``), how a
-public function calls the HOP (``hops._body_hop.call``), the caches of inspections and plans
-(``hops._body_hop.caches``), traced autograd (``hops._body_hop.autograd``) and the region HOPs' plan
-(``hops._body_hop.region``).
+The rules' helpers each live in a module of ``hops._body_hop`` named for what they do: the
+forms a rule sees a body in (``flat_body``), what is known about a body (``body_record``),
+how a public function calls the HOP (``call``), the caches of inspections and plans
+(``caches``) and traced autograd (``autograd``). The region HOPs (local_map, named_scope)
+add their traced autograd in ``region`` (``RegionHOP``).
 
 Autograd has two paths. Outside tracing, on the devices where the eager semantics runs, the
 HOP runs ``run`` above autograd: the reference's own gradients are exact, to any order,
@@ -55,11 +55,9 @@ from hops import _compat, _inductor
 from hops._body_hop.autograd import AutogradPlan, HopFunction, needs_traced_autograd
 from hops._body_hop.body import at_boundary, distinct_tensors
 from hops._body_hop.body_record import is_known_functional, known_functional
-from hops._body_hop.caches import cached_plan
 from hops._body_hop.call import call_body_hop
 from hops._body_hop.flat_body import FlatBody, OptionBodies, map_options, option_body
 from hops._body_hop.joint import is_tracing, trace_graph
-from hops._body_hop.region import RegionPlan
 from hops._body_hop.subgraph import (
     body_name,
     clone_aliased_outputs,
@@ -151,25 +149,10 @@ class BodyHOP(HigherOrderOperator):
         """Refuse options whose bodies' (fake) outputs ``steps`` give the HOP other results
         than the active option's: the program around the node is the same for all."""
 
-    def autograd_plan(self, body: Callable, operands: Sequence[Any], spec: Any) -> "AutogradPlan":
-        """How a traced call differentiates; region HOPs (the body runs once on the operands
-        or their shards) share ``RegionPlan`` and say only how residuals cross the boundary."""
-        return cached_plan(lambda: RegionPlan(self, body, operands, spec), body, operands, spec)
-
-    # Region HOPs: the specs of the forward and backward regions, and how a residual leaves
-    # the forward region (``residuals_out``) and enters the backward one (``residuals_in``).
-
-    def forward_spec(self, spec: Any, residuals: Sequence[Any]) -> Any:
-        return spec
-
-    def backward_spec(self, spec: Any, split: Any, residuals: Sequence[Any], needs_grad: Sequence[bool], present: Sequence[int]) -> Any:
+    def autograd_plan(self, body: Callable, operands: Sequence[Any], spec: Any) -> AutogradPlan:
+        """How a traced call differentiates: the forward and backward nodes (a scan's reverse
+        scan; the region HOPs share ``hops._body_hop.region.RegionHOP``'s)."""
         raise NotImplementedError
-
-    def residuals_out(self, forward: Callable, num_outputs: int) -> Callable:
-        return forward
-
-    def residuals_in(self, residuals: Sequence[Any]) -> list[Callable]:
-        return [lambda value: value for _ in residuals]
 
     # ----------------------------------------------------------------- the call
 

@@ -1,29 +1,56 @@
-"""``RegionPlan``: the traced autograd of a region HOP call (``named_scope``, ``local_map``).
+"""``RegionHOP``: a body HOP whose body runs once on its operands (``named_scope``) or on
+each device's shards of them (``local_map``), and ``RegionPlan``: its traced autograd.
 
-A region HOP runs its body once on its operands (or on each device's shards of them). Its
-traced autograd is a forward region that also returns the residuals, and a backward region
-from (the primals it reads, the residuals, the present cotangents) to the gradients of the
-operands that need one. The HOP supplies the specs of the two regions and how a residual
-leaves the forward region (``residuals_out``) and enters the backward one (``residuals_in``).
+A region HOP call's traced autograd is a forward region that also returns the residuals,
+and a backward region from (the primals it reads, the residuals, the present cotangents)
+to the gradients of the operands that need one. The HOP supplies the specs of the two
+regions and how a residual leaves the forward region (``residuals_out``) and enters the
+backward one (``residuals_in``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from hops._body_hop.autograd import AutogradPlan
+from hops._body_hop.base import BodyHOP
 from hops._body_hop.body_record import plan_body
+from hops._body_hop.caches import cached_plan
 from hops._body_hop.flat_body import flat_body
 from hops._body_hop.joint import body_output_examples, is_differentiable, split_joint, trace_connected_joint
 from hops._body_hop.subgraph import body_name, named
 
-if TYPE_CHECKING:
-    from hops._body_hop.base import BodyHOP
+__all__ = ["RegionHOP", "RegionPlan"]
 
-__all__ = ["RegionPlan"]
+
+class RegionHOP(BodyHOP):
+    """A body HOP whose traced autograd is a forward and a backward region (see the module
+    docstring): it says, besides ``BodyHOP``'s methods, the specs of the two regions and how
+    residuals cross their boundaries."""
+
+    def autograd_plan(self, body: Callable, operands: Sequence[Any], spec: Any) -> AutogradPlan:
+        return cached_plan(lambda: RegionPlan(self, body, operands, spec), body, operands, spec)
+
+    def forward_spec(self, spec: Any, residuals: Sequence[Any]) -> Any:
+        """The forward region's spec, given the residuals it also returns. Default: ``spec``."""
+        return spec
+
+    def backward_spec(self, spec: Any, split: Any, residuals: Sequence[Any], needs_grad: Sequence[bool], present: Sequence[int]) -> Any:
+        """The backward region's spec: it takes (primals it reads, residuals, ``present``
+        cotangents) and returns the gradients of the operands that ``needs_grad``."""
+        raise NotImplementedError
+
+    def residuals_out(self, forward: Callable, num_outputs: int) -> Callable:
+        """The forward region's body from the split's ``forward`` (its first ``num_outputs``
+        results are the region's). Default: as it is."""
+        return forward
+
+    def residuals_in(self, residuals: Sequence[Any]) -> list[Callable]:
+        """How each residual enters the backward region's body. Default: as it is."""
+        return [lambda value: value for _ in residuals]
 
 
 class RegionPlan(AutogradPlan):
@@ -31,7 +58,7 @@ class RegionPlan(AutogradPlan):
     supplies the specs of the forward and backward regions, and how residuals cross a
     region's boundary."""
 
-    def __init__(self, hop: "BodyHOP", body: Callable, operands: Sequence[Any], spec: Any) -> None:
+    def __init__(self, hop: RegionHOP, body: Callable, operands: Sequence[Any], spec: Any) -> None:
         self.hop, self.spec, self.name = hop, spec, body_name(body)
         self.needs_grad = [is_differentiable(o) and o.requires_grad for o in operands]
         with disable_proxy_modes_tracing():
