@@ -270,10 +270,13 @@ def priced_rounds(seconds):
 @contextlib.contextmanager
 def neighbourhoods_only(pairs=None, workers=None):
     """Send every problem down the neighbourhood-search path (``pairs``: neighbourhoods of
-    that many pair variables; ``workers``: that many solved at once per round)."""
+    that many pair variables; ``workers``: that many solved at once per round), toulbar2 off
+    (``search="auto"`` would otherwise often prove the optimum before any neighbourhood)."""
     names = ["_FULL_MILP_PAIRS", "_LNS_FIRST_PAIRS", "_LNS_MIN_PAIRS", "_LNS_WORKERS"]
     saved = [getattr(search_module, name) for name in names]
+    saved_wcsp = search_module.wcsp._available
     search_module._FULL_MILP_PAIRS = -1
+    search_module.wcsp._available = False
     if pairs is not None:
         search_module._LNS_FIRST_PAIRS = search_module._LNS_MIN_PAIRS = pairs
     if workers is not None:
@@ -283,6 +286,7 @@ def neighbourhoods_only(pairs=None, workers=None):
     finally:
         for name, value in zip(names, saved):
             setattr(search_module, name, value)
+        search_module.wcsp._available = saved_wcsp
 
 
 class TestRefusals:

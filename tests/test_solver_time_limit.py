@@ -43,8 +43,10 @@ def test_the_plain_front_returns_its_best_plan_within_the_time_limit():
 def test_the_fx_front_returns_its_best_plan_within_the_time_limit():
     plain = contest_like(0, 1500, forbidden=0.0, tightness=None)
     problem = fx_problem(plain)
+    # The neighbourhood search (toulbar2, in search="auto", proves this one optimal in about
+    # a second: tests/test_solver_engines.py keeps its contract on a problem it cannot).
     began = time.perf_counter()
-    result = solve_problem(problem, time_limit=3.0, dominance="equal")
+    result = solve_problem(problem, time_limit=3.0, dominance="equal", search="exact")
     took = time.perf_counter() - began
     assert within_contract(took, 3.0), took
     assert result.cost == problem_cost(problem, result.strategies) < math.inf

@@ -13,7 +13,8 @@ classes of equal rows and columns, ``edge_classes``; each strategy's per-mesh-ax
 a node's strategy sets, beyond the node's own, as a node of its own tied to it by an edge).
 
 The solver: ``passes.solver.reduce`` (exact reductions), ``passes.solver.milp`` (the integer
-program of a neighbourhood), ``passes.solver.search`` (``solve_problem``).
+program of a neighbourhood), ``passes.solver.wcsp`` (toulbar2 on the reduced problem),
+``passes.solver.search`` (``solve_problem``).
 """
 
 from __future__ import annotations

@@ -23,10 +23,17 @@ neighbourhoods of it, with pluggable neighbourhood policies; ``solve_problem``.
    memory limit, those are priced instead of excluded, so each neighbourhood is feasible and
    repairs what it can.
 
+With a time limit and pytoulbar2 installed, ``search="auto"`` puts toulbar2
+(``passes.solver.wcsp``, the weighted-CSP engine of the IOPDDL contest's winning team) between
+1 and 2: it gets most of the time left (``_wcsp_phase``: memory rows added lazily, its plans
+repaired back within the limit), and unless it proves its plan optimal, 2 polishes that plan
+in the rest. Without pytoulbar2, ``"auto"`` is the search above alone.
+
 The result carries the best solution found, its cost, and a certified lower bound: the MILP's
 dual bound on the whole reduced problem (HiGHS stops at a relative gap of 1e-7; with integer
-costs, rounded up), or else the larger of the reduced problem's sum of node minima and a
-min-sum diffusion bound.
+costs, rounded up), or else the largest of the reduced problem's sum of node minima, a
+min-sum diffusion bound and toulbar2's dual bound (of the problem without the memory rows it
+did not see, which only relaxes).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import Sequence
 
 import numpy as np
 
+from passes.solver import wcsp
 from passes.solver.deadline import CANCEL_GRACE, start_workers, wait_for_workers
 from passes.solver.milp import MIP_GAP, solve_neighbourhood
 from passes.solver.problem import (
@@ -403,7 +411,7 @@ class Search:
 # Above this many pair variables after the exact reductions, a problem whose strategies carry
 # per-axis codes on a mesh of 3 or more axes is searched by mesh axes (``search="auto"``).
 _EXACT_PAIRS = 400_000
-_SEARCHES = ("auto", "exact", "axes")
+_SEARCHES = ("auto", "exact", "axes", "toulbar2")
 
 
 def solve_problem(
@@ -426,8 +434,15 @@ def solve_problem(
     or there is no time limit, else large neighbourhoods of the plan until the time limit;
     ``"axes"``: neighbourhoods by mesh axes (``_axis_search``; the problem's ``axes`` codes on 3
     or more axes; each step exact, the plan not proven optimal, ``stats["status"]`` says so);
+    ``"toulbar2"``: toulbar2 (``passes.solver.wcsp``) for the whole time (``_wcsp_phase``);
     ``"auto"``: ``"axes"`` when the whole program would have more than 400k pair variables,
-    else ``"exact"``. ``reduce=False`` eliminates no node (for tests of the reductions);
+    else, with a time limit and pytoulbar2 installed, toulbar2 for ``_WCSP_SHARE`` of the time
+    left after the heuristics (its plans repaired back within the memory limit), then, unless
+    it proved its plan optimal, ``"exact"``'s search from the best plan for the rest (measured
+    on ``families.contest_like`` problems, ``benchmarks/solver_engines.py``: toulbar2 finds
+    plans 1-40% cheaper than the neighbourhood search alone, most where memory binds);
+    without pytoulbar2 (or without a time limit: the integer program proves the optimum)
+    ``"exact"``. ``reduce=False`` eliminates no node (for tests of the reductions);
     ``dominance="equal"`` drops only strategies equal to another but for a higher cost (the
     reduced size then follows the problem's structure, not its costs; ``reduce.Reduced``).
     ``start``: a plan (a strategy per node) the search also starts from, repaired back within
@@ -444,6 +459,8 @@ def solve_problem(
             raise ValueError(f"time_limit must be a number of seconds > 0 or None, got {time_limit!r}")
     if search not in _SEARCHES:
         raise ValueError(f"search must be one of {list(_SEARCHES)}, got {search!r}")
+    if search == "toulbar2" and not wcsp.available():
+        raise ImportError("search='toulbar2' needs pytoulbar2 (pip install pytoulbar2); search='auto' runs without it")
     if start is not None:
         start = _check_strategies(problem, start).tolist()
     begin = time.perf_counter()
@@ -459,13 +476,13 @@ def solve_problem(
     reduce_seconds = time.perf_counter() - begin
     search_ = Search(reduced, seed)
     search_.presolve = presolve
-    by_axes = search != "exact" and _axis_count(search_) >= 3
+    by_axes = search in ("auto", "axes") and _axis_count(search_) >= 3
     pairs_left = search_.pair_count()
     if by_axes and search == "auto":
         by_axes = pairs_left > _EXACT_PAIRS
     if by_axes:
         return _solved_by_axes(problem, search_, deadline, begin, reduce_seconds, pairs_left)
-    search = search_
+    search_mode, search = search, search_
     stats = dict(
         nodes=problem.num_nodes,
         edges=len(problem.edges),
@@ -478,6 +495,8 @@ def solve_problem(
     )
     lower = search.lower_bound()
     method = "reductions"
+    by_wcsp = search_mode == "toulbar2" or (search_mode == "auto" and time_limit is not None and wcsp.available())
+    proven = False
     if len(search.nodes):
         # The cheapest strategies, improved ignoring memory, then repaired; if memory is broken,
         # the smallest-usage start (feasible whenever anything is) when that has finite cost.
@@ -497,7 +516,7 @@ def solve_problem(
             search.construct(deadline, **variant)
             search.descend(deadline)
             candidates.append((search.objective(), search.s.copy()))
-        if len(search.rhs) and (start is not None or pairs_left <= _FULL_MILP_PAIRS):
+        if len(search.rhs) and (start is not None or (pairs_left <= _FULL_MILP_PAIRS and not by_wcsp)):
             # Memory binds: the problem's optimum without the limit (reduced without it, which
             # eliminates what memory kept; where the whole program is small), greedily repaired
             # back within the limit.
@@ -513,9 +532,18 @@ def solve_problem(
         stats["start_violation"] = search.violation()
         best = search.objective()
         stats["heuristic_cost"] = best
-        if time_limit is not None:
+        if by_wcsp:
+            now = time.perf_counter()
+            share = deadline if search_mode == "toulbar2" else now + _WCSP_SHARE * (deadline - now)
+            found, proven = _wcsp_phase(search, share, seed, stats)
+            lower = max(lower, found)
+            if proven or search_mode == "toulbar2":
+                method = "toulbar2"
+        if time_limit is not None and not (proven or search_mode == "toulbar2"):
             wait_for_workers(deadline)  # (started above; a run timed below does not count their start)
-        if time_limit is None or stats["pairs_left"] <= _FULL_MILP_PAIRS:
+        if proven or search_mode == "toulbar2":
+            pass
+        elif time_limit is None or stats["pairs_left"] <= _FULL_MILP_PAIRS:
             method = "milp"
             left = math.inf if time_limit is None else deadline - time.perf_counter()
             if len(search.rhs):
@@ -537,7 +565,7 @@ def solve_problem(
                     search.move(v, a)
             lower = max(lower, bound)
             stats["milp_optimal"] = status == "optimal"
-        if not stats.get("milp_optimal") and time.perf_counter() < deadline < math.inf:
+        if not (stats.get("milp_optimal") or proven or search_mode == "toulbar2") and time.perf_counter() < deadline < math.inf:
             method = "milp-lns" if method == "milp" else "lns"
             # A bound of the LP relaxation's kind, for a tenth of the time left.
             began = time.perf_counter()
@@ -568,13 +596,81 @@ def solve_problem(
     if limit is not None and peak_usage(problem, strategies) > limit:  # pragma: no cover - a bug if reached
         raise AssertionError("the solver returned strategies above the usage limit")
     stats.update(
-        method=method, seconds=time.perf_counter() - begin, search="exact", milps=search.milps, **search.milp_sizes,
-        status="optimal" if stats.get("milp_optimal") or not len(search.nodes) else f"{method} (not proven optimal)",
+        method=method, seconds=time.perf_counter() - begin, search="toulbar2" if by_wcsp else "exact", milps=search.milps, **search.milp_sizes,
+        status="optimal" if stats.get("milp_optimal") or proven or not len(search.nodes) else f"{method} (not proven optimal)",
     )
     if integral:
         # Integer costs: no solution costs less than the bound rounded up.
         lower = math.ceil(lower - 1e-9 * max(1.0, abs(lower)))
     return ProblemSolution(strategies, cost, min(lower, cost), stats)
+
+
+# ``search="auto"``: toulbar2 gets this share of the time left after the heuristics; the
+# neighbourhood search polishes its plan in the rest.
+_WCSP_SHARE = 0.85
+# Where memory binds: toulbar2's first run (the problem without the memory rows) gets at most
+# this share of its time, each later run (with the rows its plans broke) this share of what is
+# left, and each run adds the rows its plan breaks most, this share of them (at least 5).
+_WCSP_FIRST_SHARE = 0.7
+_WCSP_ROUND_SHARE = 0.5
+_WCSP_ROWS_ADDED = 0.5
+
+
+def _wcsp_phase(search: Search, deadline: float, seed: int, stats: dict) -> tuple[float, bool]:
+    """toulbar2 (``passes.solver.wcsp``) on the reduced problem until ``deadline``; leaves the
+    best plan within the memory limit in ``search`` (its incumbent if none is better).
+    Returns a lower bound and whether the plan left is proven optimal.
+
+    Without memory rows: one run, the incumbent's cost its upper bound. With them (toulbar2's
+    knapsack constraints over hundreds of rows make its search slow: on a 2000-node
+    ``contest_like`` problem at tightness 1.1, no plan in 10 s with all 996 rows, the optimum
+    in 3 s with 50): rows are added lazily. The first run has none (a relaxation: its bound
+    bounds the problem, its optimum is the problem's if it fits); each plan that breaks the
+    limit is repaired greedily (``Search.repair``) and improved node by node, and the next
+    run adds the rows it broke most. Every run is told the best cost so far, so a run that
+    ends without a plan proves that cost optimal; one that proves its rows infeasible proves
+    the problem infeasible (if the model is exact, ``wcsp.WcspResult``)."""
+    began = time.perf_counter()
+    best_s = search.s.copy()
+    best = search.objective() if search.violation() == 0 and search.objective() < search.big else math.inf
+    lower = -math.inf
+    rows: set[int] | None = set() if len(search.rhs) else None
+    runs = []
+    proven = False
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0.05:
+            break
+        if rows is not None:
+            left *= _WCSP_FIRST_SHARE if not runs else _WCSP_ROUND_SHARE
+        result = wcsp.solve_wcsp(
+            search, time.perf_counter() + left if math.isfinite(left) else math.inf,
+            upper=best, hint=best_s, seed=seed + len(runs), rows=rows,
+        )
+        runs.append(dict(status=result.status, solutions=result.solutions, seconds=round(result.seconds, 3), rows=len(rows or ())))
+        lower = max(lower, result.lower)
+        if result.status == "infeasible":
+            raise InfeasiblePlacementError("no strategies meet the usage limit with finite cost (toulbar2 proved it)")
+        if result.chosen is None:
+            proven = result.status == "optimal" and math.isfinite(best)
+            break
+        search.assign(result.chosen)
+        fits = search.violation() == 0
+        over = np.flatnonzero(search.load > search.rhs) if not fits else np.zeros(0, np.int64)
+        runs[-1]["cost"] = search.objective()
+        if not fits and search.repair(deadline):
+            search.descend(deadline)
+        if search.violation() == 0 and search.objective() < best:
+            best, best_s = search.objective(), search.s.copy()
+        exhaustive = result.status in ("optimal", "complete")
+        if fits or (not exhaustive and rows is None) or result.status == "error":
+            proven = fits and result.status == "optimal"
+            break
+        worst = over[np.argsort(-(search.load[over] - search.rhs[over]), kind="stable")] if len(over) else over
+        rows |= set(worst[: max(5, int(_WCSP_ROWS_ADDED * len(worst)))].tolist())
+    search.assign(best_s)
+    stats.update(wcsp_runs=runs, wcsp_seconds=time.perf_counter() - began, wcsp_lower=lower, wcsp_cost=best)
+    return lower, proven
 
 
 # The share of the time left the program over the whole problem gets when memory binds.

@@ -1,0 +1,82 @@
+"""The solver core's engines side by side on generated families (``families.contest_like``).
+
+Per problem (a seed, a node count, a memory tightness: the usage limit over the least peak,
+``None`` for no limit) and engine (``solve_problem(search=...)``: ``exact``, the neighbourhood
+search with HiGHS alone; ``toulbar2``, toulbar2 alone after the heuristics; ``auto``, the
+portfolio), this prints the plan's cost relative to the best any engine found on that
+problem, the engine's lower bound relative to the same, and the seconds taken against the
+time limit (every call must return within the limit plus the larger of 1 s and 2%). Each
+plan is checked by ``problem_cost`` and ``peak_usage`` (an independent evaluation). A final
+row per engine: the geometric mean of cost / best, the worst, and the longest overrun.
+
+Usage: python benchmarks/solver_engines.py [--time-limit S] [--sizes 500,2000,8000]
+       [--seeds 0,1] [--tightness none,1.1,1.02] [--engines exact,toulbar2,auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from passes.solver import NoPlanFoundError, peak_usage, problem_cost, solve_problem  # noqa: E402
+from passes.solver.families import contest_like  # noqa: E402
+
+
+def _run(problem, engine: str, limit: float) -> tuple[float, float, float]:
+    began = time.perf_counter()
+    try:
+        solution = solve_problem(problem, time_limit=limit, search=engine)
+    except NoPlanFoundError:
+        return math.inf, -math.inf, time.perf_counter() - began
+    seconds = time.perf_counter() - began
+    cost = problem_cost(problem, solution.strategies)
+    assert math.isclose(cost, solution.cost, rel_tol=1e-9), (cost, solution.cost)
+    assert problem.usage_limit is None or peak_usage(problem, solution.strategies) <= problem.usage_limit
+    return cost, solution.lower_bound, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("--sizes", default="500,2000,8000")
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--tightness", default="none,1.1,1.02")
+    parser.add_argument("--engines", default="exact,toulbar2,auto")
+    args = parser.parse_args()
+    engines = args.engines.split(",")
+    tightness = [None if t == "none" else float(t) for t in args.tightness.split(",")]
+    limit = args.time_limit
+    print(f"time limit {limit:g} s; cost and lower bound relative to the best plan any engine found")
+    print("| nodes | tightness | seed | " + " | ".join(f"{e} cost | {e} bound | {e} s" for e in engines) + " |")
+    print("|---|---|---|" + "---|---|---|" * len(engines))
+    ratios: dict[str, list[float]] = {e: [] for e in engines}
+    overrun: dict[str, float] = {e: -math.inf for e in engines}
+    for nodes in [int(n) for n in args.sizes.split(",")]:
+        for tight in tightness:
+            for seed in [int(s) for s in args.seeds.split(",")]:
+                problem = contest_like(seed, nodes, tightness=tight)
+                found = {e: _run(problem, e, limit) for e in engines}
+                best = min(cost for cost, _, _ in found.values())
+                cells = []
+                for e in engines:
+                    cost, lower, seconds = found[e]
+                    ratios[e].append(cost / best)
+                    overrun[e] = max(overrun[e], seconds - limit)
+                    cells.append(f"{cost / best:.4f} | {lower / best:.4f} | {seconds:.1f}")
+                print(f"| {nodes} | {tight} | {seed} | " + " | ".join(cells) + " |", flush=True)
+    for e in engines:
+        finite = [r for r in ratios[e] if math.isfinite(r)]
+        geo = math.exp(sum(math.log(r) for r in finite) / len(finite)) if finite else math.inf
+        print(
+            f"{e}: geometric mean cost/best {geo:.4f}, worst {max(ratios[e]):.4f}, "
+            f"no plan {len(ratios[e]) - len(finite)}, longest past the limit {overrun[e]:+.2f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()

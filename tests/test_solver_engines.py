@@ -1,0 +1,201 @@
+"""The solver core's toulbar2 engine (``passes.solver.wcsp``) and the portfolio of
+``solve_problem(search="auto")``: toulbar2's plans optimal against brute force on small random
+problems whose forbidden pairs cost 1e18, with and without a memory limit; infeasible only
+with a proof; the time limit kept by the wall clock with toulbar2 killed at the deadline; the
+portfolio never worse than the neighbourhood search alone at the same time limit; without
+pytoulbar2, today's search."""
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from passes.solver import InfeasiblePlacementError, NoPlanFoundError, StrategyProblem, peak_usage, problem_cost, solve_problem, wcsp
+from passes.solver import search as search_module
+from passes.solver.families import contest_like
+from passes.solver.reduce import Reduced
+
+pytestmark = pytest.mark.skipif(not wcsp.available(), reason="pytoulbar2 is not installed")
+
+
+def random_problem(seed, nodes, strategies, edges, forbid, memory):
+    """A random problem with forbidden pairs and strategies at the contest files' 1e18, and
+    its raw arrays for a brute force that knows nothing of the solver's conventions."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, strategies + 1, size=nodes)
+    costs = []
+    for k in sizes:
+        c = rng.integers(0, 30, size=k).astype(float)
+        c[rng.uniform(size=k) < 0.15] = 1e18
+        costs.append(c)
+    usages = [rng.integers(0, 10, size=k).astype(float) for k in sizes]
+    starts = rng.integers(0, 5, size=nodes)
+    intervals = np.stack([starts, starts + rng.integers(0, 4, size=nodes)], axis=1)
+    pairs = [tuple(int(v) for v in rng.choice(nodes, size=2, replace=False)) for _ in range(edges)] if nodes > 1 else []
+    matrices = []
+    for i, j in pairs:
+        m = rng.integers(0, 30, size=(sizes[i], sizes[j])).astype(float)
+        m[rng.uniform(size=m.shape) < forbid] = 1e18
+        matrices.append(m)
+    limit = None
+    if memory:
+        probe = StrategyProblem(costs, usages, intervals, np.array(pairs).reshape(-1, 2), matrices)
+        least = peak_usage(probe, [int(np.argmin(u)) for u in usages])
+        most = peak_usage(probe, [int(np.argmax(u)) for u in usages])
+        limit = float(rng.integers(max(0, least - 1), most + 1))
+    problem = StrategyProblem(costs, usages, intervals, np.array(pairs).reshape(-1, 2), matrices, limit)
+    return problem, (costs, usages, intervals, pairs, matrices, limit)
+
+
+def brute_force(raw):
+    """The least cost of a plan paying no 1e18 within the limit (``inf``: none)."""
+    costs, usages, intervals, pairs, matrices, limit = raw
+    best = math.inf
+    steps = range(int(intervals[:, 1].max(initial=0)) + 1)
+    for plan in itertools.product(*(range(len(c)) for c in costs)):
+        terms = [costs[v][a] for v, a in enumerate(plan)] + [m[plan[i], plan[j]] for (i, j), m in zip(pairs, matrices)]
+        if any(t >= 1e18 for t in terms):
+            continue
+        if limit is not None:
+            load = [sum(usages[v][a] for v, a in enumerate(plan) if intervals[v, 0] <= t < intervals[v, 1]) for t in steps]
+            if max(load, default=0.0) > limit:
+                continue
+        best = min(best, math.fsum(terms))
+    return best
+
+
+problems = st.builds(
+    random_problem,
+    seed=st.integers(0, 2**32 - 1),
+    nodes=st.integers(2, 6),
+    strategies=st.integers(1, 4),
+    edges=st.integers(1, 8),
+    forbid=st.sampled_from([0.2, 0.5]),
+    memory=st.booleans(),
+)
+
+
+def _unreduced_search(problem):
+    """The problem as the search sees it, nothing eliminated (toulbar2 gets every node)."""
+    reduced = Reduced(problem)
+    reduced.reduce(problem.usage_limit, math.inf, eliminate=False)
+    return search_module.Search(reduced, seed=0)
+
+
+class TestToulbar2Engine:
+    @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(case=problems)
+    def test_engine_optimal_or_proves_infeasible_against_brute_force(self, case):
+        # Every memory row as a knapsack constraint, every edge as a cost table with
+        # forbidden pairs at top: an exhaustive run is the optimum or a proof of none.
+        problem, raw = case
+        best = brute_force(raw)
+        try:
+            search = _unreduced_search(problem)
+        except InfeasiblePlacementError:  # (the reductions' own proof)
+            assert math.isinf(best)
+            return
+        result = wcsp.solve_wcsp(search, math.inf)
+        if math.isinf(best):
+            assert result.status == "infeasible" and result.chosen is None
+            return
+        assert result.status == "optimal"
+        search.assign(result.chosen)
+        assert search.violation() == 0
+        plan = search.plan()
+        assert problem_cost(problem, plan) == best
+        assert problem.usage_limit is None or peak_usage(problem, plan) <= problem.usage_limit
+        assert result.lower <= best
+
+    @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(case=problems)
+    def test_solve_problem_by_toulbar2_against_brute_force(self, case):
+        # Through the core: reductions, memory rows added lazily, plans repaired.
+        problem, raw = case
+        best = brute_force(raw)
+        if math.isinf(best):
+            with pytest.raises(InfeasiblePlacementError):
+                solve_problem(problem, search="toulbar2", reduce=False)
+            return
+        solution = solve_problem(problem, search="toulbar2", reduce=False)
+        assert problem_cost(problem, solution.strategies) == solution.cost
+        assert problem.usage_limit is None or peak_usage(problem, solution.strategies) <= problem.usage_limit
+        assert solution.lower_bound <= best <= solution.cost
+        if problem.usage_limit is None:
+            assert solution.cost == best and solution.stats["status"] == "optimal"
+
+    def test_an_upper_bound_no_plan_beats_proves_that_plan_optimal_not_infeasible(self):
+        problem, raw = next(case for seed in range(50) if math.isfinite(brute_force((case := random_problem(seed, 5, 3, 6, 0.2, False))[1])))
+        best = brute_force(raw)
+        search = _unreduced_search(problem)
+        result = wcsp.solve_wcsp(search, math.inf, upper=best)
+        assert result.status == "optimal" and result.chosen is None and result.lower == best
+
+    def test_rounded_costs_are_no_proof_but_keep_a_bound(self):
+        # Costs with fractions are scaled and rounded: the run is exhaustive on the rounded
+        # problem only, so it proves nothing, and its bound is lowered by the rounding.
+        problem = StrategyProblem(
+            [[0.3, 0.7], [0.1, 0.45], [0.25, 0.5]], [[0, 0]] * 3, [[0, 1]] * 3, [[0, 1], [1, 2]],
+            [[[0.0, 1.25], [1.5, 0.0]], [[0.0, 1e18], [2.125, 0.0]]],
+        )
+        search = _unreduced_search(problem)
+        result = wcsp.solve_wcsp(search, math.inf)
+        assert result.status == "complete"
+        search.assign(result.chosen)
+        assert problem_cost(problem, search.plan()) == pytest.approx(0.3 + 0.1 + 0.25 + 0.0 + 0.0)
+        assert 0.65 > result.lower >= 0.65 - 1e-9
+
+    def test_a_stopped_run_proves_nothing_and_returns_by_its_deadline(self):
+        # Every memory row at once: toulbar2 finds no plan in seconds (a 2000-node problem).
+        problem = contest_like(0, 2000, tightness=1.02)
+        reduced = Reduced(problem)
+        reduced.reduce(problem.usage_limit, math.inf)
+        search = search_module.Search(reduced, seed=0)
+        began = time.perf_counter()
+        result = wcsp.solve_wcsp(search, began + 1.5)
+        took = time.perf_counter() - began
+        assert took < 1.5 + 0.3, took
+        assert result.status == "stopped"
+        if result.chosen is not None:  # (what it found by then is a plan of the kept strategies)
+            assert len(result.chosen) == len(search.nodes)
+
+
+class TestPortfolio:
+    def test_time_limit_kept_by_the_wall_clock(self):
+        # A problem toulbar2 cannot prove in the limit (it is killed at the deadline).
+        problem = contest_like(1, 4000, tightness=1.02)
+        for search in ("auto", "toulbar2"):
+            began = time.perf_counter()
+            try:
+                solution = solve_problem(problem, time_limit=2.0, search=search)
+            except NoPlanFoundError:
+                solution = None
+            took = time.perf_counter() - began
+            assert took <= 2.0 + 1.0, (search, took)
+            if solution is not None:
+                assert peak_usage(problem, solution.strategies) <= problem.usage_limit
+                assert solution.lower_bound <= solution.cost
+
+    @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(seed=st.integers(0, 10_000), tightness=st.sampled_from([None, 1.1, 1.02]))
+    def test_auto_never_worse_than_the_neighbourhood_search(self, seed, tightness):
+        problem = contest_like(seed, 400, tightness=tightness)
+        try:
+            old = solve_problem(problem, time_limit=1.0, search="exact", seed=seed).cost
+        except NoPlanFoundError:
+            old = math.inf
+        new = solve_problem(problem, time_limit=1.0, search="auto", seed=seed)
+        assert new.cost <= old
+        assert peak_usage(problem, new.strategies) <= (problem.usage_limit or math.inf)
+
+    def test_without_pytoulbar2_auto_is_the_neighbourhood_search(self, monkeypatch):
+        monkeypatch.setattr(wcsp, "_available", False)
+        problem = contest_like(2, 200, tightness=1.1)
+        solution = solve_problem(problem, time_limit=1.0)
+        assert solution.stats["search"] == "exact" and "wcsp_runs" not in solution.stats
+        with pytest.raises(ImportError, match="pytoulbar2"):
+            solve_problem(problem, time_limit=1.0, search="toulbar2")
