@@ -30,6 +30,8 @@ from typing import Any, Sequence
 import torch
 
 from hops import _compat, _inductor
+from hops._body_hop.call import CALL_DESCRIPTION, call_body_hop
+from hops._body_hop.subgraph import named
 from hops._errors import hop_prefix
 
 
@@ -345,14 +347,10 @@ class _NamedBody:
         self.__name__ = name
 
 
-CALL_DESCRIPTION = "hops.call_description"
-
-
-def call_description(name: str, what: str, input_names: Sequence[str]) -> tuple:
-    """What a public function tells its HOP's variable about the call, passed after the spec
-    under Dynamo only (never a node arg): the user function's name, the call as eager's errors
-    name it (``"local_map(block)"``) and the name of each input (``"leaf 0"``)."""
-    return (CALL_DESCRIPTION, name, what, tuple(input_names))
+def is_call_description(value: Any) -> bool:
+    """Whether ``value`` is what ``call_body_hop`` passes after the spec under Dynamo (see
+    ``hops._body_hop.call.call_description``)."""
+    return type(value) is tuple and len(value) == 4 and value[0] == CALL_DESCRIPTION
 
 
 class _CallDescription:
@@ -367,9 +365,20 @@ def _call_description(spec_args: Sequence[Any]) -> _CallDescription | None:
         value = spec_args[-1].as_python_constant()
     except NotImplementedError:
         return None
-    if type(value) is tuple and len(value) == 4 and value[0] == CALL_DESCRIPTION:
-        return _CallDescription(value)
-    return None
+    return _CallDescription(value) if is_call_description(value) else None
+
+
+def replay_broken_call(hop: Any, body: Any, operands_and_spec: Sequence[Any]) -> Any:
+    """The call ``hop(body, *operands, spec, description)`` a public function made under
+    Dynamo (``call_body_hop``), run eagerly because Dynamo broke the graph at it: as the
+    public function would have run it, with Dynamo off inside (it would compile the frames
+    below and meet the same call again)."""
+    _, name, what, names = operands_and_spec[-1]
+    operands, spec = hop.split_args(operands_and_spec[:-1])
+    body = named(body, name)  # made in compiled code, where it kept its factory's name
+    return torch.compiler.disable(call_body_hop)(
+        hop, body, operands, spec, what=what, input_names=lambda i: names[i], user_function=body
+    )
 
 
 def _refuse_input_writes(body_gm: torch.fx.GraphModule, example_args: Sequence[Any], call: Any, what: str) -> list:

@@ -51,11 +51,10 @@ from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
-from hops import _compat, _inductor
+from hops import _compat, _dynamo, _inductor
 from hops._body_hop.autograd import AutogradPlan, HopFunction, needs_traced_autograd
 from hops._body_hop.body import at_boundary, distinct_tensors
 from hops._body_hop.body_record import is_known_functional, known_functional
-from hops._body_hop.call import call_body_hop
 from hops._body_hop.flat_body import FlatBody, OptionBodies, map_options, option_body
 from hops._body_hop.joint import is_tracing, trace_graph
 from hops._body_hop.subgraph import (
@@ -67,7 +66,6 @@ from hops._body_hop.subgraph import (
     refuse_untracked_xla_operands,
     symbolic_trace_call,
 )
-from hops._dynamo import CALL_DESCRIPTION
 from hops._errors import call_prefix, hop_prefix, public_name
 from hops._targets import load_device_rules
 
@@ -169,16 +167,9 @@ class BodyHOP(HigherOrderOperator):
         traced = symbolic_trace_call(self, (body, *operands_and_spec))
         if traced is not None:
             return traced
-        if operands_and_spec and _is_call_description(operands_and_spec[-1]):
-            # Dynamo broke the graph at a public function's call (see call_body_hop) and runs
-            # it eagerly: as the public function would have, with Dynamo off inside (it would
-            # compile the frames below and meet the same call again).
-            _, name, what, names = operands_and_spec[-1]
-            operands, spec = self.split_args(operands_and_spec[:-1])
-            body = named(body, name)  # made in compiled code, where it kept its factory's name
-            return torch.compiler.disable(call_body_hop)(
-                self, body, operands, spec, what=what, input_names=lambda i: names[i], user_function=body
-            )
+        if operands_and_spec and _dynamo.is_call_description(operands_and_spec[-1]):
+            # Dynamo broke the graph at a public function's call and runs it eagerly.
+            return _dynamo.replay_broken_call(self, body, operands_and_spec)
         operands, spec = self.split_args(operands_and_spec)
         load_device_rules(operands)
         if operands and isinstance(operands[-1], tuple):
@@ -372,6 +363,3 @@ def _same_constant(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     return isinstance(a, FakeTensor) or isinstance(b, FakeTensor) or bool(torch.equal(a, b))
 
-
-def _is_call_description(value: Any) -> bool:
-    return type(value) is tuple and len(value) == 4 and value[0] == CALL_DESCRIPTION

@@ -1,12 +1,14 @@
 """``call_body_hop``: how a public function calls a body HOP. It refuses operands on
 different devices (naming them by key path), inspects the body once on fake stand-ins
 (refusing writes into what it does not own) and, where a tracer or XLA needs them as
-inputs, lifts the tensors the body closes over."""
+inputs, lifts the tensors the body closes over. Under Dynamo it hands the HOP the call's
+description instead (``call_description``), which the HOP's Dynamo variable reads and
+with which a call Dynamo broke the graph at runs this again (``hops._dynamo``)."""
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -19,12 +21,35 @@ from hops._body_hop.body_record import body_record, known_functional, lifted_pla
 from hops._body_hop.caches import cached_per_trace
 from hops._body_hop.code_key import CodeKey
 from hops._body_hop.subgraph import body_name
-from hops._dynamo import call_description
 
-if TYPE_CHECKING:
-    from hops._body_hop.base import BodyHOP
+__all__ = [
+    "CALL_DESCRIPTION", "CalledHop", "DeviceMismatchError", "argument_names", "call_body_hop", "call_description",
+    "check_one_device",
+]
 
-__all__ = ["DeviceMismatchError", "argument_names", "call_body_hop", "check_one_device"]
+
+class CalledHop(Protocol):
+    """What ``call_body_hop`` needs of a HOP (``hops._body_hop.base.BodyHOP`` has it)."""
+
+    collectives_refusal: str | None
+
+    def __call__(self, body: Callable, *operands_and_spec: Any) -> Any: ...
+
+    def check(self, body: Callable, operands: Sequence[Any], spec: Any) -> None: ...
+
+    def body_inputs(self, operands: Sequence[Any], spec: Any) -> tuple: ...
+
+    def fold_lifted(self, operands: Sequence[Any], spec: Any, lifted: Sequence[Any]) -> tuple[list, Any]: ...
+
+
+CALL_DESCRIPTION = "hops.call_description"
+
+
+def call_description(name: str, what: str, input_names: Sequence[str]) -> tuple:
+    """What a public function tells its HOP's variable about the call, passed after the spec
+    under Dynamo only (never a node arg): the user function's name, the call as eager's errors
+    name it (``"local_map(block)"``) and the name of each input (``"leaf 0"``)."""
+    return (CALL_DESCRIPTION, name, what, tuple(input_names))
 
 
 def _refuse_untraced_closure(closed: Sequence[torch.Tensor], operands: Sequence[Any], what: str, user_function: Any) -> None:
@@ -74,7 +99,7 @@ def argument_names(args: Sequence[Any], kwargs: dict) -> list[str]:
 
 
 def call_body_hop(
-    hop: "BodyHOP",
+    hop: CalledHop,
     body: Callable,
     operands: Sequence[Any],
     spec: Any,
