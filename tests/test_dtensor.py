@@ -12,12 +12,7 @@ errors are tested in this process on a fake process group.
 from __future__ import annotations
 
 import copy
-import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections import Counter
 
 import pytest
@@ -41,16 +36,6 @@ MESH = Mesh.of(data=2, model=2)
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# What a worker must not inherit: torch_xla's runtime settings (the workers are CPU programs).
-XLA_ENV = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_USE_SPMD")
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Every rank's per-scenario results (spawned once; killed after ``TIMEOUT_SECONDS``).
@@ -58,39 +43,13 @@ def results(tmp_path_factory):
     While the ranks run the first scenarios, this process makes the examples' plans (tracing,
     solving) once for all of them (``dtensor_scenarios.write_plans``)."""
     from tests.helpers import dtensor_scenarios
+    from tests.helpers.ranks import run_ranks
 
     outdir = tmp_path_factory.mktemp("dtensor")
-    env = {k: v for k, v in os.environ.items() if k not in XLA_ENV and not k.startswith("XLA_")}
-    env.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD_SIZE), OMP_NUM_THREADS="1",
-        TORCH_DEVICE_BACKEND_AUTOLOAD="0",  # no out-of-tree device backend (torch_xla) loaded by `import torch`
-        **{dtensor_scenarios.PLANS_ENV: str(outdir)},
+    return run_ranks(
+        os.path.join(HERE, "helpers", "dtensor_scenarios.py"), [], outdir, world_size=WORLD_SIZE, timeout=TIMEOUT_SECONDS,
+        extra_env={dtensor_scenarios.PLANS_ENV: str(outdir)}, while_running=lambda: dtensor_scenarios.write_plans(str(outdir)),
     )
-    workers = []
-    for rank in range(WORLD_SIZE):
-        log = open(outdir / f"rank{rank}.log", "w")
-        worker_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-        command = [sys.executable, os.path.join(HERE, "helpers", "dtensor_scenarios.py"), str(outdir)]
-        workers.append((subprocess.Popen(command, env=worker_env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + TIMEOUT_SECONDS
-    try:
-        dtensor_scenarios.write_plans(str(outdir))
-        for process, _ in workers:
-            process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for process, log in workers:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            log.close()
-    by_rank = []
-    for rank in range(WORLD_SIZE):
-        path = outdir / f"rank{rank}.json"
-        log = (outdir / f"rank{rank}.log").read_text()[-3000:]
-        by_rank.append({"results": json.loads(path.read_text()) if path.exists() else {}, "log": log, "code": workers[rank][0].returncode})
-    return by_rank
 
 
 def scenario(results, name):

@@ -342,8 +342,6 @@ def test_solver_plan_runs_on_xla(name):
 # The solver's plans on 4 gloo processes: one spawn for every model (spawning is the cost).
 DTENSOR_MODELS = some("hf_llama_sdpa", "torchtitan_llama3")
 DTENSOR_TIMEOUT_SECONDS = 300
-# What a rank must not inherit: torch_xla's runtime settings (the ranks are CPU programs).
-XLA_ENV = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_USE_SPMD")
 
 
 def importable(name: str) -> bool:
@@ -359,15 +357,10 @@ def dtensor_runs(tmp_path_factory):
     """Each rank's outcome per model (``tests/helpers/real_models_dtensor.py``): 4 processes
     spawned once; while they start, this process makes each model's plan (``solved_plan``) and
     writes it with the plain model's loss and gradients for the ranks to compare with."""
-    import json
-    import socket
-    import subprocess
-    import sys
-    import time
-
     import torch.distributed as dist
 
     from tests.helpers import real_models_dtensor
+    from tests.helpers.ranks import run_ranks
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
@@ -375,19 +368,8 @@ def dtensor_runs(tmp_path_factory):
     if not names:
         pytest.skip("neither transformers nor torchtitan imports here; the 'test' extra installs them")
     outdir = tmp_path_factory.mktemp("real_models_dtensor")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in XLA_ENV and not k.startswith("XLA_")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="4", OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    workers = []
-    for rank in range(4):
-        log = open(outdir / f"rank{rank}.log", "w")
-        command = [sys.executable, real_models_dtensor.__file__, str(outdir), *names]
-        process = subprocess.Popen(command, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=log, stderr=subprocess.STDOUT)
-        workers.append((process, log))
-    deadline = time.monotonic() + DTENSOR_TIMEOUT_SECONDS
-    try:
+
+    def make_plans():
         for name in names:
 
             def make_plan(name=name):
@@ -396,24 +378,8 @@ def dtensor_runs(tmp_path_factory):
                 return dict(plan, loss=loss, grads=[grads[n] for n in plan["names"]])
 
             real_models_dtensor.write_plan(str(outdir), name, make_plan)
-        for process, _ in workers:
-            process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for process, log in workers:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            log.close()
-    runs = []
-    for rank, (process, _) in enumerate(workers):
-        path = outdir / f"rank{rank}.json"
-        runs.append(
-            dict(results=json.loads(path.read_text()) if path.exists() else {}, code=process.returncode,
-                 log=(outdir / f"rank{rank}.log").read_text()[-3000:])
-        )
-    return runs
+
+    return run_ranks(real_models_dtensor.__file__, names, outdir, timeout=DTENSOR_TIMEOUT_SECONDS, while_running=make_plans)
 
 
 @pytest.mark.parametrize("name", DTENSOR_MODELS)
