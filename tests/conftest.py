@@ -16,6 +16,13 @@ os.environ.setdefault("CPU_NUM_DEVICES", "4")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One process per core already (setup.cfg runs the tests on pytest-xdist's workers): a
+    # worker's own thread pools (ATen's intra-op threads, inductor's compile workers) would only
+    # contend for the same cores; the tests' tensors are small. Measured: ~10% less wall time.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

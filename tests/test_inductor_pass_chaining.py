@@ -69,20 +69,13 @@ def test_import_leaves_the_post_grad_pass_as_the_user_set_it():
     )
 
 
-def test_import_writes_no_post_grad_pass():
-    run(
-        """
-        import hops
-        assert config.post_grad_custom_pre_pass is None, config.post_grad_custom_pre_pass
-        """
-    )
-
-
 @pytest.mark.parametrize("when", ["after_import", "after_first_compile"])
 def test_user_pass_set_later_runs_and_hops_still_compile(when):
+    # The import writes no pass (a compile holding a HOP may install one, chained with the user's).
     run(
         f"""
         import hops
+        assert config.post_grad_custom_pre_pass is None, config.post_grad_custom_pre_pass
         if "{when}" == "after_first_compile":
             compile_and_check(hops, "first")
         config.post_grad_custom_pre_pass = user_pass("later")
@@ -130,27 +123,14 @@ def changed(before, after):
 """
 
 
-def test_import_replaces_no_dynamo_function_and_writes_no_setting():
-    # The Dynamo HOP-variable table gains this package's entries (a registration), but no
-    # function of Dynamo's frame compiler, tracer or variables is replaced (on torch 2.9, one
-    # method its Dynamo lacks is added: _compat.IMPORT_PATCHES says so), and no setting of
-    # Dynamo, AOTAutograd or inductor is written.
-    subprocess_check(
-        """
-        before_functions, before_settings = functions(), settings()
-        import hops
-        after_settings = settings()
-        from hops._compat import IMPORT_PATCHES  # nothing from torch 2.13 on
-        assert changed(before_functions, functions()) == sorted(IMPORT_PATCHES), changed(before_functions, functions())
-        for module, values in before_settings.items():
-            assert not changed(values, after_settings[module]), (module, changed(values, after_settings[module]))
-        """
-    )
-
-
-def test_compiling_every_sample_replaces_no_dynamo_function_and_keeps_the_users_pass():
-    # After a program holding each HOP compiled, Dynamo's functions are still torch's and a
-    # user's post-grad pass, set before the import and replaced after it, ran in each compile.
+def test_import_and_compiling_every_sample_replace_no_dynamo_function_and_keep_the_users_pass():
+    # Importing the package: the Dynamo HOP-variable table gains this package's entries (a
+    # registration), but no function of Dynamo's frame compiler, tracer or variables is
+    # replaced (on torch 2.9, one method its Dynamo lacks is added: _compat.IMPORT_PATCHES
+    # says so), and no setting of Dynamo, AOTAutograd or inductor is written (the user's pass
+    # is theirs). After a program holding each HOP compiled, Dynamo's functions are still
+    # torch's and a user's post-grad pass, set before the import and replaced after it, ran
+    # in each compile.
     subprocess_check(
         """
         runs = {}
@@ -159,8 +139,13 @@ def test_compiling_every_sample_replaces_no_dynamo_function_and_keeps_the_users_
                 runs[name] = runs.get(name, 0) + 1
             return run
         torch._inductor.config.post_grad_custom_pre_pass = user_pass("before")
-        before_functions = functions()
+        before_functions, before_settings = functions(), settings()
         import hops
+        after_settings = settings()
+        from hops._compat import IMPORT_PATCHES  # nothing from torch 2.13 on
+        assert changed(before_functions, functions()) == sorted(IMPORT_PATCHES), changed(before_functions, functions())
+        for module, values in before_settings.items():
+            assert not changed(values, after_settings[module]), (module, changed(values, after_settings[module]))
         from tests.helpers.hop_db import SAMPLES, forward_backward, fresh
         for index, sample in enumerate(SAMPLES):
             if index == 1:
@@ -169,7 +154,6 @@ def test_compiling_every_sample_replaces_no_dynamo_function_and_keeps_the_users_
             inputs = sample.inputs()
             got, _ = forward_backward(torch.compile(sample.program, fullgraph=True), fresh(inputs))
             torch.testing.assert_close(got, forward_backward(sample.program, fresh(inputs))[0], atol=1e-5, rtol=1e-4)
-        from hops._compat import IMPORT_PATCHES  # nothing from torch 2.13 on
         assert changed(before_functions, functions()) == sorted(IMPORT_PATCHES), changed(before_functions, functions())
         assert runs.get("before", 0) >= 2 and runs.get("after", 0) >= 2 * (len(SAMPLES) - 1), runs
         """

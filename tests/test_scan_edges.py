@@ -220,7 +220,7 @@ def _check_zero_length(program, frontend):
 
 
 @pytest.mark.parametrize("frontend", ["eager", "real", "fake", "symbolic", "aot"])
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(program=zero_length_programs())
 def test_zero_length_scan_is_init_and_empty_ys(frontend, program):
     """Any valid program's scan of length 0 returns its init and empty ys shaped as one step
@@ -229,7 +229,7 @@ def test_zero_length_scan_is_init_and_empty_ys(frontend, program):
     _check_zero_length(program, frontend)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(program=zero_length_programs())
 def test_zero_length_scan_under_torch_compile(program):
     torch._dynamo.reset()
