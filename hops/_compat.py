@@ -45,7 +45,7 @@ def register_fx_global(name: str, import_str: str, obj: Any) -> None:
 
     Spec values print as ``hops.Shard(0)``; FX codegen emits ``repr`` of unknown constants,
     so ``hops`` must be bound when the generated code runs, is deep-copied or pickled.
-    ``_register_custom_builtin`` is private but has the same signature in 2.9 and 2.13.
+    ``_register_custom_builtin`` is private but has the same signature in 2.9, 2.13 and 2.15.
     """
     from torch.fx.graph import _register_custom_builtin
 
@@ -56,7 +56,7 @@ def register_dynamo_hop_variable(hop: torch._ops.HigherOrderOperator, variable_c
     """Tell Dynamo which VariableTracker traces ``hop``.
 
     Dynamo looks HOPs up by ``__name__`` in a private table and graph-breaks on unknown ones;
-    there is no public out-of-tree hook in 2.9 or 2.13.
+    there is no public out-of-tree hook in 2.9, 2.13 or 2.15.
     """
     from torch._dynamo.variables import higher_order_ops
 
@@ -236,7 +236,7 @@ def redirect_checkpoint_modes(hop: Any) -> None:
 def registered_hop(name: str) -> Any:
     """The HigherOrderOperator registered under ``name`` in torch's global HOP registry, or None.
 
-    The registry (``torch._ops._higher_order_ops``) is private, the same dict in 2.9 and 2.13;
+    The registry (``torch._ops._higher_order_ops``) is private, the same dict in 2.9, 2.13 and 2.15;
     a new HOP silently replaces an old one of the same name, so ``hops.kernel`` checks it first.
     """
     return torch._ops._higher_order_ops.get(name)

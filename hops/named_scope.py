@@ -10,17 +10,18 @@ the region is its body. What the name is for:
 - ``passes.lower_to_xla`` runs the body inside torch_xla's op-name scope, so the HLO ops of
   the region carry ``op_name="attention.<n>/..."`` metadata (what profiles group by);
   ``passes.inline_hops`` replaces the node by its body;
-- the backward is a region of its own named ``attention/bwd``.
+- the backward is a region of its own: scope ``attention/bwd``, its body (the function's
+  backward) the subgraph ``attention_bwd_body_0``.
 
 Rules:
 - eager: the body (on XLA tensors, inside the op-name scope);
 - fake: the body on fake tensors;
 - functionalization / proxy: the body must not mutate or alias its inputs (refused, naming
   the function and argument); it is traced into a subgraph named after the user function;
-- autograd: the body's joint is traced once and split (``hops._body_hop.joint``): the forward region
-  also returns the residuals its backward reads, and the backward region
-  (``ScopeSpec(name + '/bwd')``) takes primals, residuals and cotangents, so nothing is
-  recomputed. Outside tracing the body simply runs under autograd.
+- autograd: the body's joint is traced once and split (``hops._body_hop.joint``): the
+  forward region also returns the residuals its backward reads, and the backward region
+  (``ScopeSpec(name + '/bwd')``, body ``<function>_bwd``) takes primals, residuals and
+  cotangents, so nothing is recomputed. Outside tracing the body simply runs under autograd.
 """
 
 from __future__ import annotations
@@ -282,9 +283,9 @@ def _proxy(mode: ProxyTorchDispatchMode, body: Callable, *inputs_and_spec: Any):
 # --------------------------------------------------------------------------- autograd
 #
 # Eager: the body runs under autograd (its ops record their own backward). Traced: the joint
-# is split (hops._body_hop.base.RegionPlan): the forward region also returns the residuals its
-# backward reads, and the backward region, named ``<name>/bwd``, takes primals, residuals and
-# cotangents, so nothing is recomputed.
+# is split (hops._body_hop.region.RegionPlan): the forward region also returns the residuals
+# its backward reads, and the backward region (scope ``<name>/bwd``, body ``<function>_bwd``)
+# takes primals, residuals and cotangents, so nothing is recomputed.
 
 
 @named_scope_hop.py_impl(DispatchKey.Autograd)  # always: a closed-over tensor may need grad when no operand does
