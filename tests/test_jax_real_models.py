@@ -63,3 +63,22 @@ def test_solver_plan_of_the_scanned_layers_runs_through_the_jax_target(name, sha
     text = forward_jax.lower(*arrays).as_text()
     assert text.count("sdy.sharding_constraint") >= 10, "the plan's layouts are constraints of the program"
     assert text.count("sdy.manual_computation(") == 1 and text.count("stablehlo.while") == 1
+
+
+@pytest.mark.parametrize("name", some("hf_llama_sdpa"))
+def test_scanned_layers_compile_with_the_hops_jax_backend(name):
+    """``torch.compile(backend="hops_jax")``, the loss inside the compiled function: AOTAutograd's
+    forward and backward run as JAX programs with the plain model's loss and gradients. HF
+    Llama's SDPA passes grouped key/value heads to the CPU kernel as they are."""
+    from hops import _compat
+    from tests.test_real_models import LossOf
+
+    real = build(name)
+    (ids, targets), (expected_loss, expected_grads) = reference(real)
+    scanned = rm.ScannedDecoder(real)
+    torch._dynamo.reset()
+    compiled = torch.compile(LossOf(scanned), backend="hops_jax", fullgraph=_compat.DYNAMO_SPECULATES_FUNCTIONAL_CALL)  # 2.9: a graph break, numbers checked
+    loss = compiled(ids, targets, *rm.layer_tensors(real))
+    loss.backward()
+    assert_same(loss.detach(), scanned.grads_by_plain_name(), expected_loss, expected_grads, rtol=1e-4, atol=1e-5)
+

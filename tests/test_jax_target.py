@@ -26,7 +26,7 @@ ACCELERATOR_BEFORE_JAX = torch.accelerator.current_accelerator()
 jax = pytest.importorskip("jax", reason="target 'jax' needs jax (the 'jax' extra)")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import hops  # noqa: E402
@@ -275,6 +275,33 @@ class TestAtenTable(TestCase):
         x, y = torch.randn(3, 3, generator=g), torch.randn(3, 3, generator=g)
         graph = make_fx(joint(program), tracing_mode="fake")(x.requires_grad_(), y.requires_grad_())
         close(self, lower_to_jax(graph)(*arrays((x, y))), joint(program)(*fresh((x, y))), f"program {choices}", rtol=1e-4)
+
+    @settings(max_examples=3, deadline=None)
+    @given(group=st.sampled_from([1, 2, 3]), is_causal=st.booleans(), masked=st.booleans(), scale=st.sampled_from([None, 0.3]), seed=st.integers(0, 2**16))
+    @example(group=2, is_causal=True, masked=False, scale=None, seed=0)  # HF Llama's grouped heads, always
+    def test_cpu_flash_attention_rules_equal_the_cpu_kernels(self, group, is_causal, masked, scale, seed):
+        # What real models' graphs traced on CPU hold, grouped-query attention (fewer key/value
+        # heads, as HF Llama's SDPA passes them) included: outputs, logsumexp and gradients.
+        from passes.jax.aten import ATEN
+
+        aten = torch.ops.aten
+        g = torch.Generator().manual_seed(seed)
+        heads, length, source = 2, 3, 4  # fixed shapes: each new shape compiles every jax op again
+        q = torch.randn(2, heads * group, length, 4, generator=g)
+        k, v = (torch.randn(2, heads, source, 4, generator=g) for _ in range(2))
+        options = dict(attn_mask=torch.randn(length, source, generator=g) if masked else None, scale=scale)
+        is_causal = is_causal and not masked and length <= source  # the kernel's causal mask is top-left
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, **options)
+        grad_out = torch.randn(out.shape, generator=g)
+        expected = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, is_causal, **options)
+        jax_options = dict(options, attn_mask=None if options["attn_mask"] is None else jnp.asarray(options["attn_mask"].numpy()))
+        q_, k_, v_, grad_out_ = (jnp.asarray(t.numpy()) for t in (q, k, v, grad_out))
+        got = ATEN[aten._scaled_dot_product_flash_attention_for_cpu](q_, k_, v_, 0.0, is_causal, **jax_options)
+        got_grads = ATEN[aten._scaled_dot_product_flash_attention_for_cpu_backward](
+            grad_out_, q_, k_, v_, got[0], got[1], 0.0, is_causal, **jax_options
+        )
+        for name, a, b in zip(("output", "logsumexp", "grad query", "grad key", "grad value"), (*got, *got_grads), (out, lse, *expected)):
+            torch.testing.assert_close(torch.from_numpy(np.asarray(a)), b, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
     def test_an_op_without_a_rule_is_refused_naming_it_before_anything_runs(self):
         graph = make_fx(lambda x: torch.cumsum(x, 0).sin())(torch.randn(3))

@@ -27,6 +27,7 @@ aten = torch.ops.aten
 @given(
     batch=st.integers(1, 2),
     heads=st.integers(1, 3),
+    group=st.sampled_from([1, 1, 2, 3]),  # query heads per key head (grouped-query attention)
     length=st.integers(1, 6),
     source=st.integers(1, 6),
     dim=st.sampled_from([1, 4, 8]),
@@ -35,9 +36,9 @@ aten = torch.ops.aten
     scale=st.sampled_from([None, 0.3]),
     seed=st.integers(0, 2**16),
 )
-def test_portable_flash_attention_equals_the_cpu_kernels(batch, heads, length, source, dim, is_causal, mask, scale, seed):
+def test_portable_flash_attention_equals_the_cpu_kernels(batch, heads, group, length, source, dim, is_causal, mask, scale, seed):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, length, dim, generator=g, dtype=torch.double)
+    q = torch.randn(batch, heads * group, length, dim, generator=g, dtype=torch.double)
     k, v = (torch.randn(batch, heads, source, dim, generator=g, dtype=torch.double) for _ in range(2))
     attn_mask = None
     if mask == "masking":  # the CPU kernel takes a mask of the query's dtype only

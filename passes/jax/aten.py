@@ -685,6 +685,10 @@ def _nll_loss_backward(grad_output, x, target, weight, reduction, ignore_index, 
 
 
 def _attention(query, key, value, is_causal, attn_mask, scale):
+    # Grouped-query attention (fewer key/value heads, which the CPU kernel takes as they are):
+    # query head h reads key/value head h // group; jax.vjp sums the group's gradients back.
+    group = query.shape[-3] // key.shape[-3]
+    key, value = (jnp().repeat(t, group, axis=-3) for t in (key, value)) if group > 1 else (key, value)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     scores = jnp().matmul(query, jnp().swapaxes(key, -1, -2)) * scale
     if is_causal:

@@ -18,6 +18,19 @@ import torch.fx as fx
 aten = torch.ops.aten
 
 
+def _query_heads(t, query):
+    """``t`` (a key or value) with one head per query head: with fewer heads (grouped-query
+    attention, which the CPU kernel takes as it is), query head ``h`` reads head ``h // group``."""
+    heads = query.shape[-3]
+    return t if t.shape[-3] == heads else t.repeat_interleave(heads // t.shape[-3], dim=-3)
+
+
+def _fold_heads(grad, like):
+    """A gradient taken per query head, summed back onto ``like``'s heads (``_query_heads``'s adjoint)."""
+    heads = like.shape[-3]
+    return grad if grad.shape[-3] == heads else grad.unflatten(-3, (heads, -1)).sum(-3)
+
+
 def _scores(query, key, is_causal, attn_mask, scale):
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     scores = torch.matmul(query, key.transpose(-2, -1)) * scale
@@ -55,9 +68,9 @@ def flash_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_m
     """``_scaled_dot_product_flash_attention_for_cpu``: ``(output, logsumexp)``, the output laid
     out as the CPU kernel lays it out."""
     _check_no_dropout(dropout_p)
-    scores, _ = _scores(query, key, is_causal, attn_mask, scale)
+    scores, _ = _scores(query, _query_heads(key, query), is_causal, attn_mask, scale)
     logsumexp = torch.logsumexp(scores, dim=-1)
-    output = torch.matmul(torch.exp(scores - logsumexp.unsqueeze(-1)), value)
+    output = torch.matmul(torch.exp(scores - logsumexp.unsqueeze(-1)), _query_heads(value, query))
     strides = _kernel_strides(query, key, value, is_causal, attn_mask, scale)
     if output.stride() != strides:
         output = torch.empty_strided(output.shape, strides, dtype=output.dtype, device=output.device).copy_(output)
@@ -68,15 +81,16 @@ def flash_attention_backward(grad_out, query, key, value, out, logsumexp, dropou
     """``_scaled_dot_product_flash_attention_for_cpu_backward``: ``(grad_query, grad_key,
     grad_value)`` from the probabilities recomputed with the saved ``logsumexp``."""
     _check_no_dropout(dropout_p)
-    scores, scale = _scores(query, key, is_causal, attn_mask, scale)
+    keys, values = _query_heads(key, query), _query_heads(value, query)
+    scores, scale = _scores(query, keys, is_causal, attn_mask, scale)
     probabilities = torch.exp(scores - logsumexp.unsqueeze(-1))
     grad_value = torch.matmul(probabilities.transpose(-2, -1), grad_out)
-    grad_probabilities = torch.matmul(grad_out, value.transpose(-2, -1))
+    grad_probabilities = torch.matmul(grad_out, values.transpose(-2, -1))
     row = (grad_out * out).sum(dim=-1, keepdim=True)
     grad_scores = probabilities * (grad_probabilities - row)
-    grad_query = torch.matmul(grad_scores, key) * scale
+    grad_query = torch.matmul(grad_scores, keys) * scale
     grad_key = torch.matmul(grad_scores.transpose(-2, -1), query) * scale
-    return grad_query, grad_key, grad_value
+    return grad_query, _fold_heads(grad_key, key), _fold_heads(grad_value, value)
 
 
 PORTABLE: dict[Any, Callable[..., Any]] = {
