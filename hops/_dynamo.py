@@ -163,138 +163,6 @@ def register_plain_hop(hop: Any) -> None:
     _compat.register_dynamo_hop_variable(hop, variable_cls)
 
 
-def register_subgraph_hop(hop: Any) -> None:
-    """Register with Dynamo a HOP called as ``hop(body, *tensor_args, *specs)``.
-
-    ``body`` is a Python callable taking the tensor args positionally and returning a tensor
-    or a tuple/list of tensors; ``specs`` are the trailing non-tensor args (spec values),
-    baked into the node as constants and guarded like a plain HOP's.
-
-    Dynamo traces ``body`` into a GraphModule and emits ONE node::
-
-        hop(body_gm, *tensor_args, lifted, *specs)
-
-    ``body_gm`` (a ``get_attr``) returns the flat leaves of what ``body`` returns and takes
-    ``(*tensor_args, *lifted)``; the call returns the HOP's flat results in the structure
-    ``body`` returned (public functions use them as they are under Dynamo). ``lifted`` is always a tuple, possibly empty: the tensors
-    (and symbolic ints) the body reads from its closure or globals, in the order of the
-    body's trailing inputs. The HOP's rules must accept this node form as well as the user
-    form without ``lifted``.
-
-    ``hop.body_inputs(args, spec)`` (``args``: one fake tensor per tensor arg; see
-    ``hops._body_hop.base.BodyHOP``) returns the inputs the body really sees (e.g. local shards): the
-    body is speculated on their shapes. The node's output
-    metadata comes from the HOP's own FakeTensorMode rule, run on the node, never from the
-    body's outputs.
-    """
-    base = _compat.dynamo_hop_variable_base()
-
-    def _call_function(self: Any, tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
-        from torch._dynamo.variables.builder import wrap_fx_proxy
-        from torch._dynamo.variables.higher_order_ops import make_attr
-        from torch._dynamo.variables.lazy import LazyVariableTracker
-        from torch._dynamo.variables.tensor import TensorVariable
-
-        args, kwargs = LazyVariableTracker.realize_all((args, kwargs))
-        if kwargs or not args or isinstance(args[0], TensorVariable):
-            _compat.dynamo_graph_break(
-                gb_type=f"{hop.__name__}: unsupported call",
-                context=f"args: {args}, kwargs: {kwargs}",
-                explanation=f"{hop.__name__} takes (body, *tensors, *specs), positionally",
-            )
-        body, rest = args[0], args[1:]
-        num_tensors = 0
-        while num_tensors < len(rest) and isinstance(rest[num_tensors], TensorVariable):
-            num_tensors += 1
-        tensor_args, spec_args = rest[:num_tensors], rest[num_tensors:]
-        call = _call_description(spec_args)
-        if call is not None:
-            spec_args = spec_args[:-1]
-        specs = tuple(
-            _constant_or_proxy(tx, a, hop.__name__, num_tensors + 1 + i)
-            for i, a in enumerate(spec_args)
-        )
-        if any(isinstance(s, torch.fx.Proxy) for s in specs):
-            _compat.dynamo_graph_break(
-                gb_type=f"{hop.__name__}: tensor after a spec argument",
-                context=f"args: {args}",
-                explanation=f"{hop.__name__} takes its tensors before its spec arguments",
-            )
-
-        fake_args = tuple(vt.as_proxy().node.meta["example_value"] for vt in tensor_args)
-        # The checks eager makes before running the body, with eager's messages.
-        named = _NamedBody(call.name if call is not None else _user_function_name(tx, body))
-        hop.split_args((*fake_args, *specs))
-        hop.check(named, fake_args, specs[-1])
-        spec = specs[-1]
-        count, active = hop.num_options(spec), hop.active_option(spec)
-        # One subgraph per option (local_map's alternatives), each speculated on the inputs the
-        # body sees under that option: shapes are constants of a Dynamo graph, so a body traced
-        # on one option's local shapes would be wrong for another's.
-        graphs, lifted_per_option, treespecs, steps = [], [], [], []
-        for index in range(count):
-            option = spec if count == 1 else hop.option_spec(spec, index)
-            example_args = _body_example_args(tx, hop, tensor_args, (*specs[:-1], option))
-            # Speculate on graph-free copies of the args that carry the body's example values:
-            # "manual" inputs take their placeholder metadata from these, so the body sees the
-            # shapes it will really get, and the outer graph and its tensors are left untouched.
-            body_inputs = [
-                _graph_free_tensor_variable(vt.as_proxy().node.name, example)
-                for vt, example in zip(tensor_args, example_args)
-            ]
-            try:
-                body_graph, lifted_freevars, treespec = _compat.dynamo_speculate_subgraph(tx, body, body_inputs, hop)
-            except Exception as error:
-                if index == active or _compat.is_dynamo_graph_break(error):
-                    raise  # (a graph break: Dynamo cannot trace the body at all)
-                # The body fails on this alternative's local shapes: eager's error for that.
-                raise hop.option_failure(named.__name__, spec, index, _body_failure(tx, error)) from error
-            body_gm = torch.fx.GraphModule(tx.output.nn_modules, body_graph)
-            with tx.fake_mode:
-                outputs = _refuse_input_writes(body_gm, example_args, call, hop_prefix(hop, named))
-                hop.check_outputs(named, outputs, fake_args, option)
-            graphs.append(body_gm)
-            lifted_per_option.append(lifted_freevars)
-            treespecs.append(treespec)
-            steps.append(outputs)
-        with tx.fake_mode:
-            if count > 1:
-                hop.check_options(named.__name__, steps, fake_args, spec)
-            # The node's fake rule, here: what it refuses is raised unwrapped.
-            hop.outputs_from_body(steps[active], fake_args, spec)
-        lifted = _same_lifted_inputs(graphs, lifted_per_option, len(tensor_args))
-        prefix = _subgraph_name(tx, body)
-        names = [
-            tx.output.install_subgraph(prefix if count == 1 else prefix.removesuffix("body") + f"alternative{index}_body", gm)
-            for index, gm in enumerate(graphs)
-        ]
-        bodies = make_attr(tx, names[0]) if count == 1 else tuple(make_attr(tx, n) for n in names)
-        node_args = (
-            bodies,
-            *(vt.as_proxy() for vt in tensor_args),
-            tuple(lifted),
-            *specs,
-        )
-        treespec = treespecs[active]
-        _inductor.ensure_lowering_pass()
-        proxy = tx.output.create_proxy("call_function", hop, node_args, {})
-        # No example value given: Dynamo runs the node under its FakeTensorMode, i.e. the
-        # HOP's own fake rule decides the output shapes. The flat results come back in the
-        # structure the body returned.
-        return _compat.dynamo_unflatten(tx, wrap_fx_proxy(tx=tx, proxy=proxy), treespec)
-
-    variable_cls = type(
-        f"{type(hop).__name__}Variable",
-        (base,),
-        {
-            "_HOP_NAME": f"torch.ops.higher_order.{hop.__name__}",
-            "_ALLOW_FALLBACK_TO_EAGER": True,
-            "_call_function": _raising_typed_errors(_call_function),
-        },
-    )
-    _compat.register_dynamo_hop_variable(hop, variable_cls)
-
-
 def _body_failure(tx: Any, error: BaseException) -> BaseException:
     """What the body raised while Dynamo traced it, as eager would see it: the body's own
     exception, or the error a fake tensor op raised (of which Dynamo keeps only the text)."""
@@ -583,3 +451,185 @@ def _wrapped_user_function(tx: Any, body: Any) -> Any:
         return tx.output.side_effects.load_cell(closure.items[code.co_freevars.index("fn")])
     except Exception:  # a closure Dynamo keeps in another form: keep the wrapper's name
         return None
+
+
+# --------------------------------------------------------------------------- subgraph HOPs
+
+
+def register_subgraph_hop(hop: Any) -> None:
+    """Register with Dynamo a HOP called as ``hop(body, *tensor_args, *specs)``: its variable
+    is a ``SubgraphHopVariable`` on Dynamo's base class for HOP variables."""
+    variable_cls = type(
+        f"{type(hop).__name__}Variable",
+        (SubgraphHopVariable, _compat.dynamo_hop_variable_base()),
+        {"hop": hop, "_HOP_NAME": f"torch.ops.higher_order.{hop.__name__}", "_ALLOW_FALLBACK_TO_EAGER": True},
+    )
+    _compat.register_dynamo_hop_variable(hop, variable_cls)
+
+
+@dataclasses.dataclass
+class _SubgraphCall:
+    """A body HOP's call as its variable sees it (``SubgraphHopVariable.classify``)."""
+
+    body: Any  # the body's VariableTracker
+    tensor_args: list  # TensorVariables
+    specs: tuple  # Python values; the last is the HOP's spec
+    description: _CallDescription | None  # what a public function said about the call
+    fake_args: tuple  # the tensor args' example values
+    named: _NamedBody  # the body as the HOP's checks name it
+
+    @property
+    def spec(self) -> Any:
+        return self.specs[-1]
+
+
+@dataclasses.dataclass
+class _SpeculatedBody:
+    """One option's body, traced (``SubgraphHopVariable.speculate``)."""
+
+    graph: torch.fx.GraphModule
+    lifted: Any  # outer proxy -> inner placeholder, in input order
+    treespec: Any  # the structure of what the body returns
+    outputs: list  # its flat (fake) outputs
+
+
+class SubgraphHopVariable:
+    """The Dynamo variable of a HOP called as ``hop(body, *tensor_args, *specs)`` (a
+    ``hops._body_hop.base.BodyHOP``): ``register_subgraph_hop`` makes one class per HOP, of
+    this one and Dynamo's ``TorchHigherOrderOperatorVariable`` (which calls
+    ``_call_function``), with ``hop`` set.
+
+    ``body`` is a Python callable taking the tensor args positionally and returning a tensor
+    or a tuple/list of tensors; ``specs`` are the trailing non-tensor args (spec values),
+    baked into the node as constants and guarded like a plain HOP's.
+
+    Dynamo traces ``body`` into a GraphModule and emits ONE node::
+
+        hop(body_gm, *tensor_args, lifted, *specs)
+
+    ``body_gm`` (a ``get_attr``) returns the flat leaves of what ``body`` returns and takes
+    ``(*tensor_args, *lifted)``; the call returns the HOP's flat results in the structure
+    ``body`` returned (public functions use them as they are under Dynamo). ``lifted`` is
+    always a tuple, possibly empty: the tensors (and symbolic ints) the body reads from its
+    closure or globals, in the order of the body's trailing inputs. The HOP's rules must
+    accept this node form as well as the user form without ``lifted``.
+
+    ``hop.body_inputs(args, spec)`` (``args``: one fake tensor per tensor arg) returns the
+    inputs the body really sees (e.g. local shards): the body is speculated on their shapes.
+    The node's output metadata comes from the HOP's own FakeTensorMode rule, run on the
+    node, never from the body's outputs.
+
+    A call is three steps: ``classify`` the arguments (and make the checks eager makes
+    before running the body), ``speculate`` the body once per option of the spec, and
+    ``install`` the bodies and the node.
+    """
+
+    hop: Any = None
+
+    @_raising_typed_errors
+    def _call_function(self, tx: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        call = self.classify(tx, args, kwargs)
+        count, active = self.hop.num_options(call.spec), self.hop.active_option(call.spec)
+        # One subgraph per option (local_map's alternatives), each speculated on the inputs the
+        # body sees under that option: shapes are constants of a Dynamo graph, so a body traced
+        # on one option's local shapes would be wrong for another's.
+        bodies = [self.speculate(tx, call, index, active, count) for index in range(count)]
+        with tx.fake_mode:
+            if count > 1:
+                self.hop.check_options(call.named.__name__, [b.outputs for b in bodies], call.fake_args, call.spec)
+            # The node's fake rule, here: what it refuses is raised unwrapped.
+            self.hop.outputs_from_body(bodies[active].outputs, call.fake_args, call.spec)
+        return self.install(tx, call, bodies, active)
+
+    def classify(self, tx: Any, args: list[Any], kwargs: dict[str, Any]) -> _SubgraphCall:
+        """The body, the tensor args, the specs (as constants) and the public function's
+        description of the call; then the checks eager makes before running the body, with
+        eager's messages."""
+        from torch._dynamo.variables.lazy import LazyVariableTracker
+        from torch._dynamo.variables.tensor import TensorVariable
+
+        hop = self.hop
+        args, kwargs = LazyVariableTracker.realize_all((args, kwargs))
+        if kwargs or not args or isinstance(args[0], TensorVariable):
+            _compat.dynamo_graph_break(
+                gb_type=f"{hop.__name__}: unsupported call",
+                context=f"args: {args}, kwargs: {kwargs}",
+                explanation=f"{hop.__name__} takes (body, *tensors, *specs), positionally",
+            )
+        body, rest = args[0], args[1:]
+        num_tensors = 0
+        while num_tensors < len(rest) and isinstance(rest[num_tensors], TensorVariable):
+            num_tensors += 1
+        tensor_args, spec_args = rest[:num_tensors], rest[num_tensors:]
+        description = _call_description(spec_args)
+        if description is not None:
+            spec_args = spec_args[:-1]
+        specs = tuple(
+            _constant_or_proxy(tx, a, hop.__name__, num_tensors + 1 + i)
+            for i, a in enumerate(spec_args)
+        )
+        if any(isinstance(s, torch.fx.Proxy) for s in specs):
+            _compat.dynamo_graph_break(
+                gb_type=f"{hop.__name__}: tensor after a spec argument",
+                context=f"args: {args}",
+                explanation=f"{hop.__name__} takes its tensors before its spec arguments",
+            )
+
+        fake_args = tuple(vt.as_proxy().node.meta["example_value"] for vt in tensor_args)
+        named = _NamedBody(description.name if description is not None else _user_function_name(tx, body))
+        hop.split_args((*fake_args, *specs))
+        hop.check(named, fake_args, specs[-1])
+        return _SubgraphCall(body, list(tensor_args), specs, description, fake_args, named)
+
+    def speculate(self, tx: Any, call: _SubgraphCall, index: int, active: int, count: int) -> _SpeculatedBody:
+        """The body traced by Dynamo on what it sees under option ``index`` of ``count``; its
+        outputs checked as eager checks them."""
+        hop = self.hop
+        option = call.spec if count == 1 else hop.option_spec(call.spec, index)
+        example_args = _body_example_args(tx, hop, call.tensor_args, (*call.specs[:-1], option))
+        # Speculate on graph-free copies of the args that carry the body's example values:
+        # "manual" inputs take their placeholder metadata from these, so the body sees the
+        # shapes it will really get, and the outer graph and its tensors are left untouched.
+        body_inputs = [
+            _graph_free_tensor_variable(vt.as_proxy().node.name, example)
+            for vt, example in zip(call.tensor_args, example_args)
+        ]
+        try:
+            body_graph, lifted, treespec = _compat.dynamo_speculate_subgraph(tx, call.body, body_inputs, hop)
+        except Exception as error:
+            if index == active or _compat.is_dynamo_graph_break(error):
+                raise  # (a graph break: Dynamo cannot trace the body at all)
+            # The body fails on this alternative's local shapes: eager's error for that.
+            raise hop.option_failure(call.named.__name__, call.spec, index, _body_failure(tx, error)) from error
+        body_gm = torch.fx.GraphModule(tx.output.nn_modules, body_graph)
+        with tx.fake_mode:
+            outputs = _refuse_input_writes(body_gm, example_args, call.description, hop_prefix(hop, call.named))
+            hop.check_outputs(call.named, outputs, call.fake_args, option)
+        return _SpeculatedBody(body_gm, lifted, treespec, outputs)
+
+    def install(self, tx: Any, call: _SubgraphCall, bodies: list[_SpeculatedBody], active: int) -> Any:
+        """The bodies as subgraphs of the output graph and the HOP's node calling them; the
+        node's flat results in the structure the active body returned."""
+        from torch._dynamo.variables.builder import wrap_fx_proxy
+        from torch._dynamo.variables.higher_order_ops import make_attr
+
+        graphs = [b.graph for b in bodies]
+        lifted = _same_lifted_inputs(graphs, [b.lifted for b in bodies], len(call.tensor_args))
+        prefix = _subgraph_name(tx, call.body)
+        names = [
+            tx.output.install_subgraph(prefix if len(graphs) == 1 else prefix.removesuffix("body") + f"alternative{index}_body", gm)
+            for index, gm in enumerate(graphs)
+        ]
+        subgraphs = make_attr(tx, names[0]) if len(graphs) == 1 else tuple(make_attr(tx, n) for n in names)
+        node_args = (
+            subgraphs,
+            *(vt.as_proxy() for vt in call.tensor_args),
+            tuple(lifted),
+            *call.specs,
+        )
+        _inductor.ensure_lowering_pass()
+        proxy = tx.output.create_proxy("call_function", self.hop, node_args, {})
+        # No example value given: Dynamo runs the node under its FakeTensorMode, i.e. the
+        # HOP's own fake rule decides the output shapes. The flat results come back in the
+        # structure the body returned.
+        return _compat.dynamo_unflatten(tx, wrap_fx_proxy(tx=tx, proxy=proxy), bodies[active].treespec)
