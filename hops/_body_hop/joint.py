@@ -258,41 +258,17 @@ def split_joint(
     ``available``: the primals the HOP hands its backward (default: all); ``invariant``: the
     available primals whose derived values are recomputed instead of saved; ``remat``:
     recompute every value that is not random."""
-    available_set = set(range(num_primals) if available is None else available)
     placeholders = joint.graph.find_nodes(op="placeholder")
     primals, cotangents = placeholders[:num_primals], placeholders[num_primals:]
     (output_node,) = joint.graph.find_nodes(op="output")
     results = list(output_node.args[0])
     outputs, grads = results[:num_outputs], results[num_outputs:]
-    primal_index = {p: i for i, p in enumerate(primals)}
 
-    forward_nodes: set[fx.Node] = set()
-    stack = [o for o in outputs if isinstance(o, fx.Node)]
-    while stack:
-        node = stack.pop()
-        if node in forward_nodes or node.op == "placeholder":
-            continue
-        forward_nodes.add(node)
-        stack.extend(node.all_input_nodes)
-    for node in joint.graph.nodes:
-        # An element of a forward node's tuple result (a region's residual) is read in the
-        # forward: the tuple itself cannot be saved.
-        if node.op == "call_function" and node.target is operator.getitem and node.args[0] in forward_nodes:
-            forward_nodes.add(node)
+    forward_nodes = _forward_nodes(joint, outputs)
     backward_nodes = {
         n for n in joint.graph.nodes if n.op in ("call_function", "get_attr") and n not in forward_nodes
     }
-
-    invariant_nodes = {primals[i] for i in invariant}
-    for node in joint.graph.nodes:
-        if (
-            node in forward_nodes
-            and node.op == "call_function"
-            and node.all_input_nodes
-            and not draws_random_numbers(node)
-            and all(a in invariant_nodes or a.op == "get_attr" for a in node.all_input_nodes)
-        ):
-            invariant_nodes.add(node)
+    invariant_nodes = _invariant_nodes(joint, forward_nodes, [primals[i] for i in invariant])
 
     def recompute(value: fx.Node) -> bool:
         if value.op == "get_attr":
@@ -306,6 +282,81 @@ def split_joint(
             or not isinstance(value.meta.get("val"), torch.Tensor)
         )
 
+    available_primals = set(range(num_primals) if available is None else available)
+    read_primals, residuals, recomputed = _backward_reads(joint, primals, available_primals, backward_nodes, grads, recompute)
+
+    forward = fx.Graph()
+    forward_env: dict[fx.Node, Any] = {p: forward.placeholder(p.name) for p in primals}
+    _copy_nodes(joint, forward, forward_env, lambda n: n in forward_nodes)
+    # A residual may repeat an output: the HOP returns a new tensor for each anyway.
+    forward.output(tuple(_fresh_outputs(forward, forward_env, [*outputs, *residuals])))
+
+    backward = fx.Graph()
+    primals_in_backward = tuple(i for i, p in enumerate(primals) if p in read_primals)
+    backward_env: dict[fx.Node, Any] = {}
+    for i in primals_in_backward:
+        backward_env[primals[i]] = backward.placeholder(primals[i].name)
+    for value in residuals:
+        backward_env[value] = restride(backward, backward.placeholder(f"saved_{value.name}"), value.meta.get("val"))
+    for node in cotangents:
+        backward_env[node] = backward.placeholder(node.name)
+    _copy_nodes(joint, backward, backward_env, lambda n: n in backward_nodes or n in recomputed)
+    backward.output(tuple(_fresh_outputs(backward, backward_env, grads)))
+
+    forward_gm, backward_gm = fx.GraphModule(joint, forward), fx.GraphModule(joint, backward)
+    for gm in (forward_gm, backward_gm):
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return SplitJoint(forward_gm, backward_gm, num_outputs, len(residuals), primals_in_backward)
+
+
+def _forward_nodes(joint: fx.GraphModule, outputs: Sequence[Any]) -> set[fx.Node]:
+    """The nodes the forward outputs are computed from (placeholders aside)."""
+    forward_nodes: set[fx.Node] = set()
+    stack = [o for o in outputs if isinstance(o, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in forward_nodes or node.op == "placeholder":
+            continue
+        forward_nodes.add(node)
+        stack.extend(node.all_input_nodes)
+    for node in joint.graph.nodes:
+        # An element of a forward node's tuple result (a region's residual) is read in the
+        # forward: the tuple itself cannot be saved.
+        if node.op == "call_function" and node.target is operator.getitem and node.args[0] in forward_nodes:
+            forward_nodes.add(node)
+    return forward_nodes
+
+
+def _invariant_nodes(joint: fx.GraphModule, forward_nodes: set[fx.Node], invariant_primals: Sequence[fx.Node]) -> set[fx.Node]:
+    """The invariant primals and the forward values computed from them (and constants) alone,
+    by ops that draw no random numbers: the backward recomputes them instead of saving them."""
+    invariant_nodes = set(invariant_primals)
+    for node in joint.graph.nodes:
+        if (
+            node in forward_nodes
+            and node.op == "call_function"
+            and node.all_input_nodes
+            and not draws_random_numbers(node)
+            and all(a in invariant_nodes or a.op == "get_attr" for a in node.all_input_nodes)
+        ):
+            invariant_nodes.add(node)
+    return invariant_nodes
+
+
+def _backward_reads(
+    joint: fx.GraphModule,
+    primals: Sequence[fx.Node],
+    available_primals: set[int],
+    backward_nodes: set[fx.Node],
+    grads: Sequence[Any],
+    recompute: Callable[[fx.Node], bool],
+) -> tuple[set[fx.Node], list[fx.Node], set[fx.Node]]:
+    """What the backward reads of the forward: the primals it is handed, the residuals it is
+    saved (in graph order; a primal it is not handed is one) and the forward values it
+    recomputes."""
+    primal_index = {p: i for i, p in enumerate(primals)}
     read_primals: set[fx.Node] = set()
     residuals: list[fx.Node] = []
     recomputed: set[fx.Node] = set()
@@ -317,7 +368,7 @@ def split_joint(
             continue
         seen.add(value)
         if value.op == "placeholder":
-            if value in primal_index and primal_index[value] not in available_set:
+            if value in primal_index and primal_index[value] not in available_primals:
                 residuals.append(value)  # a primal the backward is not handed: saved itself
             elif value in primal_index:
                 read_primals.add(value)
@@ -328,46 +379,25 @@ def split_joint(
             residuals.append(value)
     order = {n: i for i, n in enumerate(joint.graph.nodes)}
     residuals.sort(key=order.__getitem__)
+    return read_primals, residuals, recomputed
 
-    def copy_nodes(graph: fx.Graph, env: dict[fx.Node, Any], keep: Callable[[fx.Node], bool]) -> None:
-        for node in joint.graph.nodes:
-            if node.op in ("call_function", "get_attr") and keep(node) and node not in env:
-                env[node] = graph.node_copy(node, lambda n: env[n])
 
-    def fresh(graph: fx.Graph, env: dict[fx.Node, Any], values: Sequence[Any]) -> list[Any]:
-        """``values`` as outputs: one that is a graph input or a view of one is a copy."""
-        out: list[Any] = []
-        for value in values:
-            mapped = env[value] if isinstance(value, fx.Node) else value
-            if isinstance(value, fx.Node) and _aliases_placeholder(value):
-                mapped = graph.call_function(torch.ops.aten.clone.default, (mapped,))
-            out.append(mapped)
-        return out
+def _copy_nodes(joint: fx.GraphModule, graph: fx.Graph, env: dict[fx.Node, Any], keep: Callable[[fx.Node], bool]) -> None:
+    """Copy into ``graph`` the ops of ``joint`` that ``keep`` selects, in order."""
+    for node in joint.graph.nodes:
+        if node.op in ("call_function", "get_attr") and keep(node) and node not in env:
+            env[node] = graph.node_copy(node, lambda n: env[n])
 
-    forward = fx.Graph()
-    forward_env: dict[fx.Node, Any] = {p: forward.placeholder(p.name) for p in primals}
-    copy_nodes(forward, forward_env, lambda n: n in forward_nodes)
-    # A residual may repeat an output: the HOP returns a new tensor for each anyway.
-    forward.output(tuple(fresh(forward, forward_env, [*outputs, *residuals])))
 
-    backward = fx.Graph()
-    primals_in_backward = tuple(i for i, p in enumerate(primals) if p in read_primals)
-    backward_env: dict[fx.Node, Any] = {}
-    for i in primals_in_backward:
-        backward_env[primals[i]] = backward.placeholder(primals[i].name)
-    for value in residuals:
-        backward_env[value] = restride(backward, backward.placeholder(f"saved_{value.name}"), value.meta.get("val"))
-    for node in cotangents:
-        backward_env[node] = backward.placeholder(node.name)
-    copy_nodes(backward, backward_env, lambda n: n in backward_nodes or n in recomputed)
-    backward.output(tuple(fresh(backward, backward_env, grads)))
-
-    forward_gm, backward_gm = fx.GraphModule(joint, forward), fx.GraphModule(joint, backward)
-    for gm in (forward_gm, backward_gm):
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-    return SplitJoint(forward_gm, backward_gm, num_outputs, len(residuals), primals_in_backward)
+def _fresh_outputs(graph: fx.Graph, env: dict[fx.Node, Any], values: Sequence[Any]) -> list[Any]:
+    """``values`` as outputs: one that is a graph input or a view of one is a copy."""
+    out: list[Any] = []
+    for value in values:
+        mapped = env[value] if isinstance(value, fx.Node) else value
+        if isinstance(value, fx.Node) and _aliases_placeholder(value):
+            mapped = graph.call_function(torch.ops.aten.clone.default, (mapped,))
+        out.append(mapped)
+    return out
 
 
 def restride(graph: fx.Graph, value: fx.Node, traced: Any) -> fx.Node:
