@@ -339,6 +339,34 @@ def test_solver_plan_runs_on_xla(name):
     assert_same(loss.cpu(), grads, expected_loss, expected_grads, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.xla
+@pytest.mark.parametrize("name", some("hf_llama_sdpa", "hf_gpt2_eager"))
+def test_exported_scanned_layers_run_on_xla(name):
+    """``torch.export`` of the scanned layers (the attention a sharded region), decomposed,
+    lowered with ``lower_to_xla`` and run by torch_xla under SPMD: the plain model's loss. The
+    decomposed program names the tracing host (``_to_copy`` and export's
+    ``_assert_tensor_metadata`` with ``device=cpu``) and reduces with ``sum(x, [])``, which
+    torch_xla reads as reducing nothing. Differentiating the lowered program is refused
+    (a loop lowered to a While has no autograd rule) rather than missing gradients."""
+    import torch_xla
+
+    real = build(name)
+    (ids, targets), (expected_loss, _) = reference(real)
+    region = rm.region_attention(real)
+    tensors = rm.layer_tensors(region)
+    module = torch.export.export(LossOf(rm.ScannedDecoder(region)), (ids, targets, *tensors)).run_decompositions().module()
+    passes.lower_to_xla(module)
+    assert not hop_nodes(module, hops.local_map_hop), "lowered: the region runs as XLA's manual computation"
+    device = torch_xla.device()
+    module.to(device)
+    inputs = (ids.to(device), targets.to(device), *[t.to(device) for t in tensors])
+    with pytest.raises(RuntimeError, match="a scan lowered to an XLA While has no autograd rule"):
+        module(*inputs)
+    with torch.no_grad():
+        loss = module(*inputs)
+    torch.testing.assert_close(loss.cpu(), expected_loss, rtol=1e-4, atol=1e-5)
+
+
 # The solver's plans on 4 gloo processes: one spawn for every model (spawning is the cost).
 DTENSOR_MODELS = some("hf_llama_sdpa", "torchtitan_llama3")
 DTENSOR_TIMEOUT_SECONDS = 300

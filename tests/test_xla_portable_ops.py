@@ -120,3 +120,59 @@ def test_a_step_traced_on_cpu_runs_on_xla_with_the_cpus_numbers():
     torch_xla.sync()
     for a, b in zip(got, expected):
         torch.testing.assert_close(a.cpu(), b.detach(), rtol=1e-4, atol=1e-5)
+
+
+REDUCTIONS = {  # each reduction of portable.REDUCE_EVERY_DIM_WHEN_EMPTY, called with dim=[]
+    aten.sum.dim_IntList: lambda x, keep: aten.sum.dim_IntList(x, [], keep),
+    aten.mean.dim: lambda x, keep: aten.mean.dim(x, [], keep),
+    aten.amax.default: lambda x, keep: aten.amax.default(x, [], keep),
+    aten.amin.default: lambda x, keep: aten.amin.default(x, [], keep),
+    aten.var.correction: lambda x, keep: aten.var.correction(x, [], correction=1, keepdim=keep),
+    aten.std.correction: lambda x, keep: aten.std.correction(x, dim=[], correction=0, keepdim=keep),
+    aten.var_mean.correction: lambda x, keep: aten.var_mean.correction(x, [], correction=1, keepdim=keep)[1],
+    aten.std_mean.correction: lambda x, keep: aten.std_mean.correction(x, [], keepdim=keep)[0],
+    aten.linalg_vector_norm.default: lambda x, keep: aten.linalg_vector_norm.default(x, 2, [], keep),
+}
+
+
+def test_every_listed_reduction_is_checked():
+    assert set(REDUCTIONS) == set(portable.REDUCE_EVERY_DIM_WHEN_EMPTY)
+
+
+def test_a_reduction_over_an_empty_dim_list_keeps_torchs_meaning_and_others_are_untouched():
+    # Only nodes given dim=[] are rewritten; their results are torch's on any device.
+    def program(x):
+        kept = aten.sum.dim_IntList(x, [1])  # a real dim list: left as it is
+        return tuple(reduce(x, False) for reduce in REDUCTIONS.values()) + (kept, aten.amax.default(x, [0]))
+
+    x = torch.randn(3, 5)
+    gm = make_fx(program)(x)
+    expected = program(x)
+    passes.lower_to_xla(gm)
+    rewritten = [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__.endswith("_every_dim")]
+    assert len(rewritten) == len(REDUCTIONS), rewritten
+    assert [str(n.target) for n in gm.graph.nodes if str(n.target) in ("aten.sum.dim_IntList", "aten.amax.default")] == ["aten.sum.dim_IntList", "aten.amax.default"]
+    for got, want in zip(gm(x), expected):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_a_reduction_over_an_empty_dim_list_reduces_every_dim_on_xla(keepdim):
+    # torch_xla reads dim=[] as "no dim" (a loss of shape [32] from an exported model's
+    # decomposed cross entropy); the lowered graph gives torch's shapes and values.
+    import torch_xla
+
+    def program(x):
+        inner = hops.scan(lambda c, row: (c + aten.sum.dim_IntList(row, []), None), torch.zeros(()), x)[0]
+        return tuple(reduce(x, keepdim) for reduce in REDUCTIONS.values()) + (inner,)
+
+    x = torch.randn(3, 5)
+    gm = make_fx(program)(x)
+    expected = program(x)
+    passes.lower_to_xla(gm)
+    got = gm(x.to(torch_xla.device()))
+    torch_xla.sync()
+    for name, a, b in zip([*map(str, REDUCTIONS), "sum in a scan body"], got, expected):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")

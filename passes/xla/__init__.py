@@ -25,12 +25,13 @@ __all__ = ["lower_to_xla", "run_scan", "run_in_named_scope"]
 
 def lower_to_xla(gm: fx.GraphModule) -> fx.GraphModule:
     """Lower every HOP of this package in ``gm`` and its subgraphs (in place); return ``gm``.
-    Every tensor constant of ``gm`` and of its bodies, and every tensor a factory op made with
-    the tracing host's ``device=cpu``, is on the device its graph runs on
-    (``rules.constants_to_graph_device``, ``rules.factories_to_graph_device``); every op only
-    the host runs (CPU flash attention) runs as ordinary ops (``portable.replace_host_only_ops``)."""
+    Every tensor constant of ``gm`` and of its bodies, and every op recorded with the tracing
+    host's ``device=cpu`` (factories, copies, export's metadata checks), is on the device its graph
+    runs on (``rules.constants_to_graph_device``, ``rules.host_device_to_graph_device``); every op only
+    the host runs (CPU flash attention) runs as ordinary ops, and a reduction given ``dim=[]`` reduces
+    every dim as in torch (``portable.replace_non_portable_ops``)."""
     HopRulePass(rules.TARGET, name="lower_to_xla")(gm)
     rules.constants_to_graph_device(gm)
-    rules.factories_to_graph_device(gm)
-    portable.replace_host_only_ops(gm)
+    rules.host_device_to_graph_device(gm)
+    portable.replace_non_portable_ops(gm)
     return gm

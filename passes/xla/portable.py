@@ -1,14 +1,18 @@
-"""ATen ops that only the device a graph was traced on runs, rewritten into ops every device runs.
+"""ATen ops whose meaning a graph holds but torch_xla does not give, rewritten into ops it runs as torch does.
 
-A graph traced on CPU holds CPU-only ops: ``torch.nn.functional.scaled_dot_product_attention``
-records ``_scaled_dot_product_flash_attention_for_cpu`` (and its backward), which torch_xla
-has no kernel for (the process aborts). Each such op is given a function of ordinary ops with
-the same outputs, the backward one computed from the saved ``logsumexp`` as the CPU kernel does.
-A table keyed by the op, like the target's rules.
+- Ops only the device a graph was traced on runs: ``torch.nn.functional.scaled_dot_product_attention``
+  on CPU records ``_scaled_dot_product_flash_attention_for_cpu`` (and its backward), which torch_xla
+  has no kernel for (the process aborts). Each is given a function of ordinary ops with the same
+  outputs, the backward one computed from the saved ``logsumexp`` as the CPU kernel does.
+- Reductions given an empty ``dim`` list (decompositions write ``sum(x, [])``): torch reduces over
+  every dim, torch_xla 2.9 over none (a loss of shape ``[32]`` instead of a scalar). A node with
+  an empty list gets every dim of its input, counted when it runs.
+Tables keyed by the op, like the target's rules.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -99,17 +103,77 @@ PORTABLE: dict[Any, Callable[..., Any]] = {
 }
 
 
-def replace_host_only_ops(gm: fx.GraphModule) -> bool:
-    """Point every node of ``gm`` and its subgraphs calling an op of ``PORTABLE`` at its
-    portable function (in place). Whether any was."""
+# Reductions torch_xla 2.9 runs over no dim when given ``dim=[]``, where torch reduces over
+# every dim (each measured against the CPU on torch_xla 2.9; ``any.dims`` / ``all.dims`` agree).
+REDUCE_EVERY_DIM_WHEN_EMPTY = frozenset(
+    {
+        aten.sum.dim_IntList,
+        aten.mean.dim,
+        aten.amax.default,
+        aten.amin.default,
+        aten.var.correction,
+        aten.std.correction,
+        aten.var_mean.correction,
+        aten.std_mean.correction,
+        aten.linalg_vector_norm.default,
+    }
+)
+
+
+@functools.cache
+def every_dim(op: Any) -> Callable[..., Any]:
+    """``op`` with its ``dim`` argument replaced by every dim of its input (``[]``'s meaning in torch)."""
+    position = [argument.name for argument in op._schema.arguments].index("dim")
+
+    def reduce_every_dim(*args: Any, **kwargs: Any) -> Any:
+        dims = list(range(args[0].dim()))
+        if "dim" in kwargs:
+            kwargs["dim"] = dims
+        else:
+            args = (*args[:position], dims, *args[position + 1 :])
+        return op(*args, **kwargs)
+
+    reduce_every_dim.__name__ = f"{op.__name__.replace('.', '_')}_every_dim"
+    return reduce_every_dim
+
+
+def _empty_dims(node: fx.Node) -> bool:
+    arguments = node.target._schema.arguments
+    position = [argument.name for argument in arguments].index("dim")
+    if "dim" in node.kwargs:
+        dim = node.kwargs["dim"]
+    elif position < len(node.args):
+        dim = node.args[position]
+    else:  # not written: the schema's default (``amax``'s is ``[]``)
+        dim = arguments[position].default_value if arguments[position].has_default_value() else None
+    return isinstance(dim, (list, tuple)) and len(dim) == 0
+
+
+def _portable_target(node: fx.Node) -> Callable[..., Any] | None:
+    if node.op != "call_function":
+        return None
+    if node.target in PORTABLE:
+        return PORTABLE[node.target]
+    if node.target in REDUCE_EVERY_DIM_WHEN_EMPTY and _empty_dims(node):
+        return every_dim(node.target)
+    return None
+
+
+def replace_non_portable_ops(gm: fx.GraphModule) -> bool:
+    """Point every node of ``gm`` and its subgraphs that torch_xla would not run as torch does
+    (an op of ``PORTABLE``; a reduction of ``REDUCE_EVERY_DIM_WHEN_EMPTY`` given ``dim=[]``) at
+    its portable function (in place). Whether any was."""
     changed = False
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
-        nodes = [n for n in module.graph.nodes if n.op == "call_function" and n.target in PORTABLE]
-        for node in nodes:
-            node.target = PORTABLE[node.target]
-        if nodes:
+        replaced = 0
+        for node in module.graph.nodes:
+            target = _portable_target(node)
+            if target is not None:
+                node.target = target
+                replaced += 1
+        if replaced:
             module.recompile()
             changed = True
     return changed

@@ -233,33 +233,35 @@ def constants_to_graph_device(gm: fx.GraphModule) -> bool:
     return changed
 
 
-def _made_on_the_host(node: fx.Node) -> bool:
-    """A factory op (its schema takes no tensor) the trace recorded with ``device=cpu``: the
-    tracing host's device, not a choice of the program (a model making its masks and positions
-    with ``device=x.device`` traced on CPU). Sizes may be symbolic (nodes of their own)."""
+def _names_the_host(node: fx.Node) -> bool:
+    """An ATen op the trace recorded with ``device=cpu``: the tracing host's device, not a
+    choice of the program. A graph traced on CPU says so wherever the program named a device
+    relative to its values: factory ops (``torch.zeros(n, device=x.device)``: masks, positions;
+    sizes may be symbolic nodes), copies (``t.to(x.device)``: ``_to_copy``) and the metadata
+    checks ``torch.export`` records for them (``_assert_tensor_metadata``). A graph lowered for
+    XLA runs on XLA, where ``cpu`` would move values back to the host or fail the check."""
     device = node.kwargs.get("device")
     return (
         node.op == "call_function"
         and isinstance(node.target, torch._ops.OpOverload)
         and isinstance(device, torch.device)
         and device.type == "cpu"
-        and not any("Tensor" in str(argument.type) for argument in node.target._schema.arguments)
     )
 
 
-def factories_to_graph_device(gm: fx.GraphModule) -> bool:
-    """Make every tensor ``gm`` and its bodies create with a factory op on the host
-    (``_made_on_the_host``) on the device each graph runs on: its ``device=`` becomes that
-    device, read at run time (``graph_device``). Whether any graph changed."""
+def host_device_to_graph_device(gm: fx.GraphModule) -> bool:
+    """Make every op of ``gm`` and its bodies that names the tracing host's device
+    (``_names_the_host``: a factory op, a copy, a metadata assertion) name the device each graph
+    runs on, read at run time (``graph_device``). Whether any graph changed."""
     changed = False
     for module in graph_modules(gm):
         graph = module.graph
-        factories = [node for node in graph.nodes if _made_on_the_host(node)]
+        on_the_host = [node for node in graph.nodes if _names_the_host(node)]
         placeholders = list(graph.find_nodes(op="placeholder"))
-        if not factories or not placeholders:
+        if not on_the_host or not placeholders:
             continue
         device = _graph_device_node(graph, placeholders)
-        for node in factories:
+        for node in on_the_host:
             node.update_kwarg("device", device)
         graph.lint()
         module.recompile()

@@ -68,6 +68,14 @@ def xla_while(
 
     if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
         raise TypeError(f"xla_while: unroll must be an int >= 1, got {unroll!r}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*carry, *xs, *additional)):
+        # Its results would not require grad: every gradient through the loop would be
+        # silently missing (None), not an error.
+        raise RuntimeError(
+            "xla_while: a scan lowered to an XLA While has no autograd rule, and an input requires grad: "
+            "lower the forward and backward graphs AOTAutograd produces (torch.compile(backend='hops_xla') "
+            "does), or run the lowered graph under torch.no_grad()"
+        )
     unroll = min(unroll, max(length, 1))
     key = (metadata(carry), metadata(xs), metadata(additional), length, reverse, unroll)
     try:
