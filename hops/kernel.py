@@ -22,7 +22,9 @@ functionalization unwraps and redispatches (a kernel must not mutate its inputs)
 proxy emits the one node; autograd calls ``backward`` (itself kernels or plain torch code,
 so backward graphs carry what it calls); Dynamo traces the call under ``fullgraph=True``.
 ``passes.lower_to_xla`` rewrites the node into a call of the XLA implementation (else the
-kernel itself, run on XLA tensors); ``passes.inline_hops`` into a call of the kernel.
+kernel itself, run on XLA tensors); ``passes.inline_hops`` into a call of the kernel;
+``passes.jax.lower_to_jax`` into a call of ``jax=`` on jax arrays when given (else the kernel's
+torch function, lowered through that target).
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ class Kernel(HigherOrderOperator):
         backward: Callable | None,
         xla: Callable | None,
         jvp: Callable | None = None,
+        jax: Callable | None = None,
     ) -> None:
         super().__init__(f"hops_kernel_{name}", cacheable=True)
         self.kernel_name = name
@@ -153,6 +156,9 @@ class Kernel(HigherOrderOperator):
         self.backward_rule = backward
         self.jvp_rule = jvp
         self.xla_implementation = xla
+        # What target "jax" calls on jax values instead of lowering ``implementation``
+        # (``passes/jax/rules.py``); never called, nor jax imported, by anything in hops/.
+        self.jax_implementation = jax
         self.origin = _origin(implementation)
         self.__doc__ = implementation.__doc__
         self._signature = inspect.signature(implementation)
@@ -315,6 +321,7 @@ def kernel(
     backward: Callable | None = None,
     jvp: Callable | None = None,
     xla: Callable | None = None,
+    jax: Callable | None = None,
     name: str | None = None,
 ) -> Any:
     """Decorator: make ``implementation`` an opaque kernel call that every tracer keeps whole.
@@ -332,6 +339,12 @@ def kernel(
       ``NotImplementedError`` naming the kernel.
     - ``xla(*tensors, **params)``: the implementation for XLA tensors (e.g. built with
       torch_xla's builder or a custom call); default: ``implementation`` on XLA tensors.
+    - ``jax(*arrays, **params)``: the implementation target ``"jax"`` calls on ``jax.Array``s
+      (e.g. a Pallas kernel; ``interpret=True`` on CPU), returning an array or a tuple of
+      arrays of ``abstract``'s shapes and dtypes; default: ``implementation`` lowered op by op.
+      Its gradient there is jax's: a function jax cannot differentiate in reverse mode (a
+      ``pallas_call``) is given as a ``jax.custom_vjp`` with its backward, as in JAX. Eager,
+      inductor and XLA keep calling ``implementation`` (and ``backward``).
     - ``name``: the kernel's name (default ``implementation.__name__``); the HOP is
       registered as ``hops_kernel_<name>``. Defining a different kernel under a taken name
       is a ``ValueError``; redefining the same function (a module reload) replaces it.
@@ -345,7 +358,7 @@ def kernel(
             "kernel: abstract= is required: a function of the kernel's arguments (fake "
             "tensors) that returns fake outputs of the right shapes and dtypes"
         )
-    for argument, value in (("abstract", abstract), ("backward", backward), ("jvp", jvp), ("xla", xla)):
+    for argument, value in (("abstract", abstract), ("backward", backward), ("jvp", jvp), ("xla", xla), ("jax", jax)):
         if value is not None and not callable(value):
             raise TypeError(f"kernel: {argument} must be callable, got {type(value).__name__} {value!r}")
     if name is not None and (not isinstance(name, str) or not name.isidentifier()):
@@ -367,7 +380,7 @@ def kernel(
                 f"kernel({kernel_name}): a kernel named {kernel_name!r} is already defined (by {where}); "
                 f"{_origin(fn)} needs another name: pass name=..."
             )
-        defined = Kernel(fn, name=kernel_name, abstract=abstract, backward=backward, xla=xla, jvp=jvp)
+        defined = Kernel(fn, name=kernel_name, abstract=abstract, backward=backward, xla=xla, jvp=jvp, jax=jax)
         _register_rules(defined)
         _KERNELS[kernel_name] = defined
         _kernel_op(defined)  # its torch.library op exists from now on (see Kernel.op)

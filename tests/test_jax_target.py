@@ -390,3 +390,133 @@ class TestTorchUnchanged(TestCase):
         x = torch.randn(4, 4)
         torch.testing.assert_close(compiled(x), (x * 2).sin())
 
+
+
+# A kernel with a Pallas implementation for target "jax": tanh(x * w). pallas_call has no
+# reverse-mode rule, so, as in JAX, the kernel is a jax.custom_vjp whose backward is given.
+JAX_CALLS = []
+
+
+def _pallas_scaled_tanh(x, w):
+    from jax.experimental import pallas as pl
+
+    def body(x_ref, w_ref, o_ref):
+        o_ref[...] = jnp.tanh(x_ref[...] * w_ref[...])
+
+    return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x, w)
+
+
+@jax.custom_vjp
+def pallas_scaled_tanh(x, w):
+    JAX_CALLS.append("forward")
+    return _pallas_scaled_tanh(x, w)
+
+
+def _pallas_forward(x, w):
+    y = pallas_scaled_tanh(x, w)
+    return y, (x, w, y)
+
+
+def _pallas_backward(saved, g):
+    JAX_CALLS.append("backward")
+    x, w, y = saved
+    dy = g * (1 - y * y)
+    return dy * w, dy * x
+
+
+pallas_scaled_tanh.defvjp(_pallas_forward, _pallas_backward)
+
+
+def _torch_backward(x, w, y, g):
+    dy = g * (1 - y * y)
+    return dy * w, dy * x
+
+
+@hops.kernel(abstract=lambda x, w: x.new_empty(x.shape), backward=_torch_backward, jax=pallas_scaled_tanh)
+def jax_scaled_tanh(x, w):
+    return torch.tanh(x * w)
+
+
+@hops.kernel(abstract=lambda x, w: x.new_empty(x.shape), jax=lambda x, w: (x * w)[:, :1])
+def lying_jax_kernel(x, w):
+    return x * w
+
+
+class TestKernelJaxImplementation(TestCase):
+    """``hops.kernel(jax=...)``: target "jax" calls the JAX implementation (a Pallas kernel in a
+    scan, in a scope, its output constrained), jax differentiating it; eager keeps the torch function."""
+
+    def setUp(self):
+        previous = jax.config.jax_use_shardy_partitioner  # see TestShardyText.setUp
+        jax.config.update("jax_use_shardy_partitioner", True)
+        self.addCleanup(jax.config.update, "jax_use_shardy_partitioner", previous)
+
+    @staticmethod
+    def program(h, xs, w):
+        @hops.named_scope("pallas_cell")
+        def cell(h, w):
+            return jax_scaled_tanh(h, w)
+
+        def step(h, x, w):
+            h = hops.annotate_sharding(cell(h + x, w), ROWS)
+            return h, h.sum(-1)
+
+        return hops.scan(step, h, xs, additional_inputs=(w,))
+
+    def inputs(self):
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(4, 8, generator=g), torch.randn(3, 4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+    def test_a_pallas_kernel_in_a_scan_forward_and_backward_equals_eager(self):
+        inputs = self.inputs()
+        function = lower_to_jax(make_fx(self.program)(*inputs))
+        JAX_CALLS.clear()
+        values = jax.jit(function)(*arrays(inputs))
+        self.assertEqual(JAX_CALLS, ["forward"])  # the Pallas kernel ran, not the torch function
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        expected = self.program(*leaves)  # eager: the torch function and its torch backward
+        close(self, values, expected, "values")
+        grads = jax.jit(jax.grad(lambda *v: weighted_loss(function(*v)), argnums=(0, 1, 2)))(*arrays(inputs))
+        self.assertIn("backward", JAX_CALLS)  # the gradient came through the kernel's custom_vjp
+        loss = sum((o * (i + 1)).sum() for i, o in enumerate(expected))
+        close(self, grads, torch.autograd.grad(loss, leaves), "gradients", rtol=1e-4)
+
+    def test_the_constraint_and_the_scope_hold_the_kernel_inside_the_while_loop(self):
+        inputs = self.inputs()
+        function = lower_to_jax(make_fx(self.program)(*inputs))
+        text = stablehlo(function, *arrays(inputs), debug_info=True)
+        bodies, reachable = functions_called_in_while_bodies(text)
+        self.assertTrue(bodies, text)  # the scan's loop (Pallas's interpreter adds its grid's loop inside)
+        self.assertIn('sdy.sharding_constraint', reachable)
+        self.assertIn('[{"data"}, {}]', reachable)
+        self.assertRegex(text, r'loc\("pallas_cell/pallas_call"')
+        # the kernel's tanh, inside the loop, is located in the scope
+        tanh = re.findall(r"stablehlo\.tanh .*? loc\((#loc\d+)\)", reachable)
+        self.assertTrue(tanh, reachable)
+        locations = dict(re.findall(r"^(#loc\d+) = (.*)$", text, flags=re.M))
+
+        def resolve(name, depth=0):
+            found = locations.get(name, "")
+            return found + "".join(resolve(ref, depth + 1) for ref in re.findall(r"#loc\d+", found) if depth < 8)
+
+        self.assertTrue(any("pallas_cell" in resolve(loc) for loc in tanh), [resolve(loc) for loc in tanh])
+        # the constraint stands on the kernel's result: its operand is computed from the tanh
+        self.assertRegex(reachable, r"stablehlo\.tanh[\s\S]*sdy\.sharding_constraint")
+
+    def test_eager_and_other_targets_keep_the_torch_function(self):
+        x, w = torch.randn(4, 8), torch.randn(4, 8)
+        JAX_CALLS.clear()
+        torch.testing.assert_close(jax_scaled_tanh(x, w), torch.tanh(x * w))
+        inlined = passes.inline_hops(make_fx(lambda x, w: jax_scaled_tanh(x, w))(x, w))
+        torch.testing.assert_close(inlined(x, w), torch.tanh(x * w))
+        self.assertEqual(JAX_CALLS, [])
+
+    def test_a_jax_implementation_that_breaks_the_abstract_promise_is_refused(self):
+        x = torch.randn(4, 8)
+        function = lower_to_jax(make_fx(lambda x, w: lying_jax_kernel(x, w) + 1)(x, x))
+        with self.assertRaisesRegex(RuntimeError, r"kernel\(lying_jax_kernel\): its jax implementation returned \[4, 1\] float32 but its abstract rule promises \[4, 8\] float32"):
+            function(*arrays((x, x)))
+
+    def test_a_jax_implementation_that_is_not_callable_is_refused_naming_it(self):
+        with self.assertRaisesRegex(TypeError, r"kernel: jax must be callable, got str 'pallas'"):
+            hops.kernel(abstract=lambda x: x.new_empty(x.shape), jax="pallas")

@@ -3,8 +3,8 @@
 Like every target it is a table of rules, one per HOP (``passes/jax/rules.py``): an
 annotation becomes ``jax.lax.with_sharding_constraint`` (Shardy's ``sdy.sharding_constraint``),
 a ``local_map`` region ``jax.shard_map`` (``sdy.manual_computation``), a scan ``jax.lax.scan``
-(``stablehlo.while``), a named scope ``jax.named_scope``, a kernel its torch function through
-this target, einsum ``jnp.einsum``. The ATen ops between them have rules of their own
+(``stablehlo.while``), a named scope ``jax.named_scope``, a kernel its ``jax=`` implementation
+(else its torch function through this target), einsum ``jnp.einsum``. The ATen ops between them have rules of their own
 (``passes/jax/aten.py``: why not torchax's table is said there); an op without one is refused
 with ``NoJaxRule`` naming it when the graph is lowered. ``passes/jax/graph.py`` evaluates the
 lowered graph on jax values.

@@ -15,9 +15,11 @@ through ``passes.jax.graph.jax_function``):
   of the step), its body keeping every nested HOP (lowered by these same rules);
 - a named scope -> ``named_scope``: its body inside ``jax.named_scope`` (the scope's name reaches
   the op locations of the lowered program);
-- a kernel -> its torch function, traced with ``make_fx`` for the operands' shapes and dtypes and
-  lowered through this target (once per signature): ``jax.grad`` differentiates that graph
-  (a kernel's ``backward=`` is for torch's autograd); einsum -> ``jnp.einsum``.
+- a kernel -> its ``jax=`` implementation on the jax values when given (a Pallas kernel, say;
+  jax differentiates it, so one jax cannot differentiate comes as a ``jax.custom_vjp``), else
+  its torch function, traced with ``make_fx`` for the operands' shapes and dtypes and lowered
+  through this target (once per signature): ``jax.grad`` differentiates that graph (a kernel's
+  ``backward=`` is for torch's autograd); einsum -> ``jnp.einsum``.
 
 Nothing here imports jax until a lowered graph runs: registering the table is light.
 """
@@ -259,13 +261,47 @@ _TORCH_DTYPES = {
 
 
 @functools.lru_cache(maxsize=None)
+def _promised(kernel_hop: Kernel, signature: tuple, params: KernelParams) -> tuple[bool, tuple]:
+    """What the kernel's ``abstract`` promises for one signature: (one tensor?, ((shape, dtype), ...))."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        examples = [torch.empty(shape, dtype=dtype) for shape, dtype in signature]
+        result = kernel_hop.abstract_rule(*examples, **params.as_dict())
+    flat = (result,) if isinstance(result, torch.Tensor) else tuple(result)
+    return isinstance(result, torch.Tensor), tuple((tuple(o.shape), o.dtype) for o in flat)
+
+
+def _call_jax_implementation(kernel_hop: Kernel, signature: tuple, tensors: list, params: KernelParams) -> Any:
+    """The kernel's ``jax=`` on jax values; its result checked against ``abstract`` (the graph
+    around the call was built from that promise: a different shape or dtype is refused here,
+    naming the kernel, rather than computed with)."""
+    result = kernel_hop.jax_implementation(*tensors, **params.as_dict())
+    single, promised = _promised(kernel_hop, signature, params)
+    flat = (result,) if not isinstance(result, (tuple, list)) else tuple(result)
+    got = tuple((tuple(getattr(o, "shape", ())), _TORCH_DTYPES.get(str(getattr(o, "dtype", None)))) for o in flat)
+    if got != promised:
+        def show(metadata: tuple) -> str:
+            return ", ".join(f"{list(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in metadata)
+
+        raise RuntimeError(
+            f"{kernel_hop.describe()}: its jax implementation returned {show(got)} but its abstract rule "
+            f"promises {show(promised)} for these inputs"
+        )
+    return flat[0] if single else flat
+
+
+@functools.lru_cache(maxsize=None)
 def kernel_runner(kernel_hop: Kernel) -> Callable[..., Any]:
-    """What a lowered call of ``kernel_hop`` calls: the kernel's torch function on jax values,
-    through this target's ATen table."""
+    """What a lowered call of ``kernel_hop`` calls: its ``jax=`` implementation when given (jax
+    differentiates it: a ``jax.custom_vjp`` brings its own backward), else the kernel's torch
+    function on jax values, through this target's ATen table."""
 
     def run(*tensors_and_params: Any) -> Any:
         *tensors, params = tensors_and_params
         signature = tuple((tuple(t.shape), _TORCH_DTYPES[str(t.dtype)]) for t in tensors)
+        if kernel_hop.jax_implementation is not None:
+            return _call_jax_implementation(kernel_hop, signature, tensors, params)
         return _kernel_graph(kernel_hop, signature, params)(*tensors)
 
     run.__name__ = run.__qualname__ = f"jax_kernel_{kernel_hop.kernel_name}"
