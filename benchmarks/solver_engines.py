@@ -9,6 +9,43 @@ time limit (every call must return within the limit plus the larger of 1 s and 2
 plan is checked by ``problem_cost`` and ``peak_usage`` (an independent evaluation). A final
 row per engine: the geometric mean of cost / best, the worst, and the longest overrun.
 
+Measured (torch 2.13 venv, pytoulbar2 1.4.0.1, HiGHS via highspy; the 2-core machine shared
+with other work, load 3-5, so the 8000-node rows found no plan in 10 s where a quieter run of
+the same code found some; "nan": no engine found a plan; bounds are each engine's own):
+
+| nodes | tightness | seed | exact cost | exact bound | exact s | toulbar2 cost | toulbar2 bound | toulbar2 s | auto cost | auto bound | auto s |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+| 500 | None | 0 | 1.0963 | 0.8347 | 10.0 | 1.0000 | 1.0000 | 1.7 | 1.0000 | 1.0000 | 1.3 |
+| 500 | None | 1 | 1.0566 | 0.8777 | 10.1 | 1.0000 | 1.0000 | 1.9 | 1.0000 | 1.0000 | 1.2 |
+| 500 | None | 2 | 1.0506 | 0.9312 | 10.0 | 1.0000 | 1.0000 | 2.0 | 1.0000 | 1.0000 | 1.1 |
+| 500 | 1.1 | 0 | 1.5057 | 0.9819 | 9.6 | 1.0000 | 1.0000 | 2.3 | 1.0000 | 1.0000 | 1.8 |
+| 500 | 1.1 | 1 | inf | -inf | 9.4 | 1.0000 | 1.0000 | 4.1 | 1.0000 | 1.0000 | 4.0 |
+| 500 | 1.1 | 2 | 1.1550 | 0.9950 | 9.5 | 1.0000 | 1.0000 | 2.2 | 1.0000 | 1.0000 | 2.1 |
+| 500 | 1.02 | 0 | 1.5525 | 0.9851 | 9.5 | 1.0000 | 1.0000 | 2.7 | 1.0000 | 1.0000 | 1.8 |
+| 500 | 1.02 | 1 | inf | -inf | 9.4 | 1.0000 | 1.0000 | 2.9 | 1.0000 | 1.0000 | 2.5 |
+| 500 | 1.02 | 2 | 1.1644 | 0.9935 | 9.6 | 1.0000 | 1.0000 | 1.8 | 1.0000 | 1.0000 | 2.5 |
+| 2000 | None | 0 | 1.2290 | 0.8596 | 10.1 | 1.0000 | 1.0000 | 9.3 | 1.0000 | 1.0000 | 4.2 |
+| 2000 | None | 1 | 1.1932 | 0.8831 | 10.1 | 1.0000 | 0.9860 | 9.9 | 1.0798 | 0.9854 | 10.9 |
+| 2000 | None | 2 | 1.2898 | 0.8982 | 10.1 | 1.0000 | 0.9964 | 9.9 | 1.0000 | 1.0000 | 5.2 |
+| 2000 | 1.1 | 0 | 1.3471 | 0.6637 | 9.7 | inf | -inf | 5.6 | 1.0000 | 0.8077 | 9.8 |
+| 2000 | 1.1 | 1 | 1.0000 | 0.5417 | 9.7 | 1.0000 | 0.6425 | 9.2 | 1.0000 | 0.6425 | 9.8 |
+| 2000 | 1.1 | 2 | nan | nan | 9.6 | nan | nan | 8.8 | nan | nan | 9.6 |
+| 2000 | 1.02 | 0 | inf | -inf | 9.5 | 1.1390 | 0.9199 | 10.2 | 1.0000 | 0.9195 | 9.8 |
+| 2000 | 1.02 | 1 | 1.0000 | 0.5417 | 9.5 | 1.0000 | 0.6425 | 9.4 | 1.0000 | 0.6425 | 9.9 |
+| 2000 | 1.02 | 2 | nan | nan | 9.5 | nan | nan | 8.9 | nan | nan | 9.7 |
+| 8000 | None | 0 | nan | nan | 9.3 | nan | nan | 6.3 | nan | nan | 9.5 |
+| 8000 | None | 1 | nan | nan | 9.7 | nan | nan | 9.8 | nan | nan | 9.3 |
+| 8000 | None | 2 | nan | nan | 9.7 | nan | nan | 8.1 | nan | nan | 9.7 |
+| 8000 | 1.1 | 0 | nan | nan | 9.6 | nan | nan | 12.4 | nan | nan | 12.1 |
+| 8000 | 1.1 | 1 | nan | nan | 9.7 | nan | nan | 12.7 | nan | nan | 10.4 |
+| 8000 | 1.1 | 2 | nan | nan | 9.5 | nan | nan | 7.6 | nan | nan | 10.9 |
+| 8000 | 1.02 | 0 | nan | nan | 9.6 | nan | nan | 10.8 | nan | nan | 10.4 |
+| 8000 | 1.02 | 1 | nan | nan | 9.3 | nan | nan | 11.2 | nan | nan | 11.3 |
+| 8000 | 1.02 | 2 | nan | nan | 9.4 | nan | nan | 7.5 | nan | nan | 9.3 |
+exact: geometric mean cost/best 1.1914, worst inf, no plan 14, longest past the limit +0.09 s
+toulbar2: geometric mean cost/best 1.0087, worst inf, no plan 12, longest past the limit +2.74 s
+auto: geometric mean cost/best 1.0048, worst 1.0798, no plan 11, longest past the limit +2.12 s
+
 Usage: python benchmarks/solver_engines.py [--time-limit S] [--sizes 500,2000,8000]
        [--seeds 0,1] [--tightness none,1.1,1.02] [--engines exact,toulbar2,auto]
 """

@@ -30,7 +30,7 @@ def random_problem(seed, nodes, strategies, edges, forbid, memory):
     costs = []
     for k in sizes:
         c = rng.integers(0, 30, size=k).astype(float)
-        c[rng.uniform(size=k) < 0.15] = 1e18
+        c[rng.uniform(size=k) < 0.1] = 1e18
         costs.append(c)
     usages = [rng.integers(0, 10, size=k).astype(float) for k in sizes]
     starts = rng.integers(0, 5, size=nodes)
@@ -46,7 +46,8 @@ def random_problem(seed, nodes, strategies, edges, forbid, memory):
         probe = StrategyProblem(costs, usages, intervals, np.array(pairs).reshape(-1, 2), matrices)
         least = peak_usage(probe, [int(np.argmin(u)) for u in usages])
         most = peak_usage(probe, [int(np.argmax(u)) for u in usages])
-        limit = float(rng.integers(max(0, least - 1), most + 1))
+        # (Near the least peak half the time: the memory rows bind, runs add them lazily.)
+        limit = float(rng.integers(max(0, least - 1), (least + 3 if rng.uniform() < 0.5 else most) + 1))
     problem = StrategyProblem(costs, usages, intervals, np.array(pairs).reshape(-1, 2), matrices, limit)
     return problem, (costs, usages, intervals, pairs, matrices, limit)
 
@@ -74,7 +75,7 @@ problems = st.builds(
     nodes=st.integers(2, 6),
     strategies=st.integers(1, 4),
     edges=st.integers(1, 8),
-    forbid=st.sampled_from([0.2, 0.5]),
+    forbid=st.sampled_from([0.1, 0.25]),
     memory=st.booleans(),
 )
 
@@ -87,7 +88,7 @@ def _unreduced_search(problem):
 
 
 class TestToulbar2Engine:
-    @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(case=problems)
     def test_engine_optimal_or_proves_infeasible_against_brute_force(self, case):
         # Every memory row as a knapsack constraint, every edge as a cost table with
@@ -111,7 +112,7 @@ class TestToulbar2Engine:
         assert problem.usage_limit is None or peak_usage(problem, plan) <= problem.usage_limit
         assert result.lower <= best
 
-    @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(case=problems)
     def test_solve_problem_by_toulbar2_against_brute_force(self, case):
         # Through the core: reductions, memory rows added lazily, plans repaired.
@@ -124,9 +125,10 @@ class TestToulbar2Engine:
         solution = solve_problem(problem, search="toulbar2", reduce=False)
         assert problem_cost(problem, solution.strategies) == solution.cost
         assert problem.usage_limit is None or peak_usage(problem, solution.strategies) <= problem.usage_limit
-        assert solution.lower_bound <= best <= solution.cost
-        if problem.usage_limit is None:
-            assert solution.cost == best and solution.stats["status"] == "optimal"
+        # (Without a time limit every run is exhaustive: rows are added until the relaxation's
+        # optimum fits, or no plan beats the best repaired one.)
+        assert solution.lower_bound <= best == solution.cost
+        assert solution.stats["status"] == "optimal"
 
     def test_an_upper_bound_no_plan_beats_proves_that_plan_optimal_not_infeasible(self):
         problem, raw = next(case for seed in range(50) if math.isfinite(brute_force((case := random_problem(seed, 5, 3, 6, 0.2, False))[1])))
@@ -180,15 +182,17 @@ class TestPortfolio:
                 assert peak_usage(problem, solution.strategies) <= problem.usage_limit
                 assert solution.lower_bound <= solution.cost
 
-    @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(seed=st.integers(0, 10_000), tightness=st.sampled_from([None, 1.1, 1.02]))
     def test_auto_never_worse_than_the_neighbourhood_search(self, seed, tightness):
-        problem = contest_like(seed, 400, tightness=tightness)
+        # At a limit where toulbar2 gets time to act (at 1 s both answers are the heuristics'
+        # plans, which depend on the timing: a comparison of noise).
+        problem = contest_like(seed, 300, tightness=tightness)
         try:
-            old = solve_problem(problem, time_limit=1.0, search="exact", seed=seed).cost
+            old = solve_problem(problem, time_limit=1.5, search="exact", seed=seed).cost
         except NoPlanFoundError:
             old = math.inf
-        new = solve_problem(problem, time_limit=1.0, search="auto", seed=seed)
+        new = solve_problem(problem, time_limit=1.5, search="auto", seed=seed)
         assert new.cost <= old
         assert peak_usage(problem, new.strategies) <= (problem.usage_limit or math.inf)
 

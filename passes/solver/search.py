@@ -363,9 +363,17 @@ class Search:
 
     # ------------------------------------------------------------------ MILP
 
-    def pair_count(self) -> int:
-        """Pair variables of the integer program over every node (tables compressed to classes)."""
-        return sum(int(np.isfinite(self.edge_classes(k)[2]).sum()) for k in range(len(self.edges)))
+    def pair_count(self, deadline: float = math.inf) -> int:
+        """Pair variables of the integer program over every node (tables compressed to classes).
+        Past ``deadline``, the edges not yet counted count uncompressed (an upper bound, with no
+        classes found: on a 4000-node ``contest_like`` problem the classes took 1-2 s, all
+        of a 2 s time limit on a busy machine)."""
+        total = 0
+        for k in range(len(self.edges)):
+            if k % 256 == 0 and time.perf_counter() >= deadline:
+                return total + sum(int(np.isfinite(m).sum()) for _, _, m in self.edges[k:])
+            total += int(np.isfinite(self.edge_classes(k)[2]).sum())
+        return total
 
     def solve_milp(self, free: np.ndarray, time_limit: float, warm: bool, **options) -> tuple[str, np.ndarray | None, float]:
         """``milp.solve_neighbourhood`` of this search: (status, strategies of ``free``, bound)."""
@@ -436,7 +444,8 @@ def solve_problem(
     or more axes; each step exact, the plan not proven optimal, ``stats["status"]`` says so);
     ``"toulbar2"``: toulbar2 (``passes.solver.wcsp``) for the whole time (``_wcsp_phase``);
     ``"auto"``: ``"axes"`` when the whole program would have more than 400k pair variables,
-    else, with a time limit and pytoulbar2 installed, toulbar2 for ``_WCSP_SHARE`` of the time
+    else, with a time limit, pytoulbar2 installed and at most ``_WCSP_MAX_NODES`` (10k) nodes
+    left after the reductions, toulbar2 for ``_WCSP_SHARE`` of the time
     left after the heuristics (its plans repaired back within the memory limit), then, unless
     it proved its plan optimal, ``"exact"``'s search from the best plan for the rest (measured
     on ``families.contest_like`` problems, ``benchmarks/solver_engines.py``: toulbar2 finds
@@ -477,7 +486,7 @@ def solve_problem(
     search_ = Search(reduced, seed)
     search_.presolve = presolve
     by_axes = search in ("auto", "axes") and _axis_count(search_) >= 3
-    pairs_left = search_.pair_count()
+    pairs_left = search_.pair_count(begin + 0.3 * (deadline - begin))
     if by_axes and search == "auto":
         by_axes = pairs_left > _EXACT_PAIRS
     if by_axes:
@@ -495,7 +504,9 @@ def solve_problem(
     )
     lower = search.lower_bound()
     method = "reductions"
-    by_wcsp = search_mode == "toulbar2" or (search_mode == "auto" and time_limit is not None and wcsp.available())
+    by_wcsp = search_mode == "toulbar2" or (
+        search_mode == "auto" and time_limit is not None and wcsp.available() and len(search.nodes) <= _WCSP_MAX_NODES
+    )
     proven = False
     if len(search.nodes):
         # The cheapest strategies, improved ignoring memory, then repaired; if memory is broken,
@@ -608,12 +619,28 @@ def solve_problem(
 # ``search="auto"``: toulbar2 gets this share of the time left after the heuristics; the
 # neighbourhood search polishes its plan in the rest.
 _WCSP_SHARE = 0.85
+# ... on problems of at most this many nodes left after the reductions. Measured: on
+# ``contest_like`` problems of up to 8000 nodes (up to ~7k left) toulbar2 found plans 1-60%
+# cheaper than the neighbourhood search at 10 s; on the contest's instances A, M and S
+# (18-23k nodes left, memory binding, 60-240 s) the portfolio cost 2.15 / 1.07 / 1.56x the
+# best team against 1.74 / 1.05 / 1.11x for the neighbourhood search with its priced-memory
+# rounds (toulbar2 found no plan of A in 9.7 s).
+_WCSP_MAX_NODES = 10_000
 # Where memory binds: toulbar2's first run (the problem without the memory rows) gets at most
 # this share of its time, each later run (with the rows its plans broke) this share of what is
-# left, and each run adds the rows its plan breaks most, this share of them (at least 5).
+# left, and each run adds the rows its plan breaks most, this share of them (at least 5, at
+# most ``_WCSP_MOST_ROWS``).
 _WCSP_FIRST_SHARE = 0.7
 _WCSP_ROUND_SHARE = 0.5
 _WCSP_ROWS_ADDED = 0.5
+# At most this many rows added per run (measured: with 451 rows toulbar2 found no plan in 1 s of
+# a 2000-node problem, with 50 the optimum in 3 s).
+_WCSP_MOST_ROWS = 64
+# A run that has reported no plan after this share of its time stops (contest instance A,
+# 23k nodes left: none in 9.7 s; the generated problems of up to 8000 nodes: the first within
+# a few seconds), and the neighbourhood search gets the time.
+_WCSP_FIRST_PLAN_SHARE = 0.4
+_WCSP_FIRST_PLAN_SECONDS = 1.0  # (but never sooner than this: starting the worker takes ~0.2 s)
 
 
 def _wcsp_phase(search: Search, deadline: float, seed: int, stats: dict) -> tuple[float, bool]:
@@ -633,6 +660,9 @@ def _wcsp_phase(search: Search, deadline: float, seed: int, stats: dict) -> tupl
     began = time.perf_counter()
     best_s = search.s.copy()
     best = search.objective() if search.violation() == 0 and search.objective() < search.big else math.inf
+    # Without a plan within the limit: toulbar2's plan that breaks it least (it makes no
+    # forbidden choice), left for the neighbourhood search to repair with memory priced.
+    nearest: tuple[float, np.ndarray] | None = None
     lower = -math.inf
     rows: set[int] | None = set() if len(search.rhs) else None
     runs = []
@@ -643,9 +673,11 @@ def _wcsp_phase(search: Search, deadline: float, seed: int, stats: dict) -> tupl
             break
         if rows is not None:
             left *= _WCSP_FIRST_SHARE if not runs else _WCSP_ROUND_SHARE
+        now = time.perf_counter()
         result = wcsp.solve_wcsp(
-            search, time.perf_counter() + left if math.isfinite(left) else math.inf,
+            search, now + left if math.isfinite(left) else math.inf,
             upper=best, hint=best_s, seed=seed + len(runs), rows=rows,
+            first_by=now + max(_WCSP_FIRST_PLAN_SHARE * left, _WCSP_FIRST_PLAN_SECONDS),
         )
         runs.append(dict(status=result.status, solutions=result.solutions, seconds=round(result.seconds, 3), rows=len(rows or ())))
         lower = max(lower, result.lower)
@@ -658,6 +690,8 @@ def _wcsp_phase(search: Search, deadline: float, seed: int, stats: dict) -> tupl
         fits = search.violation() == 0
         over = np.flatnonzero(search.load > search.rhs) if not fits else np.zeros(0, np.int64)
         runs[-1]["cost"] = search.objective()
+        if not fits and search.objective() < search.big and (nearest is None or search.violation() < nearest[0]):
+            nearest = (search.violation(), search.s.copy())
         if not fits and search.repair(deadline):
             search.descend(deadline)
         if search.violation() == 0 and search.objective() < best:
@@ -667,7 +701,9 @@ def _wcsp_phase(search: Search, deadline: float, seed: int, stats: dict) -> tupl
             proven = fits and result.status == "optimal"
             break
         worst = over[np.argsort(-(search.load[over] - search.rhs[over]), kind="stable")] if len(over) else over
-        rows |= set(worst[: max(5, int(_WCSP_ROWS_ADDED * len(worst)))].tolist())
+        rows |= set(worst[: min(_WCSP_MOST_ROWS, max(5, int(_WCSP_ROWS_ADDED * len(worst))))].tolist())
+    if math.isinf(best) and nearest is not None:
+        best_s = nearest[1]
     search.assign(best_s)
     stats.update(wcsp_runs=runs, wcsp_seconds=time.perf_counter() - began, wcsp_lower=lower, wcsp_cost=best)
     return lower, proven

@@ -93,23 +93,37 @@ def _whole(values: np.ndarray) -> bool:
     return bool(np.all(values == np.round(values)))
 
 
+class _OutOfTime(Exception):
+    pass
+
+
+def _checked(items, deadline: float):
+    """``items``, raising ``_OutOfTime`` once ``deadline`` has passed (looked at every 256)."""
+    for k, item in enumerate(items):
+        if k % 256 == 0 and time.perf_counter() >= deadline:
+            raise _OutOfTime
+        yield item
+
+
 def build_model(
-    search, upper: float | None = None, hint: np.ndarray | None = None, seed: int = 0, vns: bool = False, rows=None
+    search, upper: float | None = None, hint: np.ndarray | None = None, seed: int = 0, vns: bool = False, rows=None,
+    deadline: float = math.inf,
 ) -> tuple[dict, _Scale]:
-    """The search's reduced problem as the worker's model, and how its costs map back."""
+    """The search's reduced problem as the worker's model, and how its costs map back
+    (``_OutOfTime`` past ``deadline``: a large model takes seconds to build)."""
     costs = [np.asarray(c, dtype=np.float64) for c in search.cost]
     tables = [(int(i), int(j), np.asarray(m, dtype=np.float64)) for i, j, m in search.edges]
     base = float(search.reduced.constant)
     shifted_costs, shifted_tables, span = [], [], 0.0
     whole = True
-    for c in costs:
+    for c in _checked(costs, deadline):
         finite = c[np.isfinite(c)]
         shift = float(finite.min()) if len(finite) else 0.0
         base += shift
         shifted_costs.append(c - shift)
         span += float(finite.max() - shift) if len(finite) else 0.0
         whole = whole and _whole(finite - shift)
-    for i, j, m in tables:
+    for i, j, m in _checked(tables, deadline):
         finite = m[np.isfinite(m)]
         shift = float(finite.min()) if len(finite) else 0.0
         base += shift
@@ -129,11 +143,11 @@ def build_model(
 
     unary = [scaled(c) for c in shifted_costs]
     binary = []
-    for i, j, m in shifted_tables:
+    for i, j, m in _checked(shifted_tables, deadline):
         if np.isfinite(m).all() and not m.any():
             continue
         binary.append((i, j, scaled(m.reshape(-1))))
-    knapsacks, exact = _knapsacks(search, rows)
+    knapsacks, exact = _knapsacks(search, rows, deadline)
     model = dict(
         domains=[len(c) for c in costs], unary=unary, binary=binary, knapsacks=knapsacks, top=top, seed=int(seed) + 1, vns=vns,
         upper=None if upper is None or not math.isfinite(upper) else float(math.floor((upper - base) * factor + slack)),
@@ -142,7 +156,7 @@ def build_model(
     return model, _Scale(base, factor, slack, exact)
 
 
-def _knapsacks(search, rows=None) -> tuple[list, bool]:
+def _knapsacks(search, rows=None, deadline: float = math.inf) -> tuple[list, bool]:
     """The reduced problem's memory constraints (``rows``: those of these indices; None:
     all) as knapsacks (variables, values, coefficients, rhs), and whether they are exact
     (whole usages and limits; else usages rounded up)."""
@@ -167,7 +181,7 @@ def _knapsacks(search, rows=None) -> tuple[list, bool]:
 
     lo, hi = np.asarray(search.lo)[memory], np.asarray(search.hi)[memory]
     knapsacks = []
-    for k in range(len(rhs)) if rows is None else sorted({int(r) for r in rows}):
+    for k in _checked(range(len(rhs)) if rows is None else sorted({int(r) for r in rows}), deadline):
         variables, vals, coefs = [], [], []
         total_max = 0.0
         for v in memory[(lo <= k) & (hi > k)].tolist():
@@ -191,16 +205,20 @@ _END = re.compile(rb"^WCSP-END (\w+) (\S+)")
 
 def solve_wcsp(
     search, deadline: float, upper: float | None = None, hint: np.ndarray | None = None, seed: int = 0, vns: bool = False,
-    rows=None,
+    rows=None, first_by: float = math.inf,
 ) -> WcspResult:
     """toulbar2 on the search's reduced problem until ``deadline`` (``inf``: to its end).
     ``upper``: the cost of a plan already found (toulbar2 then reports only better ones);
     ``hint``: a plan its value heuristic starts from; ``vns``: toulbar2's neighbourhood search
-    (no proofs) instead of its best-first search."""
+    (no proofs) instead of its best-first search; ``first_by``: the run stops there if it has
+    reported no solution yet (a problem too large for it hands the time back)."""
     began = time.perf_counter()
     if not available():
         return WcspResult("error", None, -math.inf, 0, 0.0)
-    model, scale = build_model(search, upper, hint, seed, vns, rows)
+    try:
+        model, scale = build_model(search, upper, hint, seed, vns, rows, deadline)
+    except _OutOfTime:
+        return WcspResult("stopped", None, -math.inf, 0, time.perf_counter() - began)
     if time.perf_counter() >= deadline:
         return WcspResult("stopped", None, -math.inf, 0, time.perf_counter() - began)
     n = len(model["domains"])
@@ -221,7 +239,7 @@ def solve_wcsp(
         expect_values = False
         ended = False
         while not ended:
-            wait = deadline - time.perf_counter()
+            wait = (deadline if solutions else min(deadline, first_by)) - time.perf_counter()
             if wait <= 0:
                 break
             ready, _, _ = select.select([fd], [], [], None if math.isinf(wait) else wait)
