@@ -4,7 +4,9 @@ Like every target it is a table of rules, one per HOP (``passes/jax/rules.py``):
 annotation becomes ``jax.lax.with_sharding_constraint`` (Shardy's ``sdy.sharding_constraint``),
 a ``local_map`` region ``jax.shard_map`` (``sdy.manual_computation``), a scan ``jax.lax.scan``
 (``stablehlo.while``), a named scope ``jax.named_scope``, a kernel its ``jax=`` implementation
-(else its torch function through this target), einsum ``jnp.einsum``. The ATen ops between them have rules of their own
+(else its torch function through this target), einsum ``jnp.einsum``. ``assume_pure_on_jax(fn)``
+(``passes/jax/pure.py``) runs a ``hops.assume_pure`` function as one jitted ``jax.vjp`` call on
+torch tensors, its backward the vjp function's. The ATen ops between them have rules of their own
 (``passes/jax/aten.py``: why not torchax's table is said there); an op without one is refused
 with ``NoJaxRule`` naming it when the graph is lowered. ``passes/jax/graph.py`` evaluates the
 lowered graph on jax values.
@@ -26,9 +28,10 @@ import torch.fx as fx
 
 from passes.jax.aten import NoJaxRule
 from passes.jax.graph import jax_function
+from passes.jax.pure import assume_pure_on_jax
 from passes.jax.rules import TARGET, lower_hops
 
-__all__ = ["lower_to_jax", "NoJaxRule", "TARGET"]
+__all__ = ["lower_to_jax", "assume_pure_on_jax", "NoJaxRule", "TARGET"]
 
 
 def lower_to_jax(gm: fx.GraphModule) -> Callable[..., Any]:

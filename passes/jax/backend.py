@@ -13,7 +13,7 @@ rest is the forward and backward as two programs, residuals crossing to torch be
 
 Found by name (``backend="hops_jax"``) through the ``torch_dynamo_backends`` entry point. A
 first slice: CPU tensors only (a tensor on another device is refused, naming it); one mesh per
-graph. Not yet: ``hops.assume_pure`` through ``jax.vjp``.
+graph. ``hops.assume_pure`` through ``jax.vjp``: ``passes/jax/pure.py``.
 """
 
 from __future__ import annotations
