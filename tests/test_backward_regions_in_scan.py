@@ -208,3 +208,33 @@ def test_double_backward_through_a_traced_body_hop(body):
     got = make_fx(second_order(BODIES[body]()), tracing_mode="fake")(h, ws)(h, ws)
     for name, a, b in zip(("d/dh", "d/dws"), got, expected):
         torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("wrap", ["local_map", "named_scope"])
+@pytest.mark.parametrize("frontend", ["fake", "compile_aot_eager"])
+def test_a_users_create_graph_gradient_over_a_region_holding_sdpa_traces_like_eager(wrap, frontend):
+    """The user asks for a gradient with ``create_graph=True`` over a region holding SDPA and
+    reads it (a gradient penalty): the backward region is differentiable in principle, but its
+    SDPA backward has no derivative. As eager torch: the program traces and runs, and only
+    differentiating that gradient again raises autograd's error."""
+    attend = WRAPPERS[wrap](attention)
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(BATCH, SEQ, DIM, generator=g), torch.randn(DIM, DIM, generator=g) / DIM
+
+    def penalty_of(attend):
+        def penalty(h, w):
+            (grad,) = torch.autograd.grad(layer(h, w, attend).square().sum(), w, create_graph=True)
+            return grad.square().sum()
+
+        return penalty
+
+    penalty = penalty_of(attend)
+    expected = penalty_of(attention)(h, w.clone().requires_grad_())
+    if frontend == "compile_aot_eager":
+        torch._dynamo.reset()
+        got = torch.compile(penalty, backend="aot_eager")(h, w.clone().requires_grad_())
+    else:
+        got = make_fx(penalty, tracing_mode=frontend)(h, w.clone().requires_grad_())(h, w.clone().requires_grad_())
+        with pytest.raises(RuntimeError, match=r"derivative for .*flash_attention_for_cpu_backward is not implemented"):
+            make_fx(lambda h, w: torch.autograd.grad(penalty(h, w), w), tracing_mode=frontend)(h, w.clone().requires_grad_())
+    torch.testing.assert_close(got, expected)

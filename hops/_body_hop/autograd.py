@@ -7,13 +7,13 @@ reference semantics above autograd (``needs_traced_autograd`` tells the two apar
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from hops._body_hop.joint import is_tracing
 
-__all__ = ["AutogradPlan", "HopFunction", "needs_traced_autograd"]
+__all__ = ["AutogradPlan", "HopFunction", "NotDifferentiablePlan", "needs_traced_autograd", "lacks_a_derivative"]
 
 
 def needs_traced_autograd(values: Sequence[Any]) -> bool:
@@ -38,6 +38,30 @@ class AutogradPlan:
 
     # The structure of the body's result (the HOP's results are returned in it).
     treespec: Any = None
+
+
+def lacks_a_derivative(error: BaseException) -> bool:
+    """Whether ``error`` is autograd's for differentiating an op that has no derivative formula
+    (``derivative for aten::... is not implemented``): a CPU kernel's backward, differentiated
+    again, is one."""
+    return isinstance(error, RuntimeError) and "derivative for" in str(error) and "is not implemented" in str(error)
+
+
+class NotDifferentiablePlan(AutogradPlan):
+    """The plan of a call whose body holds an op without a derivative (``lacks_a_derivative``):
+    the call runs as one HOP node, and only differentiating its results raises the error, as
+    torch does for such an op itself. (A backward region differentiated again, under
+    ``create_graph=True``, is one: its second derivative is never asked for by a gradient
+    that is only read.)"""
+
+    def __init__(self, hop: Any, body: Callable, spec: Any, error: RuntimeError) -> None:
+        self.hop, self.body, self.spec, self.error = hop, body, spec, error
+
+    def forward(self, operands: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]]:
+        return self.hop(self.body, *operands, self.spec), []
+
+    def backward(self, saved: Sequence[Any], cotangents: Sequence[Any]) -> Sequence[Any]:
+        raise RuntimeError(str(self.error)) from self.error
 
 
 class HopFunction(torch.autograd.Function):

@@ -52,7 +52,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
 from hops import _compat, _dynamo, _inductor
-from hops._body_hop.autograd import AutogradPlan, HopFunction, needs_traced_autograd
+from hops._body_hop.autograd import AutogradPlan, HopFunction, NotDifferentiablePlan, lacks_a_derivative, needs_traced_autograd
 from hops._body_hop.body import at_boundary, distinct_tensors
 from hops._body_hop.body_record import is_known_functional, known_functional
 from hops._body_hop.flat_body import FlatBody, OptionBodies, map_options, option_body
@@ -337,7 +337,12 @@ class BodyHOP(HigherOrderOperator):
         if not any(isinstance(o, torch.Tensor) and o.requires_grad for o in operands) or not torch.is_grad_enabled():
             with torch._C._AutoDispatchBelowAutograd():
                 return self(body, *operands, spec)
-        plan = self.autograd_plan(body, operands, spec)
+        try:
+            plan = self.autograd_plan(body, operands, spec)
+        except RuntimeError as error:  # tracing the joint differentiated an op without a derivative
+            if not lacks_a_derivative(error):
+                raise
+            plan = NotDifferentiablePlan(self, body, spec, error)
         if isinstance(body, FlatBody) and body.treespec is None:  # a plan reused from an equal call
             body.treespec = plan.treespec
         return HopFunction.apply(plan, *operands)
