@@ -98,3 +98,70 @@ def test_mark_sharding_with_gradients_inside_a_scan_body():
     torch.testing.assert_close(ys.cpu(), torch.stack([xs_cpu[:i].sum() for i in range(1, 4)]))
     (grad,) = torch.autograd.grad(last.sum() + ys.sum(), init)
     torch.testing.assert_close(grad.cpu(), torch.full((8,), 4.0))
+
+
+def _causal_bias_from_ones(s):
+    # SDPA's math path on XLA: a boolean lower triangle of ones, made into a float bias.
+    n = s.shape[-1]
+    keep = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
+    return torch.where(keep, torch.scalar_tensor(0.0, device=s.device), torch.scalar_tensor(float("-inf"), device=s.device))
+
+
+def _causal_bias_from_arange(s):
+    n = s.shape[-1]
+    rows = torch.arange(n, device=s.device)
+    return torch.full((n, n), float("-inf"), device=s.device).masked_fill(rows[:, None] >= rows[None, :], 0.0)
+
+
+def _attention_with(bias):
+    def attention(q, k, v):
+        scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+        return torch.softmax(scores + bias(scores), -1) @ v
+
+    return attention
+
+
+def _sdpa_causal(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [_attention_with(_causal_bias_from_ones), _attention_with(_causal_bias_from_arange), _sdpa_causal],
+    ids=["ones_tril_where", "arange_full", "sdpa_is_causal"],
+)
+def test_a_scan_step_whose_region_makes_tensors_trains_like_the_loop(attention):
+    """A scan step holding a ``local_map`` region whose body makes tensors (a causal mask, as
+    SDPA's math path does on XLA), the step writing in place (its joint has writes, so it is
+    traced again through functionalization): run eagerly on XLA tensors, the loss and the
+    gradients of the carry and the stacked weights equal the Python loop on CPU. The region's
+    body, traced under that functionalization, once made its tensors for real on XLA."""
+    heads = ((Shard(0), Shard(1)),)  # [batch, heads, seq, dim]: batch over "data", heads over "model"
+    region = hops.local_map(attention, mesh=MESH, in_placements=heads * 3, out_placements=heads)
+
+    def step(h, w):
+        q = h @ w
+        q = q.clone()
+        q[:, :, 0] = q[:, :, 0] * 2
+        return h + region(q, h, q), q.sum()
+
+    def loop(h, ws):
+        ys = []
+        for w in ws:
+            h, y = step(h, w)
+            ys.append(y)
+        return h, torch.stack(ys)
+
+    torch.manual_seed(0)
+    h0, ws = torch.randn(2, 2, 8, 4), torch.randn(3, 4, 4) * 0.3
+
+    def loss_and_grads(run, where):
+        h, w = h0.to(where).requires_grad_(), ws.to(where).requires_grad_()
+        last, ys = run(h, w)
+        loss = last.square().sum() + ys.sum()
+        return [t.cpu() for t in (loss, *torch.autograd.grad(loss, (h, w)))]
+
+    expected = loss_and_grads(loop, "cpu")
+    got = loss_and_grads(lambda h, w: hops.scan(step, h, w), device())
+    for name, a, b in zip(("loss", "grad h", "grad ws"), got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")

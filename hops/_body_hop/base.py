@@ -217,11 +217,16 @@ class BodyHOP(HigherOrderOperator):
         unwrapped = ctx.unwrap_tensors(list(operands))
         if not is_known_functional(body):
             options = range(self.num_options(spec)) if isinstance(body, OptionBodies) else [self.active_option(spec)]
-            for index in options:
-                with disable_proxy_modes_tracing():
-                    examples = self.body_inputs(unwrapped, self.option_spec(spec, index))
-                option = option_body(body, index)
-                self.refuse_mutation(trace_graph(option, examples), option)
+            # The body is traced as written, below this functionalization layer. Under
+            # ``torch.func.functionalize`` (a joint with writes traced again) the layer would
+            # otherwise wrap the trace's fresh inputs, hiding their fake mode from the tracer:
+            # tensors the body makes (SDPA's causal mask on XLA) would then be made for real.
+            with ctx.redispatch_to_next():
+                for index in options:
+                    with disable_proxy_modes_tracing():
+                        examples = self.body_inputs(unwrapped, self.option_spec(spec, index))
+                    option = option_body(body, index)
+                    self.refuse_mutation(trace_graph(option, examples), option)
         with ctx.redispatch_to_next():
             if is_tracing(operands):
                 functional = map_options(
