@@ -491,8 +491,7 @@ def annotated_scan(dim=0, reverse=False, unroll=1, activation=torch.tanh, region
 CHANGES = {
     "spec": {"dim": 1},  # one annotation: S(0) -> S(1)
     "placement": {"region": (Shard(0), Shard(1))},  # one placement of a region
-    "reverse": {"reverse": True},  # one scan option
-    "unroll": {"unroll": 2},
+    "reverse": {"reverse": True},  # one scan option (the others enter the key the same way)
     "body": {"activation": torch.sin},  # the body's code
 }
 

@@ -23,7 +23,7 @@ import hops
 
 BATCH, LENGTH, WIDTH = 2, 5, 3
 
-SEEDS = 4  # generated chains (each compiles a forward and a backward)
+SEEDS = 2  # generated chains (each compiles a forward and a backward: 10-30 s with a cold cache)
 
 # A step's parameters: (name, shape); the step reads those it closes over.
 SHAPES = {"gain": (WIDTH,), "shift": (WIDTH,), "decay": (WIDTH,), "mix": (WIDTH, WIDTH)}
