@@ -46,7 +46,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 
 from hops import _compat, _dynamo, _inductor
-from hops._body_hop.body import version_counter
+from hops._body_hop.body import version_counter, wrap_functional
 from hops._body_hop.joint import is_tracing
 from hops._body_hop.subgraph import fresh_outputs, refuse_untracked_xla_operands
 from hops._errors import call_prefix
@@ -514,7 +514,7 @@ def _functionalize(kernel_hop: Kernel, ctx: Any, *tensors_and_params: Any):
     unwrapped = ctx.unwrap_tensors(tensors)
     with ctx.redispatch_to_next():
         outputs = kernel_hop(*unwrapped, params)
-    return ctx.wrap_tensors(outputs)
+    return wrap_functional(ctx, outputs)
 
 
 # --------------------------------------------------------------------------- proxy

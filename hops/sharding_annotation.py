@@ -26,6 +26,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 
 from hops import _compat, _dynamo, _inductor
+from hops._body_hop.body import wrap_functional
 from hops._body_hop.subgraph import refuse_untracked_xla_operands
 from hops._targets import load_device_rules
 from hops.specs import Shard, ShardingSpec
@@ -132,7 +133,7 @@ def _functionalize(ctx: Any, x: torch.Tensor, spec: ShardingSpec):
     unwrapped = ctx.unwrap_tensors(x)
     with ctx.redispatch_to_next():
         out = sharding_annotation_hop(unwrapped, spec)
-    return ctx.wrap_tensors(out)
+    return wrap_functional(ctx, out)
 
 
 # --------------------------------------------------------------------------- proxy

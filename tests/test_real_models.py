@@ -367,6 +367,48 @@ def test_exported_scanned_layers_run_on_xla(name):
     torch.testing.assert_close(loss.cpu(), expected_loss, rtol=1e-4, atol=1e-5)
 
 
+
+def to_device_keeping_ties(module: torch.nn.Module, device) -> None:
+    """``module.to(device)`` with its tied parameters still one parameter: moving to XLA makes
+    a new parameter per owner (GPT-2's embedding and output head would train apart)."""
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for owner in module.modules():
+        for name, p in owner._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((owner, name))
+    module.to(device)
+    for tied in owners.values():
+        (first, first_name), *rest = tied
+        for owner, name in rest:
+            setattr(owner, name, getattr(first, first_name))
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("name", some("hf_gpt2_sdpa"))
+def test_scanned_layers_with_a_region_compile_with_hops_xla(name):
+    """``torch.compile(backend="hops_xla")`` of the scanned layers, the attention a ``local_map``
+    region (SDPA with a causal mask), on XLA tensors: the plain model's loss and gradients. On
+    torch 2.9 Dynamo graph-breaks at the scan (``_compat.DYNAMO_SPECULATES_FUNCTIONAL_CALL``):
+    the scan runs eagerly on XLA (its joint, which has writes, traced again through
+    functionalization with the region's body in it) and the graph after the break takes the
+    scan's outputs, which Dynamo fakeifies."""
+    import torch_xla
+
+    real = build(name)
+    (ids, targets), (expected_loss, expected_grads) = reference(real)
+    region = rm.region_attention(real)
+    tensors = rm.layer_tensors(region)
+    scanned = rm.ScannedDecoder(region)
+    device = torch_xla.device()
+    to_device_keeping_ties(scanned, device)
+    torch._dynamo.reset()
+    compiled = torch.compile(LossOf(scanned), backend="hops_xla", fullgraph=_compat.DYNAMO_SPECULATES_FUNCTIONAL_CALL)
+    loss = compiled(ids.to(device), targets.to(device), *[t.to(device) for t in tensors])
+    loss.backward()
+    torch_xla.sync()
+    grads = {n: None if g is None else g.cpu() for n, g in scanned.grads_by_plain_name().items()}
+    assert_same(loss.detach().cpu(), grads, expected_loss, expected_grads, rtol=1e-4, atol=1e-5)
+
 # The solver's plans on 4 gloo processes: one spawn for every model (spawning is the cost).
 DTENSOR_MODELS = some("hf_llama_sdpa", "torchtitan_llama3")
 DTENSOR_TIMEOUT_SECONDS = 300

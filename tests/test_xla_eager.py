@@ -165,3 +165,36 @@ def test_a_scan_step_whose_region_makes_tensors_trains_like_the_loop(attention):
     got = loss_and_grads(lambda h, w: hops.scan(step, h, w), device())
     for name, a, b in zip(("loss", "grad h", "grad ws"), got, expected):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+_HEADS = ((Shard(0), Shard(1)),)
+HOPS_RUN_EAGERLY = {
+    "scan": lambda x, w: hops.scan(lambda c, r: (torch.tanh(c @ r), c.sum()), x, w)[0],
+    "local_map": lambda x, w: hops.local_map(lambda t: t * 2 + t.sum(), mesh=MESH, in_placements=_HEADS, out_placements=_HEADS)(x @ w[0]),
+    "annotate_sharding": lambda x, w: hops.annotate_sharding(x @ w[0], ROWS),
+}
+
+
+@pytest.mark.parametrize("hop", HOPS_RUN_EAGERLY)
+def test_outputs_of_hops_run_eagerly_on_xla_feed_a_compiled_function(hop):
+    """A HOP's results on XLA tensors outside any tracer are XLA tensors like torch_xla's own
+    (no functorch level), so a compiled function takes them: on torch 2.9 a compiled model
+    graph-breaks at a scan, which runs eagerly, and the graph after the break is handed its
+    results (Dynamo once refused them while fakeifying). The loss and the weights' gradient
+    equal CPU's."""
+    x, w = torch.randn(8, 4), torch.randn(3, 4, 4) * 0.5
+
+    def loss_and_grad(where, compile):
+        weights = w.to(where).requires_grad_()
+        out = HOPS_RUN_EAGERLY[hop](x.to(where), weights)
+        assert not torch._C._functorch.is_functorch_wrapped_tensor(out)
+
+        def tail(t):
+            return (t.sin() * 3).sum()
+
+        loss = (torch.compile(tail, backend="hops_xla", fullgraph=True) if compile else tail)(out)
+        return [t.cpu() for t in (loss, *torch.autograd.grad(loss, weights))]
+
+    torch._dynamo.reset()
+    for got, expected in zip(loss_and_grad(device(), True), loss_and_grad("cpu", False)):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -53,7 +53,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, trac
 
 from hops import _compat, _dynamo, _inductor
 from hops._body_hop.autograd import AutogradPlan, HopFunction, NotDifferentiablePlan, lacks_a_derivative, needs_traced_autograd
-from hops._body_hop.body import at_boundary, distinct_tensors
+from hops._body_hop.body import at_boundary, distinct_tensors, wrap_functional
 from hops._body_hop.body_record import is_known_functional, known_functional
 from hops._body_hop.flat_body import FlatBody, OptionBodies, map_options, option_body
 from hops._body_hop.joint import is_tracing, trace_graph
@@ -236,7 +236,7 @@ class BodyHOP(HigherOrderOperator):
             else:
                 # A device rule (XLA) traces the body itself, on fakes: it gets the body as is.
                 outputs = self(body, *unwrapped, spec)
-        return ctx.wrap_tensors(outputs)
+        return wrap_functional(ctx, outputs)
 
     def has_device_rule(self, operands: Sequence[Any]) -> bool:
         """Whether a lowering target registered this HOP's eager rule for the operands' device

@@ -85,6 +85,19 @@ def unwrap_functional(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def wrap_functional(ctx: Any, values: Any) -> Any:
+    """``ctx.wrap_tensors(values)`` for a HOP's functionalize rule, except under torch's C++
+    functionalization (XLA and lazy tensors outside any tracer): there torch wraps results at
+    functorch level 0, which makes them look like ``torch.func.functionalize``'s tensors to
+    whoever inspects them (Dynamo, fakeifying a graph break's inputs, asserts on them). They are
+    wrapped as torch_xla wraps its own tensors instead: without a functorch level."""
+    from torch._subclasses.functional_tensor import CppFunctionalizeAPI
+
+    if type(ctx) is CppFunctionalizeAPI:
+        return pytree.tree_map_only(torch.Tensor, torch._to_functional_tensor, values)
+    return ctx.wrap_tensors(values)
+
+
 def version_counter(t: torch.Tensor) -> int | None:
     """``t._version``, or None for an inference tensor (created under ``torch.inference_mode``),
     which has no version counter: in-place writes into one go unseen by the checks that
