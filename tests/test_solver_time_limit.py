@@ -12,6 +12,7 @@ import numpy as np
 from passes.solver import NoPlanFoundError, peak_usage, problem_cost, solve_problem
 from passes.solver.deadline import solve_model_by
 from passes.solver.families import contest_like
+from passes.solver.search import Search
 from passes.solver.solve import Factor, MemoryTerm, choice_problem
 
 
@@ -36,6 +37,26 @@ def test_the_plain_front_returns_its_best_plan_within_the_time_limit():
     took = time.perf_counter() - began
     assert within_contract(took, 3.0), took
     assert solution.gap > 0  # cut short: the contract, not the problem's ease, ended it
+    assert peak_usage(problem, solution.strategies) <= problem.usage_limit
+    assert problem_cost(problem, solution.strategies) == solution.cost < math.inf
+
+
+def test_the_contract_holds_on_a_slow_machine(monkeypatch):
+    # A loaded machine, simulated: compressing an edge's table to classes (which the pair
+    # count, the integer programs and their bounds need) takes 3 ms. The steps between two
+    # looks at the deadline must stay short then too (they were up to 1024 edges long: 3 s).
+    compress = Search.edge_classes
+
+    def slow(self, k):
+        time.sleep(0.003)
+        return compress(self, k)
+
+    monkeypatch.setattr(Search, "edge_classes", slow)
+    problem = contest_like(0, 1500, forbidden=0.0)
+    began = time.perf_counter()
+    solution = solve_problem(problem, time_limit=1.0, search="exact")
+    took = time.perf_counter() - began
+    assert within_contract(took, 1.0), took
     assert peak_usage(problem, solution.strategies) <= problem.usage_limit
     assert problem_cost(problem, solution.strategies) == solution.cost < math.inf
 

@@ -25,8 +25,8 @@ from passes.solver.highs_worker import _read, _write, solve_model
 
 __all__ = ["solve_model_by", "start_workers", "wait_for_workers", "CANCEL_GRACE"]
 
-# Seconds a run may take past its deadline before its worker is killed (HiGHS's answer to its
-# own time limit is usually this prompt), and that a caller keeps for it.
+# Seconds before the deadline HiGHS's own time limit ends (its answer to that limit is usually
+# this prompt): the worker is killed at the deadline itself, so a run ends by it, answer and all.
 CANCEL_GRACE = 0.1
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "highs_worker.py")
@@ -108,22 +108,23 @@ def _shutdown() -> None:
 def solve_model_by(model: dict, deadline: float = math.inf) -> dict | None:
     """``highs_worker.solve_model(model)`` ended by ``deadline`` (a ``time.perf_counter()``
     value; ``inf``: in this process, no limit): HiGHS gets the time left as its own limit and
-    its worker is killed at the deadline (plus ``CANCEL_GRACE``). None if it had no answer."""
+    its worker is killed at the deadline (HiGHS's own limit ends ``CANCEL_GRACE`` before it, the
+    time to hand its answer back). None if it had no answer."""
     if not math.isfinite(deadline):
         return solve_model(model)
     left = deadline - time.perf_counter()
     if left <= 0:
         return None
     # The worker sets HiGHS's limit from the wall clock when it has the model (a new worker
-    # may still be importing HiGHS).
-    model = dict(model, wall_deadline=time.time() + left)
+    # may still be importing HiGHS), the time to answer kept (but never under half the time left).
+    model = dict(model, wall_deadline=time.time() + max(0.5 * left, left - CANCEL_GRACE))
     process = _worker()
     try:
         if not _wait_ready(process, deadline):
             _kill(process)
             return None
         _write(process.stdin, model)
-        ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline + CANCEL_GRACE - time.perf_counter()))
+        ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.perf_counter()))
         if not ready:
             _kill(process)
             return None

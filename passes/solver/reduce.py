@@ -333,7 +333,7 @@ class Reduced:
             rounds += 1
             touched: set[int] = set()
             while self._dirty:
-                if len(self._dirty) % 512 == 0 and time.perf_counter() >= deadline:
+                if len(self._dirty) % 64 == 0 and time.perf_counter() >= deadline:
                     break
                 eid = self._dirty.pop()
                 if eid not in self.edges:
@@ -348,7 +348,7 @@ class Reduced:
                 elif eid not in self.edges:
                     touched.update((i, j))
             for count, node in enumerate(queue):
-                if count % 512 == 0 and time.perf_counter() >= deadline:
+                if count % 64 == 0 and time.perf_counter() >= deadline:
                     break
                 if self.removed[node]:
                     continue

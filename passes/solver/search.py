@@ -48,7 +48,7 @@ from typing import Sequence
 import numpy as np
 
 from passes.solver import wcsp
-from passes.solver.deadline import CANCEL_GRACE, start_workers, wait_for_workers
+from passes.solver.deadline import start_workers, wait_for_workers
 from passes.solver.milp import MIP_GAP, solve_neighbourhood
 from passes.solver.problem import (
     InfeasiblePlacementError,
@@ -83,22 +83,50 @@ class Search:
         self.rhs = reduced.rhs
         self.edges = []  # (local i, local j, matrix)
         self.adjacent: list[list[tuple[int, np.ndarray, np.ndarray]]] = [[] for _ in self.nodes]
-        finite_max = sum(float(np.max(c[np.isfinite(c)], initial=0.0)) for c in self.cost)
         self.edge_class_ids = []
         for eid, (i, j, m) in reduced.edges.items():
-            li, lj = local[i], local[j]
-            self.edges.append((li, lj, m))
+            self.edges.append((local[i], local[j], m))
             self.edge_class_ids.append(eid)
-            finite_max += float(np.max(m[np.isfinite(m)], initial=0.0))
         self.edge_i = np.array([e[0] for e in self.edges], dtype=np.int64)
         self.edge_j = np.array([e[1] for e in self.edges], dtype=np.int64)
+        # Every node's costs (and usages), and every edge's table, flat, one after the other (the
+        # sums over a plan as one gather: a Python loop per node or edge took most of a second of
+        # a 2 s time limit on a 4000-node problem with the machine busy).
+        sizes = np.array([len(c) for c in self.cost], dtype=np.int64)
+        self.cost_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        flat_cost = np.concatenate([np.zeros(0), *self.cost])
+        self.edge_cols = np.array([m.shape[1] for _, _, m in self.edges], dtype=np.int64)
+        edge_sizes = np.array([m.size for _, _, m in self.edges], dtype=np.int64)
+        self.edge_start = np.concatenate([[0], np.cumsum(edge_sizes)]).astype(np.int64)
+        flat_edges = np.concatenate([np.zeros(0), *(m.ravel() for _, _, m in self.edges)])
+        finite_max = _finite_max_sum(flat_cost, self.cost_start) + _finite_max_sum(flat_edges, self.edge_start)
         # A forbidden (infinite) choice costs more than any solution without one.
         self.big = 10.0 * (abs(finite_max) + abs(reduced.constant) + 1.0)
-        self.penalized_cost = [np.where(np.isfinite(c), c, self.big) for c in self.cost]
-        for li, lj, m in self.edges:
-            penalized = np.where(np.isfinite(m), m, self.big)
+        self.flat_penalized = np.where(np.isfinite(flat_cost), flat_cost, self.big)
+        self.flat_edges = np.where(np.isfinite(flat_edges), flat_edges, self.big)
+        self.penalized_cost = np.split(self.flat_penalized, self.cost_start[1:-1]) if len(sizes) else []
+        penalized_tables = np.split(self.flat_edges, self.edge_start[1:-1]) if len(self.edges) else []
+        for (li, lj, m), penalized in zip(self.edges, penalized_tables):
+            penalized = penalized.reshape(m.shape)
             self.adjacent[li].append((lj, penalized, m))
             self.adjacent[lj].append((li, penalized.T, m.T))
+        # Per node, its strategies' costs and usages padded with inf to the most strategies (for
+        # the cheapest, and smallest-usage, strategy of every node at once).
+        width = int(sizes.max(initial=1))
+        self.padded_cost = np.full((len(sizes), width), np.inf)
+        self.padded_usage = np.full((len(sizes), width), np.inf)
+        column = np.arange(int(self.cost_start[-1])) - np.repeat(self.cost_start[:-1], sizes)
+        row = np.repeat(np.arange(len(sizes)), sizes)
+        self.padded_cost[row, column] = self.flat_penalized
+        memory_nodes = np.flatnonzero(self.memory)
+        self.whole_usages = True
+        if len(memory_nodes):
+            flat_usage = np.concatenate([np.zeros(0), *(self.usage[v] for v in memory_nodes.tolist())])
+            usage_sizes = sizes[memory_nodes]
+            self.whole_usages = bool(np.all(flat_usage == np.round(flat_usage))) and float(np.abs(flat_usage).sum()) < 2.0**52
+            first = np.concatenate([[0], np.cumsum(usage_sizes)[:-1]])
+            column = np.arange(len(flat_usage)) - np.repeat(first, usage_sizes)
+            self.padded_usage[np.repeat(memory_nodes, usage_sizes), column] = flat_usage
         self.rng = np.random.default_rng(seed)
         self.s = np.zeros(len(self.nodes), dtype=np.int64)
         self.load = np.zeros(len(self.rhs))
@@ -128,16 +156,12 @@ class Search:
     def start(self, least_usage: bool) -> None:
         """Every node on its cheapest strategy, or (``least_usage``) memory nodes on their smallest
         usage, which meets the memory limit whenever anything does."""
-        for v in range(len(self.nodes)):
-            if self.memory[v] and least_usage:
-                u = self.usage[v]
-                candidates = np.flatnonzero(u == u.min())
-                self.s[v] = candidates[np.argmin(self.penalized_cost[v][candidates])]
-            else:
-                self.s[v] = int(np.argmin(self.penalized_cost[v]))
-        self.load[:] = 0.0
-        for v in np.flatnonzero(self.memory):
-            self.load[self.lo[v] : self.hi[v]] += self.usage[v][self.s[v]]
+        cheapest = np.argmin(self.padded_cost, axis=1) if len(self.nodes) else np.zeros(0, dtype=np.int64)
+        if least_usage and self.memory.any():
+            least = self.padded_usage == self.padded_usage.min(axis=1, keepdims=True)
+            frugal = np.argmin(np.where(least, self.padded_cost, np.inf), axis=1)
+            cheapest = np.where(self.memory, frugal, cheapest)
+        self.assign(cheapest.astype(np.int64))
 
     def construct(self, deadline: float, frugal: bool = False, lookahead: bool = True, reverse: bool = False) -> None:
         """Assign nodes one by one in problem order, each to its cheapest strategy that keeps a
@@ -150,7 +174,7 @@ class Search:
         assigned = np.zeros(len(self.nodes), dtype=bool)
         order = range(len(self.nodes) - 1, -1, -1) if reverse else range(len(self.nodes))
         for count, v in enumerate(order):
-            if count % 256 == 0 and time.perf_counter() >= deadline:
+            if count % 64 == 0 and time.perf_counter() >= deadline:
                 return
             total = self.penalized_cost[v].copy()
             total[~open_[v]] += self.big
@@ -191,10 +215,20 @@ class Search:
                     open_[w] = narrowed
 
     def assign(self, strategies: np.ndarray) -> None:
-        self.s = strategies.copy()
+        self.s = np.array(strategies, dtype=np.int64)
         self.load[:] = 0.0
-        for v in np.flatnonzero(self.memory):
-            self.load[self.lo[v] : self.hi[v]] += self.usage[v][self.s[v]]
+        memory = np.flatnonzero(self.memory)
+        if len(memory) and len(self.load) and not self.whole_usages:
+            for v in memory.tolist():
+                self.load[self.lo[v] : self.hi[v]] += self.usage[v][self.s[v]]
+        elif len(memory) and len(self.load):
+            # Each memory node's usage from its first constraint to its last (a difference array:
+            # exact for whole numbers, as the loop above is).
+            used = self.padded_usage[memory, self.s[memory]]
+            change = np.zeros(len(self.load) + 1)
+            np.add.at(change, self.lo[memory], used)
+            np.add.at(change, self.hi[memory], -used)
+            self.load[:] = np.cumsum(change)[:-1]
 
     def excess(self) -> np.ndarray:
         """Per node, what it and its edges cost now above their least (where to look for gains)."""
@@ -216,12 +250,9 @@ class Search:
         return total
 
     def objective(self) -> float:
-        s = self.s
-        total = self.reduced.constant + math.fsum(float(c[a]) for c, a in zip(self.penalized_cost, s.tolist()))
-        for li, lj, m in self.edges:
-            value = m[s[li], s[lj]]
-            total += float(value) if np.isfinite(value) else self.big
-        return total
+        nodes = self.flat_penalized[self.cost_start[:-1] + self.s]
+        edges = self.flat_edges[self.edge_start[:-1] + self.s[self.edge_i] * self.edge_cols + self.s[self.edge_j]]
+        return self.reduced.constant + math.fsum(nodes.tolist()) + math.fsum(edges.tolist())
 
     def violation(self) -> float:
         """Memory above the limit, summed over the constraints."""
@@ -252,7 +283,7 @@ class Search:
             for v in range(len(self.nodes)):
                 if not incident[v]:
                     continue
-                if v % 512 == 0 and time.perf_counter() >= deadline:
+                if v % 64 == 0 and time.perf_counter() >= deadline:
                     return best
                 total = node[v]
                 for k, rows in incident[v]:
@@ -291,7 +322,7 @@ class Search:
             todo = np.flatnonzero(pending) if order is None else order[pending[order]]
             pending[:] = False
             for count, v in enumerate(todo.tolist()):
-                if count % 256 == 0 and time.perf_counter() >= deadline:
+                if count % 64 == 0 and time.perf_counter() >= deadline:
                     break
                 vals = self.values(v)
                 current = self.s[v]
@@ -370,7 +401,7 @@ class Search:
         of a 2 s time limit on a busy machine)."""
         total = 0
         for k in range(len(self.edges)):
-            if k % 256 == 0 and time.perf_counter() >= deadline:
+            if k % 64 == 0 and time.perf_counter() >= deadline:
                 return total + sum(int(np.isfinite(m).sum()) for _, _, m in self.edges[k:])
             total += int(np.isfinite(self.edge_classes(k)[2]).sum())
         return total
@@ -716,15 +747,19 @@ _MEMORY_MILP_SHARE = 0.5
 def _unconstrained_plan(problem: StrategyProblem, dominance: str, seed: int, deadline: float) -> list[int] | None:
     """The problem's optimum without its memory limit (``None`` if its program is too large
     or not solved by ``deadline``)."""
+    if time.perf_counter() >= deadline:
+        return None
     reduced = Reduced(problem, dominance)
     try:
         reduced.reduce(None, deadline)
     except InfeasiblePlacementError:  # pragma: no cover - the constrained reductions said so first
         return None
+    if time.perf_counter() >= deadline:
+        return None
     free = Search(reduced, seed)
     if not len(free.nodes):
         return free.plan()
-    if free.pair_count() > _FULL_MILP_PAIRS:
+    if free.pair_count(deadline) > _FULL_MILP_PAIRS or time.perf_counter() >= deadline:
         return None
     free.start(least_usage=False)
     free.descend(deadline, respect_memory=False)
@@ -738,7 +773,11 @@ def _unconstrained_plan(problem: StrategyProblem, dominance: str, seed: int, dea
 def _answer_reserve(problem: StrategyProblem, time_limit: float) -> float:
     """Seconds of a time limit kept after the search: for a cancelled engine call to stop, and
     for expanding and checking the plan (measured: 0.3 s for 20k nodes and 27k edges)."""
-    return min(0.2 * time_limit, CANCEL_GRACE + 0.1 + 1e-5 * (problem.num_nodes + len(problem.edges)))
+    return min(0.2 * time_limit, _KILL_SECONDS + 0.1 + 1e-5 * (problem.num_nodes + len(problem.edges)))
+
+
+# Seconds for killing a worker at the deadline and reaping it.
+_KILL_SECONDS = 0.1
 
 
 def _integral(problem: StrategyProblem) -> bool:
@@ -1078,6 +1117,16 @@ def _solved_by_axes(
     cost = problem_cost(problem, strategies)
     stats.update(method=stats["search"], seconds=time.perf_counter() - begin, milps=search.milps, **search.milp_sizes)
     return ProblemSolution(strategies, cost, search.lower_bound(), stats)
+
+
+def _finite_max_sum(flat: np.ndarray, start: np.ndarray) -> float:
+    """The sum over the segments ``flat[start[k]:start[k + 1]]`` (none empty) of each one's
+    largest finite value (0 for a segment with none)."""
+    if len(start) < 2:
+        return 0.0
+    finite = np.where(np.isfinite(flat), flat, -np.inf)
+    most = np.maximum.reduceat(finite, start[:-1])
+    return float(np.where(np.isfinite(most), np.maximum(most, 0.0), 0.0).sum())
 
 
 def _renumbered(classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

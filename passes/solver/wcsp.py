@@ -15,7 +15,9 @@ are not whole numbers are scaled and rounded up (the limit down), so every solut
 finds fits; such a model is not exact, and its "no solution" is no proof.
 
 ``solve_wcsp`` runs toulbar2 until ``deadline`` (a ``time.perf_counter()`` value) in a process
-of its own (``wcsp_worker.py``): toulbar2's timer counts CPU time, which on a busy machine
+of its own (``wcsp_worker.py``), which also builds the model (the caller only pickles the
+reduced problem's arrays), so that the model's building, the worker's start and toulbar2's
+search all end at the deadline: toulbar2's timer counts CPU time, which on a busy machine
 runs slower than the wall clock, so the worker gets no limit of its own and is killed at the
 deadline; its best solution so far is read from its log as it goes (each ``New solution``
 line and the values after it), so killing it loses nothing found. ``available()``: whether
@@ -39,13 +41,11 @@ import time
 
 import numpy as np
 
+from passes.solver.wcsp_worker import Scale as _Scale
+
 __all__ = ["available", "solve_wcsp", "WcspResult"]
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wcsp_worker.py")
-# toulbar2's costs are 64-bit integers read through doubles: sums stay below this.
-_COST_RANGE = 1e15
-# Costs that are not whole numbers are scaled so that their span is about this.
-_SCALED_SPAN = 1e12
 _available: bool | None = None
 
 
@@ -75,129 +75,30 @@ class WcspResult:
     seconds: float
 
 
-@dataclasses.dataclass
-class _Scale:
-    base: float  # the cost every solution pays beside toulbar2's (constant and shifts)
-    factor: float  # toulbar2's cost per unit of the problem's
-    slack: float  # the most the rounding can have lowered a solution's toulbar2 cost
-    exact: bool  # the constraints are the problem's own (no usage rounded)
-
-    def to_problem(self, cost: float) -> float:
-        return self.base + (cost - self.slack) / self.factor
-
-    def to_wcsp(self, cost: float) -> float:
-        return (cost - self.base) * self.factor
-
-
-def _whole(values: np.ndarray) -> bool:
-    return bool(np.all(values == np.round(values)))
-
-
-class _OutOfTime(Exception):
-    pass
-
-
-def _checked(items, deadline: float):
-    """``items``, raising ``_OutOfTime`` once ``deadline`` has passed (looked at every 256)."""
-    for k, item in enumerate(items):
-        if k % 256 == 0 and time.perf_counter() >= deadline:
-            raise _OutOfTime
-        yield item
-
-
-def build_model(
-    search, upper: float | None = None, hint: np.ndarray | None = None, seed: int = 0, vns: bool = False, rows=None,
-    deadline: float = math.inf,
-) -> tuple[dict, _Scale]:
-    """The search's reduced problem as the worker's model, and how its costs map back
-    (``_OutOfTime`` past ``deadline``: a large model takes seconds to build)."""
-    costs = [np.asarray(c, dtype=np.float64) for c in search.cost]
-    tables = [(int(i), int(j), np.asarray(m, dtype=np.float64)) for i, j, m in search.edges]
-    base = float(search.reduced.constant)
-    shifted_costs, shifted_tables, span = [], [], 0.0
-    whole = True
-    for c in _checked(costs, deadline):
-        finite = c[np.isfinite(c)]
-        shift = float(finite.min()) if len(finite) else 0.0
-        base += shift
-        shifted_costs.append(c - shift)
-        span += float(finite.max() - shift) if len(finite) else 0.0
-        whole = whole and _whole(finite - shift)
-    for i, j, m in _checked(tables, deadline):
-        finite = m[np.isfinite(m)]
-        shift = float(finite.min()) if len(finite) else 0.0
-        base += shift
-        shifted_tables.append((i, j, m - shift))
-        span += float(finite.max() - shift) if len(finite) else 0.0
-        whole = whole and _whole(finite - shift)
-    terms = len(costs) + len(tables)
-    if whole and span < _COST_RANGE:
-        factor, slack = 1.0, 0.0
-    else:
-        factor = _SCALED_SPAN / span if span > 0 else 1.0
-        slack = 0.5 * terms
-    top = int(math.ceil(span * factor + 0.5 * terms)) + 2
-
-    def scaled(values: np.ndarray) -> list[float]:
-        return np.where(np.isfinite(values), np.round(values * factor), float(top)).tolist()
-
-    unary = [scaled(c) for c in shifted_costs]
-    binary = []
-    for i, j, m in _checked(shifted_tables, deadline):
-        if np.isfinite(m).all() and not m.any():
-            continue
-        binary.append((i, j, scaled(m.reshape(-1))))
-    knapsacks, exact = _knapsacks(search, rows, deadline)
-    model = dict(
-        domains=[len(c) for c in costs], unary=unary, binary=binary, knapsacks=knapsacks, top=top, seed=int(seed) + 1, vns=vns,
-        upper=None if upper is None or not math.isfinite(upper) else float(math.floor((upper - base) * factor + slack)),
+def _data(search, upper, hint, seed: int, vns: bool, rows) -> dict:
+    """What the worker builds its model from (``wcsp_worker.build_model``): the search's
+    reduced problem as plain arrays, quick to pickle (the model's own lists took seconds to
+    build and pickle on a 2000-node problem with the machine busy, all before the deadline
+    was looked at; in the worker, they count against it)."""
+    memory = np.asarray(search.memory, dtype=bool)
+    return dict(
+        costs=[np.asarray(c, dtype=np.float64) for c in search.cost],
+        tables=[(int(i), int(j), np.asarray(m, dtype=np.float64)) for i, j, m in search.edges],
+        constant=float(search.reduced.constant),
+        rhs=np.asarray(search.rhs, dtype=np.float64),
+        memory=memory,
+        usages={int(v): np.asarray(search.usage[v], dtype=np.float64) for v in np.flatnonzero(memory).tolist()},
+        lo=np.asarray(search.lo),
+        hi=np.asarray(search.hi),
+        rows=None if rows is None else sorted({int(r) for r in rows}),
+        upper=None if upper is None or not math.isfinite(upper) else float(upper),
         hint=None if hint is None else [int(a) for a in hint],
+        seed=int(seed) + 1,
+        vns=bool(vns),
     )
-    return model, _Scale(base, factor, slack, exact)
 
 
-def _knapsacks(search, rows=None, deadline: float = math.inf) -> tuple[list, bool]:
-    """The reduced problem's memory constraints (``rows``: those of these indices; None:
-    all) as knapsacks (variables, values, coefficients, rhs), and whether they are exact
-    (whole usages and limits; else usages rounded up)."""
-    rhs = np.asarray(search.rhs, dtype=np.float64)
-    memory = np.flatnonzero(search.memory)
-    if not len(rhs) or not len(memory):
-        return [], True
-    usages = {int(v): np.asarray(search.usage[v], dtype=np.float64) for v in memory.tolist()}
-    values = np.concatenate([rhs, *usages.values()])
-    exact = _whole(values) and float(np.abs(values).max(initial=0.0)) * (len(memory) + 1) < _COST_RANGE
-    factor = 1.0 if exact else 1e12 / max(float(np.abs(values).max(initial=0.0)) * (len(memory) + 1), 1e-300)
-    terms: dict[int, tuple] = {}  # per memory node: its values of nonzero usage, their usages, the most
-
-    def node_terms(v: int) -> tuple:
-        found = terms.get(v)
-        if found is None:
-            u = usages[v]
-            c = u if exact else np.ceil(u * factor - 1e-9)
-            used = np.flatnonzero(c > 0)
-            found = terms[v] = (used.tolist(), c[used].astype(np.int64).tolist(), float(c.max(initial=0.0)))
-        return found
-
-    lo, hi = np.asarray(search.lo)[memory], np.asarray(search.hi)[memory]
-    knapsacks = []
-    for k in _checked(range(len(rhs)) if rows is None else sorted({int(r) for r in rows}), deadline):
-        variables, vals, coefs = [], [], []
-        total_max = 0.0
-        for v in memory[(lo <= k) & (hi > k)].tolist():
-            used, c, most = node_terms(v)
-            if not used:
-                continue
-            variables.append(v)
-            vals.append(used)
-            coefs.append(c)
-            total_max += most
-        bound = math.floor(rhs[k] * factor + 1e-9) if not exact else int(rhs[k])
-        if variables and total_max > bound:
-            knapsacks.append((variables, vals, coefs, int(bound)))
-    return knapsacks, exact
-
-
+_SCALE = re.compile(rb"^WCSP-SCALE (\S+) (\S+) (\S+) ([01]) (\d+)")
 _SOLUTION = re.compile(rb"^New solution: ([-+0-9.eE]+)")
 _GAP = re.compile(rb"^(?:Optimality gap|Initial lower and upper bounds): \[([-+0-9.eE]+), ")
 _END = re.compile(rb"^WCSP-END (\w+) (\S+)")
@@ -215,17 +116,15 @@ def solve_wcsp(
     began = time.perf_counter()
     if not available():
         return WcspResult("error", None, -math.inf, 0, 0.0)
-    try:
-        model, scale = build_model(search, upper, hint, seed, vns, rows, deadline)
-    except _OutOfTime:
-        return WcspResult("stopped", None, -math.inf, 0, time.perf_counter() - began)
     if time.perf_counter() >= deadline:
-        return WcspResult("stopped", None, -math.inf, 0, time.perf_counter() - began)
-    n = len(model["domains"])
+        return WcspResult("stopped", None, -math.inf, 0, 0.0)
+    n = len(search.nodes)
+    domains = np.array([len(c) for c in search.cost], dtype=np.int64)
     with tempfile.NamedTemporaryFile(prefix="wcsp-", suffix=".pickle", delete=False) as handle:
-        data = pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(_data(search, upper, hint, seed, vns, rows), protocol=pickle.HIGHEST_PROTOCOL)
         handle.write(struct.pack("<Q", len(data)) + data)
         path = handle.name
+    scale = None
     best = None
     lower = -math.inf
     solutions = 0
@@ -251,12 +150,18 @@ def solve_wcsp(
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
+                if scale is None:
+                    found = _SCALE.match(line)
+                    if found:
+                        base, factor, slack = (float(found.group(k)) for k in (1, 2, 3))
+                        scale = _Scale(base, factor, slack, found.group(4) == b"1", int(found.group(5)))
+                    continue
                 if expect_values:
                     expect_values = False
                     values = line.split()
                     if len(values) == n:
                         chosen = np.array([int(a) for a in values], dtype=np.int64)
-                        if ((chosen >= 0) & (chosen < np.asarray(model["domains"]))).all():
+                        if ((chosen >= 0) & (chosen < domains)).all():
                             best = chosen
                             solutions += 1
                     continue
@@ -281,13 +186,15 @@ def solve_wcsp(
             process.wait()
             process.stdout.close()
         os.unlink(path)
+    if scale is None:  # (stopped before the worker had built its model)
+        return WcspResult("error" if status == "error" else "stopped", None, -math.inf, 0, time.perf_counter() - began)
     if status == "complete":
-        if best is None and model["upper"] is None:
+        if best is None and (upper is None or not math.isfinite(upper)):
             # (Rounded costs do not matter here: every plan toulbar2 could see costs less than top.)
             status = "infeasible" if scale.exact else "error"
         elif scale.exact and scale.factor == 1.0:
             status = "optimal"
     # (With usages rounded up, toulbar2's bound is of a smaller problem's: no bound of this one.)
-    bounded = scale.exact and math.isfinite(lower) and lower < model["top"]
+    bounded = scale.exact and math.isfinite(lower) and lower < scale.top
     problem_lower = scale.to_problem(lower) if bounded else -math.inf
     return WcspResult(status, best, problem_lower, solutions, time.perf_counter() - began)
