@@ -5,7 +5,6 @@ with a proof; the time limit kept by the wall clock with toulbar2 killed at the 
 portfolio never worse than the neighbourhood search alone at the same time limit; without
 pytoulbar2, today's search."""
 
-import itertools
 import math
 import time
 
@@ -18,55 +17,18 @@ from passes.solver import InfeasiblePlacementError, NoPlanFoundError, StrategyPr
 from passes.solver import search as search_module
 from passes.solver.families import contest_like
 from passes.solver.reduce import Reduced
+from tests.helpers.random_problems import brute_force, forbidden_as_1e18_problem
 
 pytestmark = pytest.mark.skipif(not wcsp.available(), reason="pytoulbar2 is not installed")
 
 
 def random_problem(seed, nodes, strategies, edges, forbid, memory):
-    """A random problem with forbidden pairs and strategies at the contest files' 1e18, and
-    its raw arrays for a brute force that knows nothing of the solver's conventions."""
-    rng = np.random.default_rng(seed)
-    sizes = rng.integers(1, strategies + 1, size=nodes)
-    costs = []
-    for k in sizes:
-        c = rng.integers(0, 30, size=k).astype(float)
-        c[rng.uniform(size=k) < 0.1] = 1e18
-        costs.append(c)
-    usages = [rng.integers(0, 10, size=k).astype(float) for k in sizes]
-    starts = rng.integers(0, 5, size=nodes)
-    intervals = np.stack([starts, starts + rng.integers(0, 4, size=nodes)], axis=1)
-    pairs = [tuple(int(v) for v in rng.choice(nodes, size=2, replace=False)) for _ in range(edges)] if nodes > 1 else []
-    matrices = []
-    for i, j in pairs:
-        m = rng.integers(0, 30, size=(sizes[i], sizes[j])).astype(float)
-        m[rng.uniform(size=m.shape) < forbid] = 1e18
-        matrices.append(m)
-    limit = None
-    if memory:
-        probe = StrategyProblem(costs, usages, intervals, np.array(pairs).reshape(-1, 2), matrices)
-        least = peak_usage(probe, [int(np.argmin(u)) for u in usages])
-        most = peak_usage(probe, [int(np.argmax(u)) for u in usages])
-        # (Near the least peak half the time: the memory rows bind, runs add them lazily.)
-        limit = float(rng.integers(max(0, least - 1), (least + 3 if rng.uniform() < 0.5 else most) + 1))
-    problem = StrategyProblem(costs, usages, intervals, np.array(pairs).reshape(-1, 2), matrices, limit)
-    return problem, (costs, usages, intervals, pairs, matrices, limit)
-
-
-def brute_force(raw):
-    """The least cost of a plan paying no 1e18 within the limit (``inf``: none)."""
-    costs, usages, intervals, pairs, matrices, limit = raw
-    best = math.inf
-    steps = range(int(intervals[:, 1].max(initial=0)) + 1)
-    for plan in itertools.product(*(range(len(c)) for c in costs)):
-        terms = [costs[v][a] for v, a in enumerate(plan)] + [m[plan[i], plan[j]] for (i, j), m in zip(pairs, matrices)]
-        if any(t >= 1e18 for t in terms):
-            continue
-        if limit is not None:
-            load = [sum(usages[v][a] for v, a in enumerate(plan) if intervals[v, 0] <= t < intervals[v, 1]) for t in steps]
-            if max(load, default=0.0) > limit:
-                continue
-        best = min(best, math.fsum(terms))
-    return best
+    """A random problem with forbidden pairs and strategies (one in ten) at the contest files'
+    1e18, costs below 30, a memory limit near the least peak half the time (the memory rows
+    bind, runs add them lazily); and its raw arrays for the brute force."""
+    return forbidden_as_1e18_problem(
+        np.random.default_rng(seed), nodes, strategies, edges, forbid, 0.1, memory, limit="near_least", cost_top=30, start_top=5
+    )
 
 
 problems = st.builds(

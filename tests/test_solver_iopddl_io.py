@@ -18,8 +18,8 @@ import passes
 from hops import Mesh
 from passes.solver import peak_usage, problem_cost, read_iopddl, solve_problem, write_iopddl
 from passes.solver.solve import Factor, MemoryTerm, placement_problem
+from tests.helpers.random_problems import forbidden_as_1e18_problem
 from tests.test_solver import SLOW_LINK, Choices, brute_force, random_factors
-from tests.test_solver_problem import forbidden_as_1e18_problem
 
 
 def assert_equal_problems(a, b):

@@ -27,6 +27,8 @@ from passes.solver import (
 from passes.solver import reduce as reduce_module
 from passes.solver import search as search_module
 from passes.solver.deadline import start_workers, wait_for_workers
+from tests.helpers.random_problems import brute_force as brute_force_1e18
+from tests.helpers.random_problems import forbidden_as_1e18_problem
 
 
 def _instance(name):
@@ -342,7 +344,7 @@ class TestTimeLimit:
         solution = solve_problem(problem, time_limit=4.0)
         took = time.perf_counter() - began
         check_solution(problem, solution)
-        assert took < 4.0 + 6.0  # the limit, and slack for a shared machine
+        assert took <= 4.0 + max(1.0, 0.02 * 4.0), took  # the contract (issue 33), machine busy or not
         assert solution.gap > 0  # not proven optimal in that time: the limit cut it short
 
 
@@ -398,58 +400,6 @@ class TestNeighbourhood:
         assert took_heavy > 10  # more heavy than light nodes (the uniform growth: as many of each)
 
 
-def forbidden_as_1e18_problem(rng, nodes, strategies, edges, forbid, forbid_own, memory, large, infinity=1e18, tight=False):
-    """A random problem whose forbidden pairs and strategies carry the contest files' infinity,
-    1e18 (a finite number; or ``infinity``, as ``read_iopddl`` gives them), and, with ``large``, some allowed costs just below it; its raw
-    arrays, for a brute force that knows nothing of the solver's conventions."""
-    sizes = rng.integers(1, strategies + 1, size=nodes)
-    big = [1e15, 3e17, 9.9e17]
-    costs = []
-    for k in sizes:
-        c = rng.integers(0, 20, size=k).astype(float)
-        c[rng.uniform(size=k) < forbid_own] = infinity
-        if large:
-            c[rng.uniform(size=k) < 0.2] = rng.choice(big)
-        costs.append(c)
-    usages = [rng.integers(0, 10, size=k).astype(float) for k in sizes]
-    starts = rng.integers(0, 6, size=nodes)
-    intervals = np.stack([starts, starts + rng.integers(0, 4, size=nodes)], axis=1)
-    pairs = [tuple(int(v) for v in rng.choice(nodes, size=2, replace=False)) for _ in range(edges)] if nodes > 1 else []
-    matrices = []
-    for i, j in pairs:
-        m = rng.integers(0, 20, size=(sizes[i], sizes[j])).astype(float)
-        m[rng.uniform(size=m.shape) < forbid] = infinity
-        if large:
-            m[rng.uniform(size=m.shape) < 0.1] = rng.choice(big)
-        matrices.append(m)
-    limit = None
-    if memory:
-        probe = StrategyProblem(costs, usages, intervals, np.array(pairs).reshape(-1, 2), matrices)
-        least = peak_usage(probe, [int(np.argmin(u)) for u in usages])
-        most = peak_usage(probe, [int(np.argmax(u)) for u in usages])
-        limit = float(least) if tight else float(rng.integers(max(0, least - 2), most + 1))
-    raw = (costs, usages, intervals, pairs, matrices, limit)
-    return StrategyProblem(costs, usages, intervals, np.array(pairs).reshape(-1, 2), matrices, limit), raw
-
-
-def brute_force_raw(raw):
-    """The least cost of a plan that pays no 1e18 and meets the limit, from the raw arrays
-    (``inf``: no such plan)."""
-    costs, usages, intervals, pairs, matrices, limit = raw
-    best = math.inf
-    for plan in itertools.product(*(range(len(c)) for c in costs)):
-        terms = [costs[v][a] for v, a in enumerate(plan)] + [m[plan[i], plan[j]] for (i, j), m in zip(pairs, matrices)]
-        if any(t >= 1e18 for t in terms):
-            continue
-        if limit is not None:
-            steps = range(int(intervals[:, 1].max(initial=0)) + 1)
-            load = [sum(usages[v][a] for v, a in enumerate(plan) if intervals[v, 0] <= t < intervals[v, 1]) for t in steps]
-            if max(load, default=0.0) > limit:
-                continue
-        best = min(best, math.fsum(terms))
-    return best
-
-
 forbidden_problems = st.builds(
     lambda seed, nodes, strategies, edges, forbid, forbid_own, memory, large, infinity: forbidden_as_1e18_problem(
         np.random.default_rng(seed), nodes, strategies, edges, forbid, forbid_own, memory, large, infinity
@@ -469,7 +419,7 @@ forbidden_problems = st.builds(
 # Tight memory limits (the least peak): the cheapest plans break them, so priced rounds run.
 tight_forbidden_problems = st.builds(
     lambda seed, nodes, forbid, infinity: forbidden_as_1e18_problem(
-        np.random.default_rng(seed), nodes, 3, 8, forbid, 0.0, True, False, infinity, tight=True
+        np.random.default_rng(seed), nodes, 3, 8, forbid, 0.0, True, False, infinity, limit="tight"
     ),
     seed=st.integers(0, 2**32 - 1),
     nodes=st.integers(3, 6),
@@ -487,7 +437,7 @@ class TestInfeasibleOnlyWithAProof:
     @given(case=forbidden_problems)
     def test_exact_path_against_brute_force(self, case):
         problem, raw = case
-        best = brute_force_raw(raw)
+        best = brute_force_1e18(raw)
         if math.isinf(best):
             with pytest.raises(InfeasiblePlacementError):
                 solve_problem(problem)
@@ -500,7 +450,7 @@ class TestInfeasibleOnlyWithAProof:
     @given(case=forbidden_problems)
     def test_neighbourhood_and_priced_paths_find_a_plan_when_one_exists(self, case):
         problem, raw = case
-        best = brute_force_raw(raw)
+        best = brute_force_1e18(raw)
         if math.isinf(best):
             return
         with neighbourhoods_only(), priced_rounds(seconds=0.05):
@@ -521,7 +471,7 @@ class TestInfeasibleOnlyWithAProof:
         try:
             reduced.reduce(problem.usage_limit, time.perf_counter() + 5)
         except InfeasiblePlacementError:
-            assert math.isinf(brute_force_raw(raw))
+            assert math.isinf(brute_force_1e18(raw))
             return
         main = search_module.Search(reduced, seed=0)
         if not len(main.nodes):
