@@ -29,7 +29,7 @@ from hops.local_map import local_map_hop
 from hops.named_scope import named_scope_hop
 from hops.scan import scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
-from hops.specs import LocalMapSpec, Partial, Replicate, ShardingSpec
+from hops.specs import LocalMapSpec, Mesh, Partial, Replicate, ShardingSpec
 from passes._infra import PassError, check_spec, graph_modules, hop_row, hop_table, is_package_hop, ordinary_op, typed_spec
 
 Stated = tuple  # (what, mesh, placements, grad placements)
@@ -89,23 +89,24 @@ def _stated_layout(value: Any) -> Stated | None:
     return None
 
 
-def _reduces(made: tuple, placements: tuple) -> bool:
+def _reduces(made: tuple, placements: tuple, mesh: Mesh) -> bool:
     """Whether a statement of ``placements`` agrees with a value a region makes as ``made``:
     the same placement on every mesh axis, except that a pending sum may be reduced into any
-    placement that is not itself a pending sum."""
+    placement that is not itself a pending sum. On an axis of size 1 every placement is the
+    whole value on the one device: any two agree."""
     return len(made) == len(placements) and all(
-        was == stated or (isinstance(was, Partial) and not isinstance(stated, Partial))
-        for was, stated in zip(made, placements)
+        size == 1 or was == stated or (isinstance(was, Partial) and not isinstance(stated, Partial))
+        for size, was, stated in zip(mesh.shape, made, placements)
     )
 
 
-def _enters(expected: tuple, placements: tuple) -> bool:
+def _enters(expected: tuple, placements: tuple, mesh: Mesh) -> bool:
     """Whether a value stated as ``placements`` is what a region input ``expected`` reads: the
     same placement on every mesh axis, except that a replicated value enters as a pending sum
-    locally (one device keeps it, the others add zeros)."""
+    locally (one device keeps it, the others add zeros); any two agree on an axis of size 1."""
     return len(expected) == len(placements) and all(
-        want == stated or (isinstance(want, Partial) and isinstance(stated, Replicate))
-        for want, stated in zip(expected, placements)
+        size == 1 or want == stated or (isinstance(want, Partial) and isinstance(stated, Replicate))
+        for size, want, stated in zip(mesh.shape, expected, placements)
     )
 
 
@@ -125,12 +126,12 @@ def _mismatches(region: fx.Node) -> list[str]:
         what, mesh, placements, grads = stated
         if mesh != spec.mesh:
             problems.append(f"{region.name} input {index}: {what} is on {mesh!r}, the region on {spec.mesh!r}")
-        elif not _enters(spec.in_placements[index], placements):
+        elif not _enters(spec.in_placements[index], placements, mesh):
             problems.append(
                 f"{region.name} input {index}: {what} lays it out as {placements}, the region's "
                 f"in_placements expect {spec.in_placements[index]}"
             )
-        elif grads is not None and not _reduces(grad_placements[index], grads):
+        elif grads is not None and not _reduces(grad_placements[index], grads, mesh):
             problems.append(
                 f"{region.name} input {index}: {what} wants its gradient as {grads}, the region "
                 f"produces {grad_placements[index]}"
@@ -146,7 +147,7 @@ def _mismatches(region: fx.Node) -> list[str]:
             stated = rule.states(consumer, None) if rule is not None else None
             if stated is not None:
                 what, mesh, placements, _ = stated
-                if mesh != spec.mesh or not _reduces(spec.out_placements[index], placements):
+                if mesh != spec.mesh or not _reduces(spec.out_placements[index], placements, mesh):
                     problems.append(
                         f"{region.name} output {index}: {what} lays it out as "
                         f"{placements}, the region's out_placements give {spec.out_placements[index]}"

@@ -135,6 +135,28 @@ class TestCheckPlacements(TestCase):
             with self.assertRaisesRegex(passes.PassError, "hops_local_map output 0: annotation hops_sharding_annotation lays it out as"):
                 passes.check_placements(annotated(changed))
 
+    def test_on_an_axis_of_size_one_every_layout_agrees(self):
+        # One device holds the whole value on such an axis: Shard, Replicate and a pending sum
+        # are the same layout there. A disagreement on another axis is still reported.
+        unit = Mesh((2, 1), ("data", "tensor"))
+        region = hops.local_map(
+            lambda x: x * 2, mesh=unit, in_placements=((Shard(0), Shard(1)),), out_placements=((Shard(0), Partial()),)
+        )
+
+        def annotated(stated_in, stated_out):
+            def plan(x):
+                x = hops.annotate_sharding(x, ShardingSpec(unit, stated_in))
+                return hops.annotate_sharding(region(x), ShardingSpec(unit, stated_out))
+
+            return make_fx(plan)(torch.randn(8, 6))
+
+        for stated in ((Shard(0), Replicate()), (Shard(0), Shard(0)), (Shard(0), Partial())):
+            passes.check_placements(annotated(stated, stated))
+        with self.assertRaisesRegex(passes.PassError, "input 0: annotation .* lays it out as"):
+            passes.check_placements(annotated((Replicate(), Shard(1)), (Shard(0), Replicate())))
+        with self.assertRaisesRegex(passes.PassError, "output 0: annotation .* lays it out as"):
+            passes.check_placements(annotated((Shard(0), Shard(1)), (Shard(1), Replicate())))
+
     def test_mismatches_are_reported_with_their_nodes(self):
         def plan(x, w):
             x = hops.annotate_sharding(x, ShardingSpec(MESH, (Shard(0), Replicate())))  # region wants Shard(1) on model

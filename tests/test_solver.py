@@ -189,7 +189,7 @@ class TestUnitMeshAxes(TestCase):
     @staticmethod
     def program(mesh, data_axis):
         # An annotation stating a Shard on every axis (on a size-1 axis too) and a region.
-        shard_rows = tuple(S0 if i == data_axis else R for i in range(mesh.ndim))
+        shard_rows = tuple(S0 if i == data_axis or mesh.shape[i] == 1 else R for i in range(mesh.ndim))
         everywhere = ShardingSpec(mesh, tuple(S0 if i == data_axis else S1 if mesh.shape[i] == 1 else R for i in range(mesh.ndim)))
         region = hops.local_map(lambda a, b: a @ b, mesh=mesh, in_placements=(shard_rows, tuple(R for _ in mesh.shape)), out_placements=(shard_rows,))
 
@@ -213,6 +213,11 @@ class TestUnitMeshAxes(TestCase):
             problem, owners = placement_problem(graph, SLOW_LINK)
             solution = solve_graph(graph, cost_model=SLOW_LINK, search="exact")
             self.assertEqual(solution.stats["status"], "optimal", name)
+            # The plan applies and checks: the region states Shard(0) on a size-1 axis where
+            # the plan's annotations say Replicate, the same layout there.
+            passes.apply_placements((forward, backward), solution)
+            for gm in (forward, backward):
+                passes.check_placements(gm)
             for key in owners:
                 for strategy in graph.nodes[key]["strategies"]:
                     for placements in strategy.outputs + strategy.inputs:
