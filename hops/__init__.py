@@ -8,8 +8,7 @@ spec values in node args print and run as ``hops.Shard(0)``.
 
 import sys as _sys
 
-from hops import _compat
-from hops import specs as _specs
+from hops import _compat, _export
 from hops.specs import (
     LocalMapSpec,
     Mesh,
@@ -40,10 +39,9 @@ from hops.named_scope import ScopeSpec, named_scope, named_scope_hop  # noqa: E4
 from hops.scan import ScanSpec, scan, scan_hop  # noqa: E402
 from hops.sharding_annotation import annotate_sharding, sharding_annotation_hop  # noqa: E402
 
-# torch.export.save / load write each spec argument as its text and read it back typed.
-_compat.register_export_spec_serialization(
-    lambda value: isinstance(value, _specs._FxLiteral), repr, spec_from_text
-)
+# torch.export.save / load write each spec argument as its text and read it back typed:
+# the import registers a namespace with torch's serializer (see hops/_export.py).
+_export.register()
 
 __all__ = [
     "Mesh",

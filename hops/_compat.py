@@ -522,83 +522,98 @@ def install_inductor_pass(pass_type: type) -> None:
 
 
 # --------------------------------------------------------------------------- torch.export
+#
+# torch.export's serializer (``torch._export.serde.serialize``, private; the same in 2.9, 2.13
+# and 2.15) has one registration point, an extension namespace (``register_extension``): any
+# operator name written ``#<namespace>:<name>`` (a node's target, an operator argument, a
+# ``source_fn_stack`` entry) is read back by that namespace's ``from_op_name``. The package
+# registers the namespace ``hops`` at import; that is all the import does to the serializer.
+#
+# Writing has no registration point on any supported version: the serializer refuses a
+# constant argument of a type it does not know (a spec), and a tuple of subgraphs (a
+# ``local_map`` node with alternatives: its list arguments hold tensors, not graphs), and
+# writes every HOP's target as ``torch.ops.higher_order.<name>``, read back without a call
+# into the package. Reading a tuple of subgraphs back needs the node's arguments regrouped,
+# and nothing is called before them but the target's lookup. So on 2.9, 2.13 and 2.15 the
+# methods in ``EXPORT_PATCHES`` are wrapped, once, each passing what is not the package's to
+# torch's own: not at import, but the first time a HOP node is recorded under torch.export,
+# or a HOP's target is read back from a saved program (its ``#hops:`` name is read before
+# the node's arguments, so a process that only imported the package and loads a program
+# regroups its first node already, and can save the program again).
+EXPORT_PATCHES: tuple[str, ...] = (
+    "torch._export.serde.serialize.GraphModuleDeserializer.deserialize_hoo_inputs",
+    "torch._export.serde.serialize.GraphModuleSerializer.serialize_hoo_inputs",
+    "torch._export.serde.serialize.GraphModuleSerializer.serialize_input",
+    "torch._export.serde.serialize.GraphModuleSerializer.serialize_operator",
+)
+_EXPORT_NAMESPACE = "hops"
 
 
-_SPEC_TAG = "hops.spec:"
+def _export_quote(name: str) -> str:  # ``from_op_name`` gets the text after the one ':'
+    return name.replace("%", "%25").replace(":", "%3A")
 
 
-def register_export_spec_serialization(is_spec: Any, to_text: Any, from_text: Any) -> None:
-    """Let ``torch.export.save`` / ``load`` carry the HOPs' spec arguments: a spec is written
-    as a tagged string of its text form and read back as the same typed value. torch's
-    serializer has no hook for constant arguments of a HOP (its extension registry covers
-    node targets of non-HOP types; opaque value types are 2.13+ and bind to ScriptObjects),
-    so its ``serialize_input`` / ``deserialize_input`` (private, the same in 2.9 .. 2.15)
-    are wrapped, once."""
+def _export_unquote(name: str) -> str:
+    return name.replace("%3A", ":").replace("%25", "%")
+
+
+def register_export_namespace(value_of: Any) -> None:
+    """Register the extension namespace ``hops``: a name written ``#hops:<name>`` is read back
+    as ``value_of(name)``."""
     from torch._export.serde import serialize
 
-    serializer, deserializer = serialize.GraphModuleSerializer, serialize.GraphModuleDeserializer
-    if getattr(serializer.serialize_input, "hops_specs", False):
+    if _EXPORT_NAMESPACE in serialize._deserialization_registry:
         return
-    write, read = serializer.serialize_input, deserializer.deserialize_input
+
+    class HopsExportNames(serialize.ExtensionHandler):
+        # Also the registered "node target type": none is ever an instance of it.
+        @classmethod
+        def namespace(cls) -> str:
+            return _EXPORT_NAMESPACE
+
+        @classmethod
+        def from_op_name(cls, name: str) -> Any:
+            return value_of(_export_unquote(name))
+
+    serialize.register_extension(HopsExportNames, HopsExportNames)
+
+
+def install_export_serializer(name_of: Any, flatten: Any, regroup: Any) -> None:
+    """Wrap the methods in ``EXPORT_PATCHES``, once: a value with a ``name_of`` (a spec, a HOP
+    target, a bodies marker) is written as ``#hops:<name>``; a HOP node's arguments are written
+    ``flatten``-ed and read back ``regroup``-ed."""
+    from torch._export.serde import serialize
+
+    writer, reader = serialize.GraphModuleSerializer, serialize.GraphModuleDeserializer
+    if getattr(writer.serialize_input, "hops_export", False):
+        return
+    write_operator, write_input = writer.serialize_operator, writer.serialize_input
+    write_hop_inputs, read_hop_inputs = writer.serialize_hoo_inputs, reader.deserialize_hoo_inputs
+
+    def named(value: Any) -> str | None:
+        name = name_of(value)
+        return None if name is None else f"#{_EXPORT_NAMESPACE}:{_export_quote(name)}"
+
+    def serialize_operator(self: Any, target: Any) -> str:
+        name = named(target)
+        return write_operator(self, target) if name is None else name
 
     def serialize_input(self: Any, arg: Any, *args: Any, **kwargs: Any) -> Any:
-        if is_spec(arg):
-            return serialize.Argument.create(as_string=_SPEC_TAG + to_text(arg))
-        return write(self, arg, *args, **kwargs)
-
-    def deserialize_input(self: Any, inp: Any) -> Any:
-        value = read(self, inp)
-        if isinstance(value, str) and value.startswith(_SPEC_TAG):
-            return from_text(value[len(_SPEC_TAG) :])
-        return value
-
-    serialize_input.hops_specs = True  # type: ignore[attr-defined]
-    serializer.serialize_input = serialize_input
-    deserializer.deserialize_input = deserialize_input
-    _register_export_body_tuples(serialize, serializer, deserializer)
-
-
-_BODIES_TAG = "hops.bodies:"
-
-
-def _register_export_body_tuples(serialize: Any, serializer: Any, deserializer: Any) -> None:
-    """A HOP node whose first argument is a tuple of subgraphs (a ``local_map`` with
-    alternatives: one body per alternative) has no form in torch's schema (a list argument
-    holds tensors, not graphs): such a tuple is written as a tagged count followed by each
-    subgraph as its own argument, and read back as the tuple. ``serialize_hoo_inputs`` /
-    ``deserialize_hoo_inputs`` (private, the same in 2.9 .. 2.15) are wrapped, once."""
-    write, read = serializer.serialize_hoo_inputs, deserializer.deserialize_hoo_inputs
-
-    def is_bodies(value: Any) -> bool:
-        import torch.fx as fx
-
-        return isinstance(value, (tuple, list)) and len(value) > 0 and all(
-            isinstance(v, fx.Node) and v.op == "get_attr" for v in value
-        )
+        name = named(arg)
+        if name is None:
+            return write_input(self, arg, *args, **kwargs)
+        return serialize.Argument.create(as_operator=name)
 
     def serialize_hoo_inputs(self: Any, args: Any, kwargs: Any) -> Any:
-        if not any(is_bodies(a) for a in args):
-            return write(self, args, kwargs)
-        flat: list[Any] = []
-        for arg in args:
-            flat.extend([f"{_BODIES_TAG}{len(arg)}", *arg] if is_bodies(arg) else [arg])
-        return write(self, flat, kwargs)
+        return write_hop_inputs(self, flatten(args), kwargs)
 
     def deserialize_hoo_inputs(self: Any, inputs: Any) -> Any:
-        args, kwargs = read(self, inputs)
-        if not any(isinstance(a, str) and a.startswith(_BODIES_TAG) for a in args):
-            return args, kwargs
-        grouped: list[Any] = []
-        values = iter(args)
-        for value in values:
-            if isinstance(value, str) and value.startswith(_BODIES_TAG):
-                grouped.append(tuple(next(values) for _ in range(int(value[len(_BODIES_TAG) :]))))
-            else:
-                grouped.append(value)
-        return tuple(grouped), kwargs
+        args, kwargs = read_hop_inputs(self, inputs)
+        return regroup(args), kwargs
 
-    serializer.serialize_hoo_inputs = serialize_hoo_inputs
-    deserializer.deserialize_hoo_inputs = deserialize_hoo_inputs
+    serialize_input.hops_export = True  # type: ignore[attr-defined]
+    writer.serialize_operator, writer.serialize_input = serialize_operator, serialize_input
+    writer.serialize_hoo_inputs, reader.deserialize_hoo_inputs = serialize_hoo_inputs, deserialize_hoo_inputs
 
 
 # DTensor before torch 2.13 (checked: 2.9 differs, 2.13 and 2.15 do not):

@@ -45,7 +45,7 @@ from torch.fx.experimental.proxy_tensor import (
     track_tensor_tree,
 )
 
-from hops import _compat, _dynamo, _inductor
+from hops import _compat, _dynamo, _export, _inductor
 from hops._body_hop.body import version_counter, wrap_functional
 from hops._body_hop.joint import is_tracing
 from hops._body_hop.subgraph import fresh_outputs, refuse_untracked_xla_operands
@@ -526,6 +526,7 @@ def _proxy(kernel_hop: Kernel, mode: ProxyTorchDispatchMode, *tensors_and_params
         outputs = kernel_hop(*tensors_and_params)
     node_args = pytree.tree_map(mode.tracer.unwrap_proxy, tuple(tensors_and_params))
     _inductor.ensure_lowering_pass()
+    _export.note_recorded()
     out_proxy = mode.tracer.create_proxy("call_function", kernel_hop, node_args, {})
     return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
 

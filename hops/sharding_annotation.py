@@ -25,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import (
     track_tensor_tree,
 )
 
-from hops import _compat, _dynamo, _inductor
+from hops import _compat, _dynamo, _export, _inductor
 from hops._body_hop.body import wrap_functional
 from hops._body_hop.subgraph import refuse_untracked_xla_operands
 from hops._targets import load_device_rules
@@ -146,6 +146,7 @@ def _proxy(mode: ProxyTorchDispatchMode, x: torch.Tensor, spec: ShardingSpec):
         out = sharding_annotation_hop(x, spec)
     node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (x, spec))
     _inductor.ensure_lowering_pass()
+    _export.note_recorded()
     out_proxy = mode.tracer.create_proxy("call_function", sharding_annotation_hop, node_args, {})
     return track_tensor_tree(out, out_proxy, constant=None, tracer=mode.tracer)
 

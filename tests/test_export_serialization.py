@@ -329,3 +329,97 @@ def test_a_pass_on_the_programs_module_leaves_the_program_as_exported(lower):
         expected = model(h, xs)
         torch.testing.assert_close(lowered(h, xs), expected)
         torch.testing.assert_close(loaded.module()(h, xs), expected)
+
+
+# --------------------------------------------------------------------------- a fresh process
+#
+# ``import hops`` registers a namespace with torch's serializer and replaces none of its
+# methods; the ones ``_compat.EXPORT_PATCHES`` names are wrapped only once a program holding a
+# HOP is exported, or loaded. A process that imported the package and traced nothing loads
+# programs holding every HOP (a region with alternatives too, its tuple of bodies), runs them,
+# and saves them again.
+
+FRESH_LOAD = """
+import io, sys, torch
+import torch._export.serde.serialize as serialize
+before = functions()
+import hops
+from tests.helpers.hop_db import SAMPLES  # defines the samples' kernels, as a user's module does
+from hops._compat import EXPORT_PATCHES, IMPORT_PATCHES
+assert changed(before, functions()) == sorted(IMPORT_PATCHES), changed(before, functions())
+assert "hops" in serialize._deserialization_registry
+for path in sys.argv[1:]:
+    loaded = torch.export.load(path + ".pt2")
+    inputs, expected, specs = torch.load(path + ".io", weights_only=False)
+    torch.testing.assert_close(loaded.module()(*inputs), expected)
+    got = [(type(a).__name__, repr(a)) for m in loaded.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
+           for n in m.graph.nodes if n.op == "call_function" for a in n.args if isinstance(a, hops.specs._FxLiteral)]
+    assert got == specs, (path, got, specs)
+    buffer = io.BytesIO()
+    torch.export.save(loaded, buffer)
+    buffer.seek(0)
+    torch.testing.assert_close(torch.export.load(buffer).module()(*inputs), expected)
+assert changed(before, functions()) == sorted(IMPORT_PATCHES + EXPORT_PATCHES), changed(before, functions())
+"""
+
+
+def _specs_of(gm):
+    return [
+        (type(a).__name__, repr(a))
+        for m in gm.modules()
+        if isinstance(m, fx.GraphModule)
+        for n in m.graph.nodes
+        if n.op == "call_function"
+        for a in n.args
+        if isinstance(a, _FxLiteral)
+    ]
+
+
+def test_a_process_that_only_imported_hops_loads_runs_and_saves_programs_holding_every_hop(tmp_path):
+    from tests.test_inductor_pass_chaining import subprocess_check
+
+    line = hops.Mesh.of(model=4)
+    alternatives = hops.local_map(
+        lambda x, w: x @ w,
+        mesh=line,
+        in_placements=((hops.Shard(0),), (hops.Replicate(),)),
+        out_placements=((hops.Shard(0),),),
+        alternatives=[hops.RegionPlacements("R, S(1)", "S(1)")],
+    )
+    programs = [(s.name, Module(s.program), detached(s.inputs(0))) for s in SAMPLES]
+    programs.append(("alternatives", Module(alternatives), (torch.randn(8, 6), torch.randn(6, 12))))
+    paths = []
+    for name, module, inputs in programs:
+        exported = torch.export.export(module, inputs)
+        path = str(tmp_path / name)
+        torch.export.save(exported, path + ".pt2")
+        torch.save((inputs, exported.module()(*inputs), _specs_of(exported.graph_module)), path + ".io")
+        paths.append(path)
+    assert any(isinstance(n.args[0], tuple) for n in exported.graph_module.graph.nodes if n.target is hops.local_map_hop)
+    subprocess_check(FRESH_LOAD, *paths)
+
+
+EXPORTS_LAZILY = """
+import torch
+import torch._export.serde.serialize as serialize
+before = functions()
+import hops
+from hops._compat import EXPORT_PATCHES, IMPORT_PATCHES
+def program(x):
+    return hops.annotate_sharding(x * 2, hops.ShardingSpec(hops.Mesh.of(data=2), "S(0)"))
+x = torch.randn(4, 3)
+torch.compile(program, fullgraph=True)(x)
+torch.func.grad(lambda x: program(x).sum())(x)
+assert changed(before, functions()) == sorted(IMPORT_PATCHES), changed(before, functions())
+class M(torch.nn.Module):
+    def forward(self, x):
+        return program(x)
+torch.export.export(M(), (x,))
+assert changed(before, functions()) == sorted(IMPORT_PATCHES + EXPORT_PATCHES), changed(before, functions())
+"""
+
+
+def test_the_serializer_is_wrapped_by_the_first_export_not_by_import_or_compile():
+    from tests.test_inductor_pass_chaining import subprocess_check
+
+    subprocess_check(EXPORTS_LAZILY)

@@ -90,10 +90,12 @@ import inspect, sys, torch
 import torch._dynamo.convert_frame, torch._dynamo.symbolic_convert, torch._dynamo.eval_frame
 import torch._dynamo.variables.functions, torch._dynamo.variables.higher_order_ops
 import torch._inductor.config, torch._functorch.config, torch._dynamo.config
+import torch._export.serde.serialize
 
 MODULES = [
     torch._dynamo.convert_frame, torch._dynamo.symbolic_convert, torch._dynamo.eval_frame,
     torch._dynamo.variables.functions, torch._dynamo.variables.higher_order_ops,
+    torch._export.serde.serialize,
 ]
 
 def functions():
@@ -125,8 +127,8 @@ def changed(before, after):
 
 def test_import_and_compiling_every_sample_replace_no_dynamo_function_and_keep_the_users_pass():
     # Importing the package: the Dynamo HOP-variable table gains this package's entries (a
-    # registration), but no function of Dynamo's frame compiler, tracer or variables is
-    # replaced (on torch 2.9, one method its Dynamo lacks is added: _compat.IMPORT_PATCHES
+    # registration), but no function of Dynamo's frame compiler, tracer or variables, nor of
+    # torch.export's serializer (it gains a namespace, a registration), is replaced (on torch 2.9, one method its Dynamo lacks is added: _compat.IMPORT_PATCHES
     # says so), and no setting of Dynamo, AOTAutograd or inductor is written (the user's pass
     # is theirs). After a program holding each HOP compiled, Dynamo's functions are still
     # torch's and a user's post-grad pass, set before the import and replaced after it, ran
@@ -160,12 +162,12 @@ def test_import_and_compiling_every_sample_replace_no_dynamo_function_and_keep_t
     )
 
 
-def subprocess_check(script: str) -> None:
+def subprocess_check(script: str, *argv: str) -> None:
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SNAPSHOT) + textwrap.dedent(script)],
+        [sys.executable, "-c", textwrap.dedent(SNAPSHOT) + textwrap.dedent(script), *argv],
         capture_output=True,
         text=True,
         timeout=900,

@@ -51,7 +51,7 @@ from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
-from hops import _compat, _dynamo, _inductor
+from hops import _compat, _dynamo, _export, _inductor
 from hops._body_hop.autograd import AutogradPlan, HopFunction, NotDifferentiablePlan, lacks_a_derivative, needs_traced_autograd
 from hops._body_hop.body import at_boundary, distinct_tensors, wrap_functional
 from hops._body_hop.body_record import is_known_functional, known_functional
@@ -320,6 +320,7 @@ class BodyHOP(HigherOrderOperator):
         body_arg = graphs[0] if count == 1 else tuple(graphs)
         node_args = pytree.tree_map(mode.tracer.unwrap_proxy, (body_arg, *operands, spec))
         _inductor.ensure_lowering_pass()
+        _export.note_recorded()
         out_proxy = mode.tracer.create_proxy("call_function", self, node_args, {})
         return track_tensor_tree(outputs, out_proxy, constant=None, tracer=mode.tracer)
 
