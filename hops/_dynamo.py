@@ -20,7 +20,6 @@ replaces a Dynamo function: Dynamo offers no hook to raise another exception in 
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 import os
 import re
@@ -164,14 +163,29 @@ def register_plain_hop(hop: Any) -> None:
 
 
 def _body_failure(tx: Any, error: BaseException) -> BaseException:
-    """What the body raised while Dynamo traced it, as eager would see it: the body's own
-    exception, or the error a fake tensor op raised (of which Dynamo keeps only the text)."""
-    raised = _typed_error(tx, error) or error
-    failed = re.search(r"got (\w+)\((['\"])(.*?)\2\)", str(raised), re.S)
-    if failed is None:
-        return raised
-    kind = getattr(builtins, failed.group(1), None)
-    return (kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError)(failed.group(3))
+    """What the body raised while Dynamo traced it, as eager would see it: the error a fake
+    tensor op raised, or the body's own exception."""
+    return _fake_op_failure(error) or _typed_error(tx, error) or error
+
+
+def _fake_op_failure(error: BaseException) -> BaseException | None:
+    """The exception a fake tensor op raised behind ``error``, the object itself. Dynamo
+    raises its own error for it, from it or while handling it (``raise ... from None`` keeps
+    the context, hidden): a ``TorchRuntimeError`` on 2.9 and 2.13, with on 2.9 and 2.15 a
+    plain ``RuntimeError`` carrying Dynamo's message raised ``from`` the op's, and on 2.15 an
+    ``ObservedException`` on top. The op's is the first in that chain that is not Dynamo's
+    and was not raised from another."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if not _compat.is_dynamo_exception(current) and current.__cause__ is None and current is not error:
+            return current
+        pending += [current.__cause__, current.__context__]
+    return None
 
 
 def _same_lifted_inputs(graphs: list, lifted_per_option: list, num_inputs: int) -> list:

@@ -271,6 +271,36 @@ class GraphModule(torch.nn.Module):
         self.assertIsInstance(compiled.exception.__cause__, ValueError)
         self.assertRegex(str(compiled.exception.__cause__), message)
 
+    def test_an_op_failing_on_an_alternative_raises_its_own_exception_as_eager_does(self):
+        # Dynamo keeps the op's exception in its error's chain, not in its text: the class
+        # (not a builtin) and the message (quotes, a line break) reach the user unchanged.
+        region = projection(lambda x, w: columns_checked_mm(x, w), alternatives=(RegionPlacements("R, S(0)", "P"),))
+        x, w = torch.randn(8, 8), torch.randn(8, 12)
+        with self.assertRaises(ValueError) as eager:
+            region(x, w)
+        self.assertIn("ColumnsError: x has 8 \"columns\",\nw has 2 'rows'", str(eager.exception))
+        torch._dynamo.reset()
+        with self.assertRaises(torch._dynamo.exc.Unsupported) as compiled:
+            torch.compile(lambda x, w: region(x, w), backend="aot_eager", fullgraph=True)(x, w)
+        self.assertIsInstance(compiled.exception.__cause__, ValueError)
+        self.assertEqual(str(compiled.exception.__cause__), str(eager.exception))
+
+
+class ColumnsError(Exception):
+    pass
+
+
+@torch.library.custom_op("hops_tests_alternatives::columns_checked_mm", mutates_args=())
+def columns_checked_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w
+
+
+@columns_checked_mm.register_fake
+def _(x, w):
+    if x.shape[1] != w.shape[0]:
+        raise ColumnsError(f"x has {x.shape[1]} \"columns\",\nw has {w.shape[0]} 'rows'")
+    return x.new_empty(x.shape[0], w.shape[1])
+
 
 class TestAutograd(TestCase):
     def test_forward_and_backward_regions_carry_the_same_alternatives_and_agree_on_the_choice(self):
