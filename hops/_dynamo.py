@@ -175,16 +175,9 @@ def _fake_op_failure(error: BaseException) -> BaseException | None:
     plain ``RuntimeError`` carrying Dynamo's message raised ``from`` the op's, and on 2.15 an
     ``ObservedException`` on top. The op's is the first in that chain that is not Dynamo's
     and was not raised from another."""
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [error]
-    while pending:
-        current = pending.pop(0)
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
+    for current in reversed(_chain(error, hidden=True)):
         if not _compat.is_dynamo_exception(current) and current.__cause__ is None and current is not error:
             return current
-        pending += [current.__cause__, current.__context__]
     return None
 
 
@@ -314,9 +307,9 @@ def _raising_typed_errors(call_function: Any) -> Any:
 _TYPED_ERROR = "hops_typed_error"
 
 
-def _chain(error: BaseException) -> list[BaseException]:
-    """``error`` and the exceptions it was raised from (or while handling, where that shows),
-    root cause first."""
+def _chain(error: BaseException, hidden: bool = False) -> list[BaseException]:
+    """``error`` and the exceptions it was raised from (or while handling, where that shows,
+    or always with ``hidden``: ``raise ... from None`` keeps the context), root cause first."""
     chain, seen = [], set()
     pending: list[BaseException | None] = [error]
     while pending:
@@ -325,7 +318,7 @@ def _chain(error: BaseException) -> list[BaseException]:
             continue
         seen.add(id(current))
         chain.append(current)
-        pending += [current.__cause__, None if current.__suppress_context__ else current.__context__]
+        pending += [current.__cause__, None if current.__suppress_context__ and not hidden else current.__context__]
     return chain[::-1]
 
 
