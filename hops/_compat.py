@@ -578,15 +578,20 @@ def register_export_namespace(value_of: Any) -> None:
     serialize.register_extension(HopsExportNames, HopsExportNames)
 
 
+_export_serializer_installed = False
+
+
 def install_export_serializer(name_of: Any, flatten: Any, regroup: Any) -> None:
     """Wrap the methods in ``EXPORT_PATCHES``, once: a value with a ``name_of`` (a spec, a HOP
     target, a bodies marker) is written as ``#hops:<name>``; a HOP node's arguments are written
     ``flatten``-ed and read back ``regroup``-ed."""
     from torch._export.serde import serialize
 
-    writer, reader = serialize.GraphModuleSerializer, serialize.GraphModuleDeserializer
-    if getattr(writer.serialize_input, "hops_export", False):
+    global _export_serializer_installed
+    if _export_serializer_installed:
         return
+    _export_serializer_installed = True
+    writer, reader = serialize.GraphModuleSerializer, serialize.GraphModuleDeserializer
     write_operator, write_input = writer.serialize_operator, writer.serialize_input
     write_hop_inputs, read_hop_inputs = writer.serialize_hoo_inputs, reader.deserialize_hoo_inputs
 
@@ -611,7 +616,6 @@ def install_export_serializer(name_of: Any, flatten: Any, regroup: Any) -> None:
         args, kwargs = read_hop_inputs(self, inputs)
         return regroup(args), kwargs
 
-    serialize_input.hops_export = True  # type: ignore[attr-defined]
     writer.serialize_operator, writer.serialize_input = serialize_operator, serialize_input
     writer.serialize_hoo_inputs, reader.deserialize_hoo_inputs = serialize_hoo_inputs, deserialize_hoo_inputs
 
