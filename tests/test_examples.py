@@ -72,7 +72,8 @@ def test_readme_snippets_run(tmp_path):
     assert len(blocks) >= 2
     program = tmp_path / "readme.py"
     program.write_text("\n".join(blocks) + "\nprint('README ran:', type(gm).__name__, tuple(y.shape))\n")
-    result = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=300)
+    # From the repository's root, as the README says to run it.
+    result = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=300, cwd=EXAMPLES.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "README ran: program (4, 4)" in result.stdout
 

@@ -96,20 +96,6 @@ def inductor_graphs():
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
-def test_default_backend_matches_eager_forward_and_backward(sample):
-    torch._dynamo.reset()
-    inputs = sample.inputs(seed=3)
-    compiled = torch.compile(sample.program, fullgraph=True)
-    got, got_grads = forward_backward(compiled, fresh(inputs))
-    eager, eager_grads = forward_backward(sample.program, fresh(inputs))
-    reference, reference_grads = forward_backward(sample.reference, fresh(inputs))
-    torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got_grads, eager_grads, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got_grads, reference_grads, atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
 def test_inductor_receives_the_hops_and_lowers_them_itself(sample):
     torch._dynamo.reset()
     with inductor_graphs() as (backend, received, lowered):
@@ -167,14 +153,12 @@ def graph_size(gm):
     return sum(len(m.graph.nodes) for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
 
 
-def lowered_size(length, unroll=1):
-    return [graph_size(gm) for gm in lowered_graphs(length, unroll)]
-
-
 def test_a_scan_is_one_loop_whatever_its_length():
     # The forward and backward graphs inductor lowers have the same size for 2 and 9 steps:
-    # the step is in the loop's body once.
-    assert lowered_size(2) == lowered_size(9)
+    # the step is in the loop's body once, and by default an iteration runs one step.
+    short, long = lowered_graphs(2, unroll=None), lowered_graphs(9, unroll=None)
+    assert [graph_size(gm) for gm in short] == [graph_size(gm) for gm in long]
+    assert steps_per_iteration(long[0]) == 1
 
 
 def steps_per_iteration(gm):
@@ -185,19 +169,6 @@ def steps_per_iteration(gm):
     return sum(1 for n in body.graph.nodes if n.target is torch.ops.aten.mm.default)
 
 
-def lowered_forward(length, unroll, width=4):
-    (forward,) = lowered_graphs(length, unroll, width, backward=False)
-    return forward
-
-
-def test_the_steps_an_iteration_runs():
-    # By default one step per iteration; an explicit unroll runs that many, and every step of
-    # an iteration has its own mm: the steps are in the body, the body is one graph.
-    assert steps_per_iteration(lowered_forward(8, None)) == 1
-    assert steps_per_iteration(lowered_forward(8, 2)) == 2
-    assert steps_per_iteration(lowered_forward(9, 3)) == 3
-
-
 @pytest.mark.parametrize(
     "length, unroll, reverse",
     [(0, None, False), (5, 2, True), (7, 3, False), (3, 5, True)],
@@ -206,7 +177,8 @@ def test_the_steps_an_iteration_runs():
 def test_any_length_unroll_and_direction_gives_eager_values(length, unroll, reverse):
     # Values and gradients equal eager (checked by lowered_graphs) whether the steps divide
     # into iterations or leave a remainder after the loop, forward or reverse; an iteration
-    # runs the steps asked for where the length has them.
+    # runs the steps asked for where the length has them, each step with its own mm (the
+    # steps are in the body, the body is one graph).
     forward = lowered_graphs(length, unroll, reverse=reverse)[0]
     if length >= (unroll or 1) and length > 0:
         assert steps_per_iteration(forward) == (unroll or 1)
@@ -457,15 +429,21 @@ def fresh_caches():
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
-def test_a_second_identical_compile_hits_both_caches(sample, fresh_caches):
-    inputs = sample.inputs()
-    first, _ = compile_counting(sample.program, inputs)
-    second, (got, got_grads) = compile_counting(sample.program, inputs)
+def test_default_backend_matches_eager_and_a_second_identical_compile_hits_both_caches(sample, fresh_caches):
+    # The first compile (the default backend, both caches missing) and the second (both
+    # hitting: the cached code) give eager's and the plain-torch reference's values and
+    # gradients.
+    inputs = sample.inputs(seed=3)
+    first, compiled_first = compile_counting(sample.program, inputs)
+    second, compiled_second = compile_counting(sample.program, inputs)
     assert first == {"aot": "miss", "fx": "miss"}, first
     assert second == {"aot": "hit", "fx": "hit"}, second
-    expected, expected_grads = forward_backward(sample.program, fresh(inputs))  # what the cached code computes
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4)
+    eager = forward_backward(sample.program, fresh(inputs))
+    reference = forward_backward(sample.reference, fresh(inputs))
+    for got, got_grads in (compiled_first, compiled_second):
+        for expected, expected_grads in (eager, reference):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4)
 
 
 MESH = Mesh((2, 2), ("data", "model"))
