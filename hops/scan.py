@@ -338,23 +338,9 @@ def scan(
     remat = remat or _remat_of(partition_fn, name)
     if not callable(fn):
         raise ScanArgumentError(f"scan: fn must be callable, got {type(fn).__name__}")
-    init_paths, carry_treespec = pytree.tree_flatten_with_path(init)
-    raw_init = [leaf for _, leaf in init_paths]
-    init_names = [leaf_name("init", path) for path, _ in init_paths]
-    init_leaves = [_as_tensor_leaf(leaf, f"scan({name}): {init_names[i]}") for i, leaf in enumerate(raw_init)]
-    xs_paths, xs_treespec = ([], None) if xs is None else pytree.tree_flatten_with_path(xs)
-    xs_leaves = [leaf for _, leaf in xs_paths]
-    xs_names = [leaf_name("xs", path) for path, _ in xs_paths]
-    additional = list(additional_inputs)
-    additional_names = [f"additional_inputs[{i}]" for i in range(len(additional))]
-    for names, leaves in ((xs_names, xs_leaves), (additional_names, additional)):
-        for i, leaf in enumerate(leaves):
-            if not isinstance(leaf, torch.Tensor):
-                raise ScanArgumentError(f"scan({name}): {names[i]} is a {type(leaf).__name__}, not a tensor")
-    if length is not None and (
-        isinstance(length, bool) or not isinstance(length, (int, torch.SymInt)) or (isinstance(length, int) and length < 0)
-    ):
-        raise TypeError(f"scan({name}): length must be an int >= 0, got {length!r}")
+    raw_init, init_leaves, init_names, carry_treespec = _flatten_init(init, name)
+    xs_leaves, xs_names, xs_treespec, additional, additional_names = _flatten_operands(xs, additional_inputs, name)
+    _check_length(length, name)
     if not xs_leaves and xs is not None and length is None:
         # torch's scan(fn, init, []): nothing to scan over and no length: no step runs.
         return init, []
@@ -364,28 +350,8 @@ def scan(
         # lowering see dim 0 only.
         xs_leaves = [torch.movedim(x, dim, 0) for x in xs_leaves]
     _check_xs(f"scan({name})", xs_leaves, dim=dim, names=xs_names)
-    static_length = length
-    if xs_leaves and isinstance(xs_leaves[0].shape[0], int):
-        # Under Dynamo a symbolic size passes too; its rule makes ScanSpec.length None then.
-        static_length = xs_leaves[0].shape[0]
-    if xs_leaves and length is not None and length != xs_leaves[0].shape[0]:
-        raise ValueError(f"scan({name}): length={length} but xs have length {xs_leaves[0].shape[0]} along dim {dim}")
-    if not xs_leaves and length is None:
-        raise ValueError(f"scan({name}): no xs to scan over and no length: pass length=")
-    if not xs_leaves:
-        xs_treespec = None  # the step gets x=None
-        if torch.compiler.is_dynamo_compiling() or isinstance(length, torch.SymInt):
-            # A length that may be symbolic (Dynamo shows a symbolic int as an int) cannot be
-            # a spec constant: it is the length of an xs of empty slices the step never sees.
-            xs_leaves = [torch.empty((length, 0), device=_device_of([*init_leaves, *additional]))]
-            static_length = None
-    if unroll is True:
-        unroll = max(static_length or 1, 1)
-    elif unroll is False:
-        unroll = 1
-    if unroll is not None and (isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1):
-        raise TypeError(f"scan({name}): unroll must be an int >= 1, a bool or None, got {unroll!r}")
-    spec = ScanSpec(len(init_leaves), len(xs_leaves), static_length, reverse, remat, unroll)
+    xs_leaves, xs_treespec, static_length = _scanned_length(xs_leaves, xs_treespec, length, dim, [*init_leaves, *additional], name)
+    spec = ScanSpec(len(init_leaves), len(xs_leaves), static_length, reverse, remat, _resolve_unroll(unroll, static_length, name))
     weak = [i for i, leaf in enumerate(raw_init) if not isinstance(leaf, torch.Tensor)]
     if weak and not torch.compiler.is_dynamo_compiling():
         init_leaves = _promote_weak_init(fn, raw_init, init_leaves, weak, carry_treespec, xs_treespec, [*xs_leaves, *additional], spec, name)
@@ -413,6 +379,74 @@ def scan(
     return result[0], (
         pytree.tree_map(lambda y: torch.movedim(y, 0, dim) if dim < y.dim() else y, result[1]) if len(result) == 2 else None
     )
+
+
+def _flatten_init(init: Any, name: str) -> tuple[list[Any], list[torch.Tensor], list[str], Any]:
+    """``init``'s leaves as given, as tensors (numbers become 0-d tensors), their key-path
+    names, and its structure."""
+    paths, treespec = pytree.tree_flatten_with_path(init)
+    raw = [leaf for _, leaf in paths]
+    names = [leaf_name("init", path) for path, _ in paths]
+    return raw, [_as_tensor_leaf(leaf, f"scan({name}): {names[i]}") for i, leaf in enumerate(raw)], names, treespec
+
+
+def _flatten_operands(
+    xs: Any, additional_inputs: Sequence[Any], name: str
+) -> tuple[list[torch.Tensor], list[str], Any, list[torch.Tensor], list[str]]:
+    """``xs``'s leaves, their key-path names and its structure, and the additional inputs
+    with their names; each must be a tensor."""
+    paths, xs_treespec = ([], None) if xs is None else pytree.tree_flatten_with_path(xs)
+    xs_leaves = [leaf for _, leaf in paths]
+    xs_names = [leaf_name("xs", path) for path, _ in paths]
+    additional = list(additional_inputs)
+    additional_names = [f"additional_inputs[{i}]" for i in range(len(additional))]
+    for names, leaves in ((xs_names, xs_leaves), (additional_names, additional)):
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise ScanArgumentError(f"scan({name}): {names[i]} is a {type(leaf).__name__}, not a tensor")
+    return xs_leaves, xs_names, xs_treespec, additional, additional_names
+
+
+def _check_length(length: Any, name: str) -> None:
+    if length is not None and (
+        isinstance(length, bool) or not isinstance(length, (int, torch.SymInt)) or (isinstance(length, int) and length < 0)
+    ):
+        raise TypeError(f"scan({name}): length must be an int >= 0, got {length!r}")
+
+
+def _scanned_length(
+    xs_leaves: list[torch.Tensor], xs_treespec: Any, length: Any, dim: int, others: Sequence[torch.Tensor], name: str
+) -> tuple[list[torch.Tensor], Any, int | None]:
+    """The xs leaves and structure the node gets, and the length its spec holds (``None``
+    where the length may be symbolic). Without xs the step gets ``x=None``."""
+    static_length = length
+    if xs_leaves and isinstance(xs_leaves[0].shape[0], int):
+        # Under Dynamo a symbolic size passes too; its rule makes ScanSpec.length None then.
+        static_length = xs_leaves[0].shape[0]
+    if xs_leaves and length is not None and length != xs_leaves[0].shape[0]:
+        raise ValueError(f"scan({name}): length={length} but xs have length {xs_leaves[0].shape[0]} along dim {dim}")
+    if not xs_leaves and length is None:
+        raise ValueError(f"scan({name}): no xs to scan over and no length: pass length=")
+    if not xs_leaves:
+        xs_treespec = None  # the step gets x=None
+        if torch.compiler.is_dynamo_compiling() or isinstance(length, torch.SymInt):
+            # A length that may be symbolic (Dynamo shows a symbolic int as an int) cannot be
+            # a spec constant: it is the length of an xs of empty slices the step never sees,
+            # made on the device of the other operands.
+            xs_leaves = [torch.empty((length, 0), device=_device_of(others))]
+            static_length = None
+    return xs_leaves, xs_treespec, static_length
+
+
+def _resolve_unroll(unroll: Any, static_length: int | None, name: str) -> int | None:
+    """``unroll`` as steps per iteration (``True``: every step; ``False``: one), or ``None``."""
+    if unroll is True:
+        return max(static_length or 1, 1)
+    if unroll is False:
+        return 1
+    if unroll is not None and (isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1):
+        raise TypeError(f"scan({name}): unroll must be an int >= 1, a bool or None, got {unroll!r}")
+    return unroll
 
 
 def _resolve_dim(dim: Any, xs_leaves: Sequence[torch.Tensor], xs_names: Sequence[str], name: str) -> int:
