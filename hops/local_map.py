@@ -609,28 +609,16 @@ def local_map(
         raise TypeError(f"local_map: func must be callable, got {type(func).__name__}")
     fixed_mesh = _mesh_of(mesh, device_mesh, name)
     options = _alternatives(name, alternatives)
+    cost_hints = [None, *(o["cost_hint"] for o in options)]
     plans: dict[Mesh, list[_Placements]] = {}
 
     def option_plans(mesh: Mesh) -> list[_Placements]:
         if mesh not in plans:
-            main = _Placements(name, mesh, in_placements, out_placements, in_grad_placements)
-            others = [
-                _Placements(f"{name}, alternative {k}", mesh, o["in_placements"], o["out_placements"], o["in_grad_placements"])
-                for k, o in enumerate(options, start=1)
-            ]
-            for k, other in enumerate(others, start=1):
-                if [p is None for p in other.out_flat] != [p is None for p in main.out_flat]:
-                    raise LocalMapArgumentError(
-                        f"local_map({name}): alternative {k}'s out_placements describe other outputs than out_placements"
-                    )
-            plans[mesh] = [main, *others]
+            plans[mesh] = _option_plans(name, mesh, options, in_placements, out_placements, in_grad_placements)
         return plans[mesh]
 
-    def placements_on(mesh: Mesh) -> _Placements:
-        return option_plans(mesh)[0]
-
     if fixed_mesh is not None:
-        placements_on(fixed_mesh)  # validate now, before any call
+        option_plans(fixed_mesh)  # validate now, before any call
     make_body = rename_inner_function(_make_body, "body", name)
 
     @functools.wraps(func)
@@ -638,44 +626,67 @@ def local_map(
         dtensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if _is_dtensor(leaf)]
         if dtensors:
             return _torch_local_map(
-                func, placements_on(fixed_mesh or Mesh.from_device_mesh(dtensors[0].device_mesh)), device_mesh, redistribute_inputs
+                func, option_plans(fixed_mesh or Mesh.from_device_mesh(dtensors[0].device_mesh))[0], device_mesh, redistribute_inputs
             )(*args, **kwargs)
         if fixed_mesh is None:
             return func(*args, **kwargs)
-        all_plans = option_plans(fixed_mesh)
-        plan = all_plans[0]
-        leaves, args_treespec = pytree.tree_flatten((args, kwargs))
-        num_arg_leaves = len(pytree.tree_leaves(args))
-        tensor_positions = [position for position, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        specs = [option.spec(args, leaves, num_arg_leaves, tensor_positions) for option in all_plans]
-        spec = LocalMapSpec.with_options(specs, 0, [None, *(o["cost_hint"] for o in options)])
-        # Under Dynamo the body returns the caller's result itself (Dynamo's rule hands back
-        # the body's structure, and a body may not record anything on the side there).
-        structured = torch.compiler.is_dynamo_compiling()
-        body, returned = make_body(func, leaves, tensor_positions, args_treespec, plan, structured)
-        set_trace_key(body, func, args_treespec, plan, typed_values(leaf for p, leaf in enumerate(leaves) if p not in tensor_positions))
-        tensors = [leaves[p] for p in tensor_positions]
-        # Leaves are named by key path in the caller's arguments (args[0]['w']), and where a
-        # placement does not fit, also in in_placements (in_placements[0]['w']).
-        arg_names = argument_names(args, kwargs)
-        names = lambda i: arg_names[tensor_positions[i]]  # noqa: E731
-        entries = plan.input_entries(args, leaves[:num_arg_leaves]) + [None] * (len(leaves) - num_arg_leaves)
-        _check_call(func, tensors, spec, names, lambda i: entries[tensor_positions[i]])
-        if not structured:  # (under Dynamo, its rule traces the body once per alternative)
-            _check_alternatives_eagerly(name, body, tensors, spec, names)
-        outputs = call_body_hop(
-            local_map_hop,
-            body,
-            tensors,
-            spec,
-            what=f"local_map({name})",
-            input_names=names,
-            user_function=func,
-            device_names=names,
-        )
-        return outputs if structured else plan.restructure(outputs, _returned_by_equal_call(body, tensors, returned))
+        return _call_region(func, name, option_plans(fixed_mesh), cost_hints, make_body, args, kwargs)
 
     return call
+
+
+def _option_plans(
+    name: str, mesh: Mesh, options: Sequence[dict], in_placements: Any, out_placements: Any, in_grad_placements: Any
+) -> list["_Placements"]:
+    """The region's placements on ``mesh``: the main ones (option 0), then each alternative's,
+    which must describe the same outputs."""
+    main = _Placements(name, mesh, in_placements, out_placements, in_grad_placements)
+    others = [
+        _Placements(f"{name}, alternative {k}", mesh, o["in_placements"], o["out_placements"], o["in_grad_placements"])
+        for k, o in enumerate(options, start=1)
+    ]
+    for k, other in enumerate(others, start=1):
+        if [p is None for p in other.out_flat] != [p is None for p in main.out_flat]:
+            raise LocalMapArgumentError(f"local_map({name}): alternative {k}'s out_placements describe other outputs than out_placements")
+    return [main, *others]
+
+
+def _call_region(
+    func: Callable, name: str, all_plans: Sequence["_Placements"], cost_hints: Sequence[Any], make_body: Callable, args: tuple, kwargs: dict
+) -> Any:
+    """One call of a region on global tensors: its spec from the arguments, its body, the
+    checks of what the placements need, the HOP call, and the outputs in ``func``'s structure."""
+    plan = all_plans[0]
+    leaves, args_treespec = pytree.tree_flatten((args, kwargs))
+    num_arg_leaves = len(pytree.tree_leaves(args))
+    tensor_positions = [position for position, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    specs = [option.spec(args, leaves, num_arg_leaves, tensor_positions) for option in all_plans]
+    spec = LocalMapSpec.with_options(specs, 0, list(cost_hints))
+    # Under Dynamo the body returns the caller's result itself (Dynamo's rule hands back
+    # the body's structure, and a body may not record anything on the side there).
+    structured = torch.compiler.is_dynamo_compiling()
+    body, returned = make_body(func, leaves, tensor_positions, args_treespec, plan, structured)
+    set_trace_key(body, func, args_treespec, plan, typed_values(leaf for p, leaf in enumerate(leaves) if p not in tensor_positions))
+    tensors = [leaves[p] for p in tensor_positions]
+    # Leaves are named by key path in the caller's arguments (args[0]['w']), and where a
+    # placement does not fit, also in in_placements (in_placements[0]['w']).
+    arg_names = argument_names(args, kwargs)
+    names = lambda i: arg_names[tensor_positions[i]]  # noqa: E731
+    entries = plan.input_entries(args, leaves[:num_arg_leaves]) + [None] * (len(leaves) - num_arg_leaves)
+    _check_call(func, tensors, spec, names, lambda i: entries[tensor_positions[i]])
+    if not structured:  # (under Dynamo, its rule traces the body once per alternative)
+        _check_alternatives_eagerly(name, body, tensors, spec, names)
+    outputs = call_body_hop(
+        local_map_hop,
+        body,
+        tensors,
+        spec,
+        what=f"local_map({name})",
+        input_names=names,
+        user_function=func,
+        device_names=names,
+    )
+    return outputs if structured else plan.restructure(outputs, _returned_by_equal_call(body, tensors, returned))
 
 
 # What the last body run under a code key returned besides its tensors: a call whose
