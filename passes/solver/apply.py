@@ -98,12 +98,22 @@ def apply_placements(gm: Any, solution: PlacementSolution, *, pending_sums: bool
     solved = solution.graph.graph["program"]
     if [m for _, m in program] != [m for _, m in solved]:
         raise PassError("apply_placements: gm is not the program this solution was solved for")
-    graph, mesh = solution.graph, solution.mesh
-    changed: set[fx.GraphModule] = set()
-    stated: dict[str, fx.Node] = {}  # value -> the node that holds it laid out as placed
-    reductions: dict[tuple, fx.Node] = {}  # (region output, layout) -> its pending sums reduced so
+    changed: set[fx.GraphModule] = set()  # the modules to lint and recompile
+    stated = _state_placed_values(solution, changed)
+    _state_reads(solution, stated, pending_sums, changed)
+    _choose_region_alternatives(solution, changed)
+    for module in changed:
+        module.graph.lint()
+        module.recompile()
+    return gm
 
-    # Producer side: every placed value, right after it is made.
+
+def _state_placed_values(solution: PlacementSolution, changed: set) -> dict[str, fx.Node]:
+    """Producer side: an annotation of every placed value, right after it is made. Returns
+    the node that holds each value laid out as placed (the value itself where it needs no
+    statement: a region's local value, an annotation, a layout the target cannot state)."""
+    graph, mesh = solution.graph, solution.mesh
+    stated: dict[str, fx.Node] = {}
     for key, placements in solution.placements.items():
         data = graph.nodes[key]
         node: fx.Node = data["fx_node"]
@@ -120,69 +130,87 @@ def apply_placements(gm: Any, solution: PlacementSolution, *, pending_sums: bool
         node.replace_all_uses_with(annotation, delete_user_cb=lambda user, annotation=annotation: user is not annotation)
         stated[key] = annotation
         changed.add(data["module"])
+    return stated
 
-    # Reader side: a value read in another layout than it is placed in.
-    for u, v, edge in graph.edges(data=True):
+
+def _state_reads(solution: PlacementSolution, stated: dict[str, fx.Node], pending_sums: bool, changed: set) -> None:
+    """Reader side: every read of a value in another layout than it is placed in."""
+    reductions: dict[tuple, fx.Node] = {}  # (region output, layout) -> its pending sums reduced so
+    for u, v, edge in solution.graph.edges(data=True):
         if not edge["uses"] or u not in solution.placements:
             continue
         produced = solution.placements[u]
         kept = produced if pending_sums else None  # the pending sums a statement may keep
         for use in edge["uses"]:
             required = required_placement(solution, v, use, produced)
-            if required == produced:
-                continue
-            reader: fx.Node = use.reader
-            if use.kind is UseKind.CARRY:
-                continue  # stated by the carry input's own annotation, at the top of every step
-            statement = reader.target is sharding_annotation_hop  # the reader states its layout itself
-            if not statement and not _stateable(required, kept):
-                # A pending sum the target cannot state: the reader is a region entering the
-                # value as Partial, which it makes locally from a replicated value; state that.
-                required = _entered(produced, required)
-                if required == produced:
-                    continue
-                if not _stateable(required, kept):
-                    if _is_region_output(stated[u]):
-                        # It keeps a region output's pending sum in another layout of its
-                        # other axes: the target reduces the sum as the value leaves its region
-                        # and the reader makes it again; state both steps (reduced, replicated).
-                        required = tuple(Replicate() if isinstance(p, Partial) else p for p in required)
-                    else:
-                        # It keeps a pending sum of the value: it reads the value as made.
-                        if stated[u] is not graph.nodes[u]["fx_node"]:
-                            _replace_leaf(reader, use.position, graph.nodes[u]["fx_node"])
-                            changed.add(reader.graph.owning_module)
-                        continue
-            source = stated[u]
-            if _is_region_output(source):
-                # The region's output is unstated (it has a pending sum): an annotation on it
-                # may only reduce the sum (what check_placements accepts), so a read that also
-                # moves its other mesh axes states the reduction first.
-                reduced = _reduced(produced, required)
-                if reduced == required and statement:
-                    continue
-                if not _stateable(reduced, kept):
-                    continue  # a statement keeping a pending sum the target cannot state
-                if (u, reduced) not in reductions:
-                    with source.graph.inserting_after(source):
-                        reductions[u, reduced] = source.graph.call_function(
-                            sharding_annotation_hop, (source, ShardingSpec(mesh, reduced))
-                        )
-                source = reductions[u, reduced]
-                if reduced == required or statement:
-                    _replace_leaf(reader, use.position, source)
-                    changed.add(reader.graph.owning_module)
-                    continue
-            elif statement:
-                continue
-            with reader.graph.inserting_before(reader):
-                annotation = reader.graph.call_function(sharding_annotation_hop, (source, ShardingSpec(mesh, required)))
-            _replace_leaf(reader, use.position, annotation)
-            changed.add(reader.graph.owning_module)
+            if required != produced and use.kind is not UseKind.CARRY:
+                # (A carry is stated by the carry input's own annotation, at the top of every step.)
+                _state_read(solution, u, use, produced, required, kept, stated, reductions, changed)
 
-    # Regions: the chosen alternative.
+
+def _state_read(
+    solution: PlacementSolution,
+    u: str,
+    use: Any,
+    produced: tuple,
+    required: tuple,
+    kept: tuple | None,
+    stated: dict[str, fx.Node],
+    reductions: dict[tuple, fx.Node],
+    changed: set,
+) -> None:
+    """State one read of value ``u`` (placed ``produced``) as ``required``."""
+    graph, mesh = solution.graph, solution.mesh
+    reader: fx.Node = use.reader
+    statement = reader.target is sharding_annotation_hop  # the reader states its layout itself
+    if not statement and not _stateable(required, kept):
+        # A pending sum the target cannot state: the reader is a region entering the
+        # value as Partial, which it makes locally from a replicated value; state that.
+        required = _entered(produced, required)
+        if required == produced:
+            return
+        if not _stateable(required, kept):
+            if _is_region_output(stated[u]):
+                # It keeps a region output's pending sum in another layout of its
+                # other axes: the target reduces the sum as the value leaves its region
+                # and the reader makes it again; state both steps (reduced, replicated).
+                required = tuple(Replicate() if isinstance(p, Partial) else p for p in required)
+            else:
+                # It keeps a pending sum of the value: it reads the value as made.
+                if stated[u] is not graph.nodes[u]["fx_node"]:
+                    _replace_leaf(reader, use.position, graph.nodes[u]["fx_node"])
+                    changed.add(reader.graph.owning_module)
+                return
+    source = stated[u]
+    if _is_region_output(source):
+        # The region's output is unstated (it has a pending sum): an annotation on it
+        # may only reduce the sum (what check_placements accepts), so a read that also
+        # moves its other mesh axes states the reduction first.
+        reduced = _reduced(produced, required)
+        if reduced == required and statement:
+            return
+        if not _stateable(reduced, kept):
+            return  # a statement keeping a pending sum the target cannot state
+        if (u, reduced) not in reductions:
+            with source.graph.inserting_after(source):
+                reductions[u, reduced] = source.graph.call_function(sharding_annotation_hop, (source, ShardingSpec(mesh, reduced)))
+        source = reductions[u, reduced]
+        if reduced == required or statement:
+            _replace_leaf(reader, use.position, source)
+            changed.add(reader.graph.owning_module)
+            return
+    elif statement:
+        return
+    with reader.graph.inserting_before(reader):
+        annotation = reader.graph.call_function(sharding_annotation_hop, (source, ShardingSpec(mesh, required)))
+    _replace_leaf(reader, use.position, annotation)
+    changed.add(reader.graph.owning_module)
+
+
+def _choose_region_alternatives(solution: PlacementSolution, changed: set) -> None:
+    """Each region's node holds the alternative its chosen strategy is."""
     for key, strategy in solution.strategies.items():
-        data = graph.nodes[key]
+        data = solution.graph.nodes[key]
         if data["kind"] is not NodeKind.REGION:
             continue
         node = data["fx_node"]
@@ -192,8 +220,3 @@ def apply_placements(gm: Any, solution: PlacementSolution, *, pending_sums: bool
         if chosen is not spec:
             node.args = (*node.args[:-1], chosen)
             changed.add(data["module"])
-
-    for module in changed:
-        module.graph.lint()
-        module.recompile()
-    return gm
