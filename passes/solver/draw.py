@@ -44,10 +44,34 @@ def draw_placements(gm: Any, solution: PlacementSolution, path: str | os.PathLik
     _import_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
 
     graph = solution.graph
     shown = [n for n, d in graph.nodes(data=True) if d["kind"] is not NodeKind.LOCAL]
+    view, layers, widest = _layered_view(graph, shown)
+    position = nx.multipartite_layout(view, subset_key="layer", align="vertical")
+    labels = _labels(solution, shown)
+    palette = _palette(sorted(set(labels.values())))
+
+    figure = Figure(figsize=(min(4 + layers * 0.35, 200), min(3 + widest * 0.35, 120)))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    axes.set_axis_off()
+    redistributions = _draw_edges(solution, view, position, axes)
+    _draw_nodes(graph, shown, view, position, axes, [palette[labels[n]] for n in shown])
+    _draw_legend(axes, palette)
+    mesh = solution.mesh
+    axes.set_title(
+        f"placements on mesh {dict(zip(mesh.axis_names, mesh.shape))}: {solution.cost * 1e6:.4g} us per step, "
+        f"{redistributions} redistributions",
+        fontsize=9,
+    )
+    figure.savefig(path, format=extension[1:], bbox_inches="tight", dpi=110)
+    return path
+
+
+def _layered_view(graph: nx.DiGraph, shown: list) -> tuple[nx.DiGraph, int, int]:
+    """The drawn nodes' data flow (no loop or gradient edges), each node in the layer of its
+    topological generation; the number of layers and the widest layer's size."""
     view = nx.DiGraph()
     view.add_nodes_from(shown)
     for u, v, data in graph.edges(data=True):
@@ -56,27 +80,30 @@ def draw_placements(gm: Any, solution: PlacementSolution, path: str | os.PathLik
     for layer, nodes in enumerate(nx.topological_generations(view)):
         for n in nodes:
             view.nodes[n]["layer"] = layer
-    position = nx.multipartite_layout(view, subset_key="layer", align="vertical")
     layers = 1 + max((view.nodes[n]["layer"] for n in view), default=0)
     widest = max((sum(1 for n in view if view.nodes[n]["layer"] == k) for k in range(layers)), default=1)
+    return view, layers, widest
 
+
+def _labels(solution: PlacementSolution, shown: list) -> dict:
+    """Each drawn node's label: its placements, "region" / "tuple", or "-" (not placed)."""
     labels = {}
     for n in shown:
         if n in solution.placements:
             labels[n] = format_placement(solution.placements[n])
         elif n in solution.strategies:
-            labels[n] = "region" if graph.nodes[n]["kind"] is NodeKind.REGION else "tuple"
+            labels[n] = "region" if solution.graph.nodes[n]["kind"] is NodeKind.REGION else "tuple"
         else:
             labels[n] = "-"
-    palette = _palette(sorted(set(labels.values())))
+    return labels
 
-    figure = Figure(figsize=(min(4 + layers * 0.35, 200), min(3 + widest * 0.35, 120)))
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
-    axes.set_axis_off()
+
+def _draw_edges(solution: PlacementSolution, view: nx.DiGraph, position: dict, axes: Any) -> int:
+    """Draw the edges: plain, ties (dashed), redistributions (red, as wide as their seconds).
+    Returns the number of redistributions."""
     redistributions, ties, plain = [], [], []
     widths = []
-    for u, v, data in graph.edges(data=True):
+    for u, v, data in solution.graph.edges(data=True):
         if u not in view or v not in view:
             continue
         if data["tie"]:
@@ -96,6 +123,12 @@ def draw_placements(gm: Any, solution: PlacementSolution, path: str | os.PathLik
             view, position, edgelist=redistributions, ax=axes, edge_color="#d62728",
             width=[1.0 + 3.0 * w / top for w in widths], arrows=True, arrowsize=6,
         )
+    return len(redistributions)
+
+
+def _draw_nodes(graph: nx.DiGraph, shown: list, view: nx.DiGraph, position: dict, axes: Any, colors: list) -> None:
+    """Draw the nodes: a shape per kind, a colour per label, outlined inside a scan's body."""
+    color_of = dict(zip(shown, colors))
     for kind_shape in ("o", "s", "D"):
         for in_body in (False, True):
             nodes = [
@@ -106,9 +139,14 @@ def draw_placements(gm: Any, solution: PlacementSolution, path: str | os.PathLik
                 continue
             nx.draw_networkx_nodes(
                 view, position, nodelist=nodes, ax=axes, node_shape=kind_shape, node_size=60,
-                node_color=[palette[labels[n]] for n in nodes],
+                node_color=[color_of[n] for n in nodes],
                 edgecolors="black" if in_body else "none", linewidths=1.2 if in_body else 0.0,
             )
+
+
+def _draw_legend(axes: Any, palette: dict) -> None:
+    from matplotlib.lines import Line2D
+
     handles = [
         Line2D([], [], marker="o", linestyle="", color=palette[label], label=label) for label in palette
     ]
@@ -117,14 +155,6 @@ def draw_placements(gm: Any, solution: PlacementSolution, path: str | os.PathLik
         Line2D([], [], marker="o", linestyle="", markerfacecolor="white", markeredgecolor="black", label="scan body (drawn once)"),
     ]
     axes.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, ncol=max(1, len(handles) // 20))
-    mesh = solution.mesh
-    axes.set_title(
-        f"placements on mesh {dict(zip(mesh.axis_names, mesh.shape))}: {solution.cost * 1e6:.4g} us per step, "
-        f"{len(redistributions)} redistributions",
-        fontsize=9,
-    )
-    figure.savefig(path, format=extension[1:], bbox_inches="tight", dpi=110)
-    return path
 
 
 def _edge_seconds(solution: PlacementSolution, u: str, v: str, data: dict) -> float:
