@@ -31,8 +31,10 @@ and to toulbar2 at every size measured.
 | 1000 | 1.1 | 0 | 1.0000 | 0.9991 | 9.4 | no plan, 10.1 | no plan, 12.7 |
 | 1000 | 1.1 | 1 | 1.0000 | 0.9713 | 9.6 | no plan, 7.9 | no plan, 15.5 |
 
+Needs ``ortools`` (``pip install ortools``; not a dependency of the package).
+
 Usage: python benchmarks/cpsat.py [--time-limit S] [--sizes 500,2000] [--seeds 0,1]
-       [--tightness none,1.1]
+       [--tightness none,1.1] [--formulation local,table]
 """
 
 from __future__ import annotations
