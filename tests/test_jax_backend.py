@@ -62,6 +62,52 @@ class TestHopsJax(TestCase):
         self.assertEqual(graph.copies["in"], 2 * copies["in"])  # the input placed on the mesh, each call
         self.assertGreaterEqual(copies["in"], 1)
 
+    def _step_with_residuals(self):
+        """A compiled loss over the mesh, its forward and backward graphs (compiled by one step)
+        and a step function returning the gradients."""
+        compiled = torch.compile(lambda x, w: hops.annotate_sharding(torch.tanh(x @ w), ROWS).square().sum(), backend=hops_jax)
+        x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+
+        def step():
+            return torch.autograd.grad(compiled(x, w), (x, w))
+
+        step()
+        forward, backward = backend.COMPILED[-2:]
+        reference = torch.autograd.grad(torch.tanh(x @ w).square().sum(), (x, w))
+        return forward, backward, step, reference
+
+    def test_residuals_reach_the_backward_as_the_forwards_jax_arrays(self):
+        forward, backward, step, reference = self._step_with_residuals()
+        produced, received = [], []
+        run_forward, run_backward = forward.function, backward.function
+        forward.function = lambda *a: produced.extend(out := run_forward(*a)) or out
+        backward.function = lambda *a: received.extend(a) or run_backward(*a)
+        copies_out, copies_in = forward.copies["out"], backward.copies["in"]
+        for got, want in zip(step(), reference):
+            torch.testing.assert_close(got, want)
+        residuals = [r for r in received if any(r is p for p in produced)]
+        self.assertGreaterEqual(len(residuals), 1)  # tanh's result at least
+        for residual in residuals:  # the same buffers, shard by shard: no copy
+            self.assertIsInstance(residual, jax.Array)
+            self.assertGreater(len(residual.sharding.device_set), 1)
+        self.assertEqual(forward.copies["out"], copies_out)  # no residual gathered to the host
+        tensors_in = sum(not isinstance(r, jax.Array) or not any(r is p for p in produced) for r in received)
+        self.assertEqual(backward.copies["in"] - copies_in, tensors_in)  # only the tangent placed
+
+    def test_saved_tensor_hooks_see_real_residuals(self):
+        forward, backward, step, reference = self._step_with_residuals()
+        seen = []
+
+        def pack(tensor):
+            seen.append(tensor.clone())  # what an offloading hook does: saves a copy (a stand-in's would be junk)
+            return seen[-1]
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            grads = step()
+        for got, want in zip(grads, reference):
+            torch.testing.assert_close(got, want)
+        self.assertGreaterEqual(len(seen), 1)  # the hook ran; the gradients above read what it saved
+
     def test_a_tensor_on_another_device_is_refused_naming_it(self):
         with self.assertRaisesRegex(ValueError, r"hops_jax: input 0 is a meta tensor; this backend runs on CPU tensors"):
             backend._to_jax(torch.empty(2, device="meta"), {"in": 0}, "input 0")

@@ -7,9 +7,11 @@ no copy where the memory can be shared (a contiguous tensor in; a result that li
 device, or is replicated, out). Copies remain where the program runs over a mesh: each input
 reaches the mesh's devices as a numpy view the compiled program places (a copy per input), and
 a result jax leaves sharded over them is gathered into one host tensor; ``JaxGraph.copies``
-counts them, per direction. (Measured, ``benchmarks/jax_target.py``: placing DLPack's arrays
-replicated on the mesh instead made a step 6x the hand-written JAX step; numpy views, ~2x. The
-rest is the forward and backward as two programs, residuals crossing to torch between them.)
+counts them, per direction. A forward's residuals (what AOTAutograd saves for the backward)
+never cross: they stay jax arrays, carried to the backward by stand-in tensors (``JaxGraph``).
+(Measured, ``benchmarks/jax_target.py``: placing DLPack's arrays replicated on the mesh instead
+made a step 6x the hand-written JAX step; numpy views, ~2x while residuals were gathered to torch
+tensors after the forward and placed on the mesh again before the backward.)
 
 Found by name (``backend="hops_jax"``) through the ``torch_dynamo_backends`` entry point. A
 first slice: CPU tensors only (a tensor on another device is refused, naming it); one mesh per
@@ -67,10 +69,50 @@ def _to_torch(value: Any, copies: dict[str, int]) -> Any:
     return torch.from_numpy(np.array(value))
 
 
-class JaxGraph:
-    """An AOTAutograd graph lowered to JAX and jitted, called on torch tensors."""
+_HELD = "_hops_jax_value"  # the attribute of a stand-in tensor naming the jax array it stands for
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+
+def _stand_in(value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``value``'s shape holding no data of its own (one element, zero strides) that
+    carries the jax array: a forward's residual for the backward, which reads the array back."""
+    shape = tuple(value.shape)
+    tensor = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype)
+    setattr(tensor, _HELD, value)
+    return tensor
+
+
+def _saved_dtypes(gm: fx.GraphModule) -> dict[int, torch.dtype]:
+    """The positions (and dtypes) of a forward graph's outputs AOTAutograd saves for the backward
+    only (after its ``num_forward_returns`` user-visible ones); {} outside an AOTAutograd compile
+    or for an inference graph."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None) if context is not None else None
+    returns = getattr(metadata, "num_forward_returns", None)
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    results = output.args[0]
+    if returns is None or not isinstance(results, (tuple, list)):
+        return {}
+    saved = {}
+    for index in range(returns, len(results)):
+        node = results[index]
+        value = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if isinstance(value, torch.Tensor):
+            saved[index] = value.dtype
+    return saved
+
+
+class JaxGraph:
+    """An AOTAutograd graph lowered to JAX and jitted, called on torch tensors.
+
+    A forward's residuals (the outputs AOTAutograd saves for the backward only) stay jax arrays:
+    torch is handed a stand-in tensor carrying the array (``_stand_in``), and the backward reads
+    the array from it, so a residual is neither gathered to the host after the forward nor placed
+    on the mesh again before the backward. Under a caller's saved-tensor hooks (offloading,
+    checkpointing) that may read or replace what is saved, residuals are real tensors again."""
+
+    def __init__(self, gm: fx.GraphModule, forward: bool = False) -> None:
         import jax
 
         from passes.jax import lower_to_jax
@@ -78,21 +120,31 @@ class JaxGraph:
         lowered = lower_to_jax(gm)
         self.function = jax.jit(lowered)
         self.placement = _replicated_on_mesh(lowered.graph_module)
+        self.saved = _saved_dtypes(gm) if forward else {}
         self.copies = {"in": 0, "out": 0}
 
     def __call__(self, *args: Any) -> list[Any]:
         import numpy as np
 
         if self.placement is None:
-            inputs = [_to_jax(a, self.copies, f"input {i}") for i, a in enumerate(args)]
+            inputs = [_held(a, _to_jax, self.copies, f"input {i}") for i, a in enumerate(args)]
         else:
             # A program over a mesh: DLPack's arrays would be committed to one device; a numpy view of
             # the tensor's memory leaves the placement to the compiled program (jax copies each input
             # onto the devices that need it: a copy per input).
-            inputs = [_host_view(a, f"input {i}") for i, a in enumerate(args)]
+            inputs = [_held(a, _host_view, f"input {i}") for i, a in enumerate(args)]
             self.copies["in"] += sum(isinstance(x, np.ndarray) for x in inputs)
         outputs = self.function(*inputs)
-        return [_to_torch(o, self.copies) for o in outputs]
+        from hops._compat import caller_saved_tensors_hooks
+
+        saved = self.saved if self.saved and not caller_saved_tensors_hooks() else {}
+        return [_stand_in(o, saved[i]) if i in saved else _to_torch(o, self.copies) for i, o in enumerate(outputs)]
+
+
+def _held(value: Any, convert: Callable[..., Any], *how: Any) -> Any:
+    """The jax array a stand-in carries, else ``convert(value, *how)``."""
+    held = getattr(value, _HELD, None) if isinstance(value, torch.Tensor) else None
+    return convert(value, *how) if held is None else held
 
 
 def _replicated_on_mesh(gm: fx.GraphModule) -> Any:
@@ -121,16 +173,20 @@ def _replicated_on_mesh(gm: fx.GraphModule) -> Any:
 COMPILED: list[JaxGraph] = []  # the graphs this process compiled, last one last (for measurements)
 
 
-def _compile(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+def _compile(gm: fx.GraphModule, example_inputs: list[Any], forward: bool = False) -> Callable:
     from functorch.compile import make_boxed_func
 
-    graph = JaxGraph(gm)
+    graph = JaxGraph(gm, forward)
     COMPILED.append(graph)
     return make_boxed_func(graph)
+
+
+def _compile_forward(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    return _compile(gm, example_inputs, forward=True)
 
 
 def hops_jax(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
     """The Dynamo backend (see the module docstring)."""
     from torch._dynamo.backends.common import aot_autograd
 
-    return aot_autograd(fw_compiler=_compile, bw_compiler=_compile)(gm, example_inputs)
+    return aot_autograd(fw_compiler=_compile_forward, bw_compiler=_compile, inference_compiler=_compile)(gm, example_inputs)
