@@ -29,6 +29,9 @@ __all__ = ["solve_model_by", "start_workers", "wait_for_workers", "CANCEL_GRACE"
 # this prompt): the worker is killed at the deadline itself, so a run ends by it, answer and all.
 CANCEL_GRACE = 0.1
 
+# Seconds between looks at a ``stop`` event while a run is waited for.
+_STOP_POLL = 0.05
+
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "highs_worker.py")
 _idle: list[subprocess.Popen] = []
 _all: set[subprocess.Popen] = set()
@@ -105,11 +108,12 @@ def _shutdown() -> None:
         process.wait()
 
 
-def solve_model_by(model: dict, deadline: float = math.inf) -> dict | None:
+def solve_model_by(model: dict, deadline: float = math.inf, stop: threading.Event | None = None) -> dict | None:
     """``highs_worker.solve_model(model)`` ended by ``deadline`` (a ``time.perf_counter()``
     value; ``inf``: in this process, no limit): HiGHS gets the time left as its own limit and
     its worker is killed at the deadline (HiGHS's own limit ends ``CANCEL_GRACE`` before it, the
-    time to hand its answer back). None if it had no answer."""
+    time to hand its answer back), or as soon as ``stop`` is set (another engine of a portfolio
+    proved the optimum: the answer is no longer needed). None if it had no answer."""
     if not math.isfinite(deadline):
         return solve_model(model)
     left = deadline - time.perf_counter()
@@ -124,10 +128,14 @@ def solve_model_by(model: dict, deadline: float = math.inf) -> dict | None:
             _kill(process)
             return None
         _write(process.stdin, model)
-        ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.perf_counter()))
-        if not ready:
-            _kill(process)
-            return None
+        while True:
+            wait = max(0.0, deadline - time.perf_counter())
+            ready, _, _ = select.select([process.stdout], [], [], wait if stop is None else min(wait, _STOP_POLL))
+            if ready:
+                break
+            if time.perf_counter() >= deadline or (stop is not None and stop.is_set()):
+                _kill(process)
+                return None
         result = _read(process.stdout)
     except (OSError, EOFError, ValueError):  # the worker died (or was killed at exit)
         _kill(process)

@@ -98,6 +98,9 @@ def _data(search, upper, hint, seed: int, vns: bool, rows) -> dict:
     )
 
 
+# Seconds between looks at a ``stop`` event.
+_STOP_POLL = 0.05
+
 _SCALE = re.compile(rb"^WCSP-SCALE (\S+) (\S+) (\S+) ([01]) (\d+)")
 _SOLUTION = re.compile(rb"^New solution: ([-+0-9.eE]+)")
 _GAP = re.compile(rb"^(?:Optimality gap|Initial lower and upper bounds): \[([-+0-9.eE]+), ")
@@ -106,13 +109,15 @@ _END = re.compile(rb"^WCSP-END (\w+) (\S+)")
 
 def solve_wcsp(
     search, deadline: float, upper: float | None = None, hint: np.ndarray | None = None, seed: int = 0, vns: bool = False,
-    rows=None, first_by: float = math.inf,
+    rows=None, first_by: float = math.inf, stop=None,
 ) -> WcspResult:
     """toulbar2 on the search's reduced problem until ``deadline`` (``inf``: to its end).
     ``upper``: the cost of a plan already found (toulbar2 then reports only better ones);
     ``hint``: a plan its value heuristic starts from; ``vns``: toulbar2's neighbourhood search
     (no proofs) instead of its best-first search; ``first_by``: the run stops there if it has
-    reported no solution yet (a problem too large for it hands the time back)."""
+    reported no solution yet (a problem too large for it hands the time back); ``stop``: a
+    ``threading.Event`` that, once set, ends the run as the deadline would (the other engine
+    of a portfolio proved the optimum)."""
     began = time.perf_counter()
     if not available():
         return WcspResult("error", None, -math.inf, 0, 0.0)
@@ -141,8 +146,14 @@ def solve_wcsp(
             wait = (deadline if solutions else min(deadline, first_by)) - time.perf_counter()
             if wait <= 0:
                 break
+            if stop is not None:
+                wait = min(wait, _STOP_POLL)
             ready, _, _ = select.select([fd], [], [], None if math.isinf(wait) else wait)
+            if stop is not None and stop.is_set():
+                break
             if not ready:
+                if stop is not None:
+                    continue  # (a look at ``stop``: the deadline is looked at above)
                 break
             chunk = os.read(fd, 1 << 20)
             if not chunk:
