@@ -224,7 +224,7 @@ def solve_neighbourhood(
     sizes = dict(variables=int(ncols), constraints=len(row_lower), milp_nodes=len(free))
     # Building the model took time too: HiGHS gets what is left before the deadline, and
     # ends there (``solve_model_by``: its own time limit is not kept).
-    result = solve_model_by(model, deadline)
+    result = solve_model_by(model, deadline, stop=search.stop)
     if result is None:
         return out_of_time
     if result["status"] == "infeasible":

@@ -23,11 +23,15 @@ neighbourhoods of it, with pluggable neighbourhood policies; ``solve_problem``.
    memory limit, those are priced instead of excluded, so each neighbourhood is feasible and
    repairs what it can.
 
-With a time limit and pytoulbar2 installed, ``search="auto"`` puts toulbar2
-(``passes.solver.wcsp``, the weighted-CSP engine of the IOPDDL contest's winning team) between
-1 and 2: it gets most of the time left (``_wcsp_phase``: memory rows added lazily, its plans
-repaired back within the limit), and unless it proves its plan optimal, 2 polishes that plan
-in the rest. Without pytoulbar2, ``"auto"`` is the search above alone.
+With a time limit and pytoulbar2 installed, ``search="auto"`` runs toulbar2
+(``passes.solver.wcsp``, the weighted-CSP engine of the IOPDDL contest's winning team) beside 2,
+at the same time, each until the deadline: toulbar2 in its worker process, waited on by a
+thread of this one (``_WcspRunner``, ``_wcsp_phase``: memory rows added lazily, its plans
+repaired back within the limit), 2 in this thread and its HiGHS workers. They share the best
+plan (``_Incumbent``): 2 adopts a cheaper plan of toulbar2's at its next round, and each
+toulbar2 run is told the cheapest plan so far as its upper bound; the answer is the best plan
+of either, and a proof of optimality by either ends both. Without pytoulbar2, ``"auto"`` is
+the search above alone.
 
 The result carries the best solution found, its cost, and a certified lower bound: the MILP's
 dual bound on the whole reduced problem (HiGHS stops at a relative gap of 1e-7; with integer
@@ -39,9 +43,11 @@ did not see, which only relaxes).
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import functools
 import math
 import os
+import threading
 import time
 from typing import Sequence
 
@@ -138,6 +144,20 @@ class Search:
         # one-hot options, pair variables tied to them by row and column sums, relaxations
         # integral at the root or nearly; it took half of each solve and removed little).
         self.presolve = True
+        # Set when another engine of the portfolio proved the optimum: HiGHS's runs end then.
+        self.stop: threading.Event | None = None
+
+    def fork(self, seed: int) -> "Search":
+        """A search of the same reduced problem (its arrays shared, read only) with an incumbent
+        of its own (a copy of this one's) and its own random choices: for an engine running
+        beside this search in another thread."""
+        other = copy.copy(self)
+        other.s = self.s.copy()
+        other.load = self.load.copy()
+        other.rng = np.random.default_rng(seed)
+        other._classes = {}
+        other.milp_sizes = dict(self.milp_sizes)
+        return other
 
     def edge_classes(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Edge k's table compressed: (class of each row, class of each column, table over classes),
@@ -467,7 +487,10 @@ def solve_problem(
     """The cheapest strategies found within ``time_limit`` seconds (``None``: solve to optimality,
     within a relative gap of 1e-7), with a lower bound no solution beats. ``seed``: the random
     choice of neighbourhoods. Returns within ``time_limit`` plus the larger of 1 s and 2% of it
-    (every engine call is given only the time left, and cut at the deadline).
+    (every engine call is given only the time left, and cut at the deadline). With a time
+    limit the plan depends on the machine's speed and load, not on ``seed`` alone (the engines
+    are cut at a deadline; ``"auto"`` also runs two engines at once, sharing plans as they
+    find them).
 
     ``search``: ``"exact"``: the integer program over the whole reduced problem when it is small
     or there is no time limit, else large neighbourhoods of the plan until the time limit;
@@ -476,13 +499,14 @@ def solve_problem(
     ``"toulbar2"``: toulbar2 (``passes.solver.wcsp``) for the whole time (``_wcsp_phase``);
     ``"auto"``: ``"axes"`` when the whole program would have more than 400k pair variables,
     else, with a time limit, pytoulbar2 installed and at most ``_WCSP_MAX_NODES`` (10k) nodes
-    left after the reductions, toulbar2 for ``_WCSP_SHARE`` of the time
-    left after the heuristics (its plans repaired back within the memory limit), then, unless
-    it proved its plan optimal, ``"exact"``'s search from the best plan for the rest (measured
-    on ``families.contest_like`` problems, ``benchmarks/solver_engines.py``: toulbar2 finds
-    plans 1-40% cheaper than the neighbourhood search alone, most where memory binds);
-    without pytoulbar2 (or without a time limit: the integer program proves the optimum)
-    ``"exact"``. ``reduce=False`` eliminates no node (for tests of the reductions);
+    left after the reductions, a portfolio: toulbar2 (its plans repaired back within the memory
+    limit) and ``"exact"``'s search at the same time, each with all the time left after the
+    heuristics, sharing their best plans; the answer is the cheaper plan of the two, so it
+    has a plan whenever either engine finds one in the time (toulbar2 finds plans 1-40% cheaper
+    than the neighbourhood search on ``families.contest_like`` problems where it finds one,
+    ``benchmarks/solver_engines.py``, but on a loaded machine or a large problem it may find
+    none); without pytoulbar2 (or without a time limit: the integer program proves the
+    optimum) ``"exact"``. ``reduce=False`` eliminates no node (for tests of the reductions);
     ``dominance="equal"`` drops only strategies equal to another but for a higher cost (the
     reduced size then follows the problem's structure, not its costs; ``reduce.Reduced``).
     ``start``: a plan (a strategy per node) the search also starts from, repaired back within
@@ -539,6 +563,7 @@ def solve_problem(
         search_mode == "auto" and time_limit is not None and wcsp.available() and len(search.nodes) <= _WCSP_MAX_NODES
     )
     proven = False
+    runner: _WcspRunner | None = None
     if len(search.nodes):
         # The cheapest strategies, improved ignoring memory, then repaired; if memory is broken,
         # the smallest-usage start (feasible whenever anything is) when that has finite cost.
@@ -558,7 +583,12 @@ def solve_problem(
             search.construct(deadline, **variant)
             search.descend(deadline)
             candidates.append((search.objective(), search.s.copy()))
-        if len(search.rhs) and (start is not None or (pairs_left <= _FULL_MILP_PAIRS and not by_wcsp)):
+        if by_wcsp and search_mode == "auto":
+            # The portfolio: toulbar2 from the best plan so far, beside everything below.
+            search.assign(min(candidates, key=lambda candidate: candidate[0])[1])
+            runner = _WcspRunner(search, deadline, seed)
+            search.stop = runner.incumbent.stop
+        if len(search.rhs) and (start is not None or (pairs_left <= _FULL_MILP_PAIRS and search_mode != "toulbar2")):
             # Memory binds: the problem's optimum without the limit (reduced without it, which
             # eliminates what memory kept; where the whole program is small), greedily repaired
             # back within the limit.
@@ -574,16 +604,15 @@ def solve_problem(
         stats["start_violation"] = search.violation()
         best = search.objective()
         stats["heuristic_cost"] = best
-        if by_wcsp:
-            now = time.perf_counter()
-            share = deadline if search_mode == "toulbar2" else now + _WCSP_SHARE * (deadline - now)
-            found, proven = _wcsp_phase(search, share, seed, stats)
+        if runner is not None and search.violation() == 0 and best < search.big:
+            runner.incumbent.offer(best, search.s)
+        if search_mode == "toulbar2":
+            found, proven = _wcsp_phase(search, deadline, seed, stats)
             lower = max(lower, found)
-            if proven or search_mode == "toulbar2":
-                method = "toulbar2"
-        if time_limit is not None and not (proven or search_mode == "toulbar2"):
+            method = "toulbar2"
+        if time_limit is not None and search_mode != "toulbar2":
             wait_for_workers(deadline)  # (started above; a run timed below does not count their start)
-        if proven or search_mode == "toulbar2":
+        if search_mode == "toulbar2" or (runner is not None and runner.incumbent.proven.is_set()):
             pass
         elif time_limit is None or stats["pairs_left"] <= _FULL_MILP_PAIRS:
             method = "milp"
@@ -598,6 +627,8 @@ def solve_problem(
                 deadline=deadline,
             )
             stats["milp_status"] = status
+            if status == "infeasible" and runner is not None:
+                runner.finish()  # (toulbar2 is told to stop: the program proved there is no plan)
             if status == "infeasible":
                 raise InfeasiblePlacementError(
                     f"no strategies meet usage_limit={limit} with finite cost (the MILP over the reduced problem is infeasible)"
@@ -607,7 +638,13 @@ def solve_problem(
                     search.move(v, a)
             lower = max(lower, bound)
             stats["milp_optimal"] = status == "optimal"
-        if not (stats.get("milp_optimal") or proven or search_mode == "toulbar2") and time.perf_counter() < deadline < math.inf:
+            if runner is not None and stats["milp_optimal"]:
+                runner.incumbent.proven.set()
+                runner.incumbent.stop.set()
+            elif runner is not None and search.violation() == 0 and search.objective() < search.big:
+                runner.incumbent.offer(search.objective(), search.s)
+        done = stats.get("milp_optimal") or search_mode == "toulbar2" or (runner is not None and runner.incumbent.proven.is_set())
+        if not done and time.perf_counter() < deadline < math.inf:
             method = "milp-lns" if method == "milp" else "lns"
             # A bound of the LP relaxation's kind, for a tenth of the time left.
             began = time.perf_counter()
@@ -619,7 +656,21 @@ def solve_problem(
                 stats["lagrangian_rounds"], stats["lagrangian_repairs"] = _lagrangian_search(problem, search, limit, began + priced, seed)
                 stats["lagrangian_cost"] = search.objective()
                 stats["lagrangian_seconds"] = time.perf_counter() - began
-            stats["lns_rounds"], stats["lns_improvements"], _ = _large_neighbourhood_search(search, deadline)
+            stats["lns_rounds"], stats["lns_improvements"], _ = _large_neighbourhood_search(
+                search, deadline, incumbent=None if runner is None else runner.incumbent
+            )
+    if runner is not None:
+        # The portfolio's answer: the cheaper plan of the two engines (toulbar2's thread ends
+        # by the deadline: its worker is killed there).
+        found, proven_by_wcsp = runner.finish()
+        lower = max(lower, found)
+        stats.update(runner.stats)
+        ours = search.objective() if search.violation() == 0 else math.inf
+        if runner.best is not None and runner.best_cost < ours:
+            search.assign(runner.best)
+            method = "toulbar2"
+        proven = proven_by_wcsp and search.objective() <= runner.best_cost
+        stats["lns_cost"] = ours
     stats["search_seconds"] = time.perf_counter() - begin
     # (Without a time limit the MILP over the whole reduced problem ran to its end: a plan, or
     # a proof that there is none, raised above.)
@@ -638,7 +689,7 @@ def solve_problem(
     if limit is not None and peak_usage(problem, strategies) > limit:  # pragma: no cover - a bug if reached
         raise AssertionError("the solver returned strategies above the usage limit")
     stats.update(
-        method=method, seconds=time.perf_counter() - begin, search="toulbar2" if by_wcsp else "exact", milps=search.milps, **search.milp_sizes,
+        method=method, seconds=time.perf_counter() - begin, search="portfolio" if runner is not None else "toulbar2" if by_wcsp else "exact", milps=search.milps, **search.milp_sizes,
         status="optimal" if stats.get("milp_optimal") or proven or not len(search.nodes) else f"{method} (not proven optimal)",
     )
     if integral:
@@ -647,15 +698,13 @@ def solve_problem(
     return ProblemSolution(strategies, cost, min(lower, cost), stats)
 
 
-# ``search="auto"``: toulbar2 gets this share of the time left after the heuristics; the
-# neighbourhood search polishes its plan in the rest.
-_WCSP_SHARE = 0.85
-# ... on problems of at most this many nodes left after the reductions. Measured: on
-# ``contest_like`` problems of up to 8000 nodes (up to ~7k left) toulbar2 found plans 1-60%
-# cheaper than the neighbourhood search at 10 s; on the contest's instances A, M and S
-# (18-23k nodes left, memory binding, 60-240 s) the portfolio cost 2.15 / 1.07 / 1.56x the
-# best team against 1.74 / 1.05 / 1.11x for the neighbourhood search with its priced-memory
-# rounds (toulbar2 found no plan of A in 9.7 s).
+# ``search="auto"`` runs toulbar2 beside the neighbourhood search on problems of at most this
+# many nodes left after the reductions (above it, the neighbourhood search has both cores).
+# Measured: on ``contest_like`` problems of up to 8000 nodes (up to ~7k left) toulbar2 found
+# plans 1-60% cheaper than the neighbourhood search at 10 s; on the contest's instances A, M
+# and S (18-23k nodes left, memory binding, 60-240 s) it found none of A in 9.7 s, and a
+# portfolio that gave it most of the time cost 2.15 / 1.07 / 1.56x the best team against
+# 1.74 / 1.05 / 1.11x for the neighbourhood search alone.
 _WCSP_MAX_NODES = 10_000
 # Where memory binds: toulbar2's first run (the problem without the memory rows) gets at most
 # this share of its time, each later run (with the rows its plans broke) this share of what is
@@ -669,15 +718,19 @@ _WCSP_ROWS_ADDED = 0.5
 _WCSP_MOST_ROWS = 64
 # A run that has reported no plan after this share of its time stops (contest instance A,
 # 23k nodes left: none in 9.7 s; the generated problems of up to 8000 nodes: the first within
-# a few seconds), and the neighbourhood search gets the time.
+# a few seconds), and toulbar2 ends: the neighbourhood search beside it gets its core.
 _WCSP_FIRST_PLAN_SHARE = 0.4
 _WCSP_FIRST_PLAN_SECONDS = 1.0  # (but never sooner than this: starting the worker takes ~0.2 s)
 
 
-def _wcsp_phase(search: Search, deadline: float, seed: int, stats: dict) -> tuple[float, bool]:
+def _wcsp_phase(
+    search: Search, deadline: float, seed: int, stats: dict, incumbent: _Incumbent | None = None
+) -> tuple[float, bool]:
     """toulbar2 (``passes.solver.wcsp``) on the reduced problem until ``deadline``; leaves the
     best plan within the memory limit in ``search`` (its incumbent if none is better).
-    Returns a lower bound and whether the plan left is proven optimal.
+    Returns a lower bound and whether the plan left is proven optimal. ``incumbent``: the
+    plan shared with the neighbourhood search running beside it (each run starts from the
+    cheaper of the two and reports its plans to it; its ``stop`` ends the phase).
 
     Without memory rows: one run, the incumbent's cost its upper bound. With them (toulbar2's
     knapsack constraints over hundreds of rows make its search slow: on a 2000-node
@@ -702,6 +755,12 @@ def _wcsp_phase(search: Search, deadline: float, seed: int, stats: dict) -> tupl
         left = deadline - time.perf_counter()
         if left <= 0.05:
             break
+        if incumbent is not None:
+            if incumbent.stop.is_set():
+                break
+            shared_cost, shared_s = incumbent.get()
+            if shared_s is not None and shared_cost < best:
+                best, best_s = shared_cost, shared_s  # (toulbar2 must beat it)
         if rows is not None:
             left *= _WCSP_FIRST_SHARE if not runs else _WCSP_ROUND_SHARE
         now = time.perf_counter()
@@ -709,6 +768,7 @@ def _wcsp_phase(search: Search, deadline: float, seed: int, stats: dict) -> tupl
             search, now + left if math.isfinite(left) else math.inf,
             upper=best, hint=best_s, seed=seed + len(runs), rows=rows,
             first_by=now + max(_WCSP_FIRST_PLAN_SHARE * left, _WCSP_FIRST_PLAN_SECONDS),
+            stop=None if incumbent is None else incumbent.stop,
         )
         runs.append(dict(status=result.status, solutions=result.solutions, seconds=round(result.seconds, 3), rows=len(rows or ())))
         lower = max(lower, result.lower)
@@ -727,6 +787,8 @@ def _wcsp_phase(search: Search, deadline: float, seed: int, stats: dict) -> tupl
             search.descend(deadline)
         if search.violation() == 0 and search.objective() < best:
             best, best_s = search.objective(), search.s.copy()
+            if incumbent is not None:
+                incumbent.offer(best, best_s)
         exhaustive = result.status in ("optimal", "complete")
         if fits or (not exhaustive and rows is None) or result.status == "error":
             proven = fits and result.status == "optimal"
@@ -738,6 +800,81 @@ def _wcsp_phase(search: Search, deadline: float, seed: int, stats: dict) -> tupl
     search.assign(best_s)
     stats.update(wcsp_runs=runs, wcsp_seconds=time.perf_counter() - began, wcsp_lower=lower, wcsp_cost=best)
     return lower, proven
+
+
+class _Incumbent:
+    """The cheapest plan within the memory limit found so far by either engine of the portfolio
+    (a strategy per node of the search), shared between threads; ``proven``: set when an
+    engine proved it optimal; ``stop``: set to end both engines (a proof of optimality or of
+    infeasibility, or the answer is being taken); ``done``: set when toulbar2 has ended."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.cost = math.inf
+        self.s: np.ndarray | None = None
+        self.proven = threading.Event()
+        self.stop = threading.Event()
+        self.done = threading.Event()
+
+    def offer(self, cost: float, s: np.ndarray) -> bool:
+        """Keep ``s`` (a plan within the limit, of cost ``cost``) if it is the cheapest so far."""
+        with self._lock:
+            if cost < self.cost - 1e-9 * max(1.0, abs(self.cost) if math.isfinite(self.cost) else 0.0):
+                self.cost, self.s = float(cost), np.array(s, dtype=np.int64)
+                return True
+            return False
+
+    def get(self) -> tuple[float, np.ndarray | None]:
+        with self._lock:
+            return self.cost, None if self.s is None else self.s.copy()
+
+
+class _WcspRunner:
+    """toulbar2 (``_wcsp_phase``) in a thread of its own until ``deadline``, on a fork of the
+    search (its own incumbent, the reduced problem shared), started from the search's plan.
+    The thread mostly waits on toulbar2's worker process (a core of its own); the plans it
+    finds go to ``incumbent``. ``finish()`` ends it and gives its bound and proof."""
+
+    def __init__(self, search: Search, deadline: float, seed: int) -> None:
+        self.incumbent = _Incumbent()
+        self.stats: dict = {}
+        self.best: np.ndarray | None = None
+        self.best_cost = math.inf
+        self._lower = -math.inf
+        self._proven = False
+        self._error: BaseException | None = None
+        self._fork = search.fork(seed + 1)
+        self._deadline = deadline
+        self._seed = seed
+        self._thread = threading.Thread(target=self._run, name="toulbar2", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        fork = self._fork
+        try:
+            self._lower, self._proven = _wcsp_phase(fork, self._deadline, self._seed, self.stats, self.incumbent)
+            if fork.violation() == 0 and fork.objective() < fork.big:
+                self.best, self.best_cost = fork.s.copy(), fork.objective()
+            if self._proven:
+                self.incumbent.proven.set()
+                self.incumbent.stop.set()
+        except InfeasiblePlacementError as error:  # (a proof: both engines end; ``finish`` raises it)
+            self._error = error
+            self.incumbent.stop.set()
+        except BaseException as error:  # noqa: BLE001 (re-raised by ``finish``; the other engine goes on)
+            self._error = error
+        finally:
+            self.incumbent.done.set()
+
+    def finish(self) -> tuple[float, bool]:
+        """Stop toulbar2 (if still running), wait for its thread; its lower bound and whether
+        its plan (``best``) is proven optimal. Re-raises what it raised (a proof of
+        infeasibility: ``InfeasiblePlacementError``)."""
+        self.incumbent.stop.set()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._lower, self._proven
 
 
 # The share of the time left the program over the whole problem gets when memory binds.
@@ -817,9 +954,16 @@ def _lns_seeds(search: Search, rounds: int, penalty: float | None, forbidden: bo
     return None, None
 
 
-def _large_neighbourhood_search(search: Search, deadline: float, budget: int | None = None) -> tuple[int, int, int]:
+def _large_neighbourhood_search(
+    search: Search, deadline: float, budget: int | None = None, incumbent: _Incumbent | None = None
+) -> tuple[int, int, int]:
     """Re-solve neighbourhoods of the incumbent as MILPs until the deadline, the first of
     ``budget`` pair variables; rounds, improvements, and the size for a next call.
+
+    ``incumbent``: the plan shared with toulbar2 running beside this search (the portfolio):
+    each round first adopts it if it is cheaper (or the search has no plan within the limit
+    yet), every improvement is offered to it, and a proof of its optimality ends the search.
+    While toulbar2 runs, one neighbourhood fewer is solved per round (it has a core).
 
     While the incumbent breaks the memory limit, the limit is soft (priced per unit above it, the
     price rising while it stays broken) and neighbourhoods grow from nodes live where it is broken.
@@ -838,6 +982,18 @@ def _large_neighbourhood_search(search: Search, deadline: float, budget: int | N
     took = 0.0
     seconds_per_pair = None  # the slowest round's seconds per pair variable of its budget
     while True:
+        workers = _LNS_WORKERS
+        if incumbent is not None:
+            if incumbent.stop.is_set():
+                break  # (a proof: of this plan's optimality, or that there is none)
+            shared_cost, shared_s = incumbent.get()
+            fits = penalty is None and search.violation() == 0
+            if shared_s is not None and (not fits or shared_cost < search.objective() - 1e-9 * max(1.0, abs(current))):
+                search.assign(shared_s)
+                penalty = None
+                current = score()
+            if not incumbent.done.is_set():
+                workers = max(1, _LNS_WORKERS - 1)
         left = deadline - time.perf_counter()
         # A round runs over by its model's building and HiGHS past its own time limit (measured
         # on instance A: a 470k-column round given 8.9 s took 12.6 s, 6 s of it building): a
@@ -853,7 +1009,7 @@ def _large_neighbourhood_search(search: Search, deadline: float, budget: int | N
         # One neighbourhood per core, disjoint, solved at once (HiGHS runs without the GIL):
         # each against the incumbent, then applied one after the other while each gains.
         frees = []
-        for _ in range(_LNS_WORKERS):
+        for _ in range(workers):
             free = search.neighbourhood(size, *_lns_seeds(search, rounds, penalty, forbidden))
             for other in frees:
                 free = np.setdiff1d(free, other, assume_unique=True)
@@ -891,6 +1047,8 @@ def _large_neighbourhood_search(search: Search, deadline: float, budget: int | N
                 current = new
                 improvements += 1
                 stuck = 0
+                if incumbent is not None and search.violation() == 0 and new < search.big:
+                    incumbent.offer(new, search.s)
             else:
                 for v, a in zip(free.tolist(), previous.tolist()):
                     search.move(v, a)
