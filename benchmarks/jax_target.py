@@ -5,7 +5,13 @@ program, both lowered with ``lower_to_jax`` (4 virtual CPU devices).
 1. Step: a two-layer MLP block with sharding annotations, loss and gradients per step, 8 layers;
    ``hops_jax`` (Dynamo -> AOTAutograd -> lower_to_jax -> jax.jit, DLPack in and out), the same
    computation as ``jax.jit(jax.value_and_grad(...))`` with ``with_sharding_constraint``, and eager
-   torch. Target (issue 35): hops_jax / hand-written JAX <= 1.1.
+   torch. Target (issue 35): hops_jax / hand-written JAX <= 1.1. Both take host arrays each step
+   (the torch tensors; numpy arrays for JAX), both return the loss to Python. hops_jax and the
+   JAX steps run round-robin (one step of each in turn) so a load change on a shared machine hits
+   them alike; eager torch runs after them.
+   Breakdown of a hops_jax step: the two jitted programs (forward, backward; waited for), our
+   conversions around them (``JaxGraph.__call__`` less the programs), and the rest, torch's:
+   Dynamo's guards, AOTAutograd's runtime wrapper, the autograd engine (every backend pays it).
 2. Compile: ``make_fx`` of the loss and gradients of N blocks (``hops.scan`` over stacked weights,
    or a Python loop), ``lower_to_jax``, ``jax.jit(...).lower(...).compile()``, N = 4 and 64.
    Target: T(64) / T(4) <= 1.5 for the scan.
@@ -61,18 +67,65 @@ def jax_loss(h, ups, downs):
     return jnp.mean(h * h)
 
 
-def per_step(step, repeats=30) -> float:
+def per_step(steps: dict, repeats=30) -> dict[str, float]:
+    """Median ms per step of each of ``steps`` (name -> step), run round-robin."""
     for _ in range(3):
-        step()
-    times = []
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def breakdown(step, graphs, repeats=30) -> dict[str, float]:
+    """Median ms per hops_jax step: the jitted programs, our conversions around them, torch's rest."""
+    from passes.jax.backend import JaxGraph
+
+    spent = {"programs": 0.0, "graph calls": 0.0}
+    call = JaxGraph.__call__
+    functions = [g.function for g in graphs]
+
+    def timed_program(function):
+        def run(*args):
+            start = time.perf_counter()
+            out = jax.block_until_ready(function(*args))
+            spent["programs"] += time.perf_counter() - start
+            return out
+
+        return run
+
+    def timed_call(self, *args):
         start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        out = call(self, *args)
+        spent["graph calls"] += time.perf_counter() - start
+        return out
+
+    for graph in graphs:
+        graph.function = timed_program(graph.function)
+    JaxGraph.__call__ = timed_call
+    rows = []
+    try:
+        for _ in range(repeats):
+            spent.update(programs=0.0, **{"graph calls": 0.0})
+            start = time.perf_counter()
+            step()
+            total = time.perf_counter() - start
+            rows.append((total, spent["programs"], spent["graph calls"]))
+    finally:
+        JaxGraph.__call__ = call
+        for graph, function in zip(graphs, functions):
+            graph.function = function
+    total, programs, calls = (statistics.median(column) * 1e3 for column in zip(*rows))
+    return {"step": total, "jitted programs": programs, "ours (conversions)": calls - programs, "torch (Dynamo, AOTAutograd, autograd)": total - calls}
 
 
-def step_times() -> dict[str, float]:
+def step_times() -> tuple[dict[str, float], dict[str, float]]:
+    from passes.jax import backend
+
     torch.manual_seed(0)
     h = torch.randn(BATCH, DIM)
     ups = [(torch.randn(DIM, 2 * DIM) / DIM**0.5).requires_grad_() for _ in range(LAYERS)]
@@ -96,7 +149,17 @@ def step_times() -> dict[str, float]:
         jax.block_until_ready(grads)
         return float(loss)
 
-    return {"hops_jax": per_step(torch_step(compiled)), "jax by hand": per_step(jax_step), "eager torch": per_step(torch_step(torch_loss))}
+    def jax_step_to_host():  # the gradients gathered into host arrays, as a torch user gets them
+        loss, grads = by_hand(h_np, ups_np, downs_np)
+        return float(loss), [np.asarray(g) for g in jax.tree_util.tree_leaves(grads)]
+
+    hops_step = torch_step(compiled)
+    hops_step()
+    graphs = backend.COMPILED[-2:]  # its forward and backward
+    times = per_step({"hops_jax": hops_step, "jax by hand": jax_step, "jax, grads to host": jax_step_to_host})
+    # eager torch on its own: its intra-op threads stay busy after a step and would slow the next
+    times.update(per_step({"eager torch": torch_step(torch_loss)}))
+    return times, breakdown(hops_step, graphs)
 
 
 def compile_time(layers: int, scanned: bool) -> float:
@@ -123,13 +186,17 @@ def compile_time(layers: int, scanned: bool) -> float:
 
 
 def main() -> None:
-    times = step_times()
+    times, parts = step_times()
     print(f"per step (ms, median; {LAYERS} layers, batch {BATCH}, dim {DIM}, 4 CPU devices):")
     for name, ms in times.items():
-        print(f"  {name:12s} {ms:8.2f}")
+        print(f"  {name:20s} {ms:8.2f}")
     ratio = times["hops_jax"] / times["jax by hand"]
     print(f"  hops_jax / jax by hand = {ratio:.2f}  target <= 1.1: {'PASS' if ratio <= 1.1 else 'FAIL'}")
+    print(f"  hops_jax / jax with the gradients gathered to host = {times['hops_jax'] / times['jax, grads to host']:.2f}")
     print(f"  hops_jax / eager torch = {times['hops_jax'] / times['eager torch']:.2f}")
+    print("hops_jax step, broken down (ms, median of an instrumented run; programs waited for):")
+    for name, ms in parts.items():
+        print(f"  {name:38s} {ms:8.2f}")
     print("compile (s: make_fx + lower_to_jax + jit compile, loss and gradients):")
     results = {}
     for scanned in (True, False):
