@@ -108,6 +108,19 @@ class TestHopsJax(TestCase):
             torch.testing.assert_close(got, want)
         self.assertGreaterEqual(len(seen), 1)  # the hook ran; the gradients above read what it saved
 
+    def test_a_result_sharded_over_the_mesh_reaches_torch_whole(self):
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+        value = np.arange(4 * 6 * 2, dtype=np.float32).reshape(4, 6, 2)
+        for spec in (PartitionSpec("data", "model"), PartitionSpec(None, "model"), PartitionSpec("model"), PartitionSpec(("data", "model"))):
+            with self.subTest(spec=spec):
+                copies = {"out": 0}
+                result = backend._to_torch(jax.device_put(value, NamedSharding(mesh, spec)), copies)
+                self.assertEqual(copies, {"out": 1})
+                torch.testing.assert_close(result, torch.from_numpy(value), rtol=0, atol=0)
+
     def test_a_tensor_on_another_device_is_refused_naming_it(self):
         with self.assertRaisesRegex(ValueError, r"hops_jax: input 0 is a meta tensor; this backend runs on CPU tensors"):
             backend._to_jax(torch.empty(2, device="meta"), {"in": 0}, "input 0")

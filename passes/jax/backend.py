@@ -54,7 +54,6 @@ def _host_view(value: Any, where: str) -> Any:
 
 def _to_torch(value: Any, copies: dict[str, int]) -> Any:
     import jax
-    import numpy as np
 
     if not isinstance(value, jax.Array):
         return value
@@ -66,7 +65,22 @@ def _to_torch(value: Any, copies: dict[str, int]) -> Any:
     if sharding.is_fully_replicated:
         return torch.from_dlpack(value.addressable_shards[0].data)
     copies["out"] += 1
-    return torch.from_numpy(np.array(value))
+    return torch.from_numpy(_gathered(value))
+
+
+def _gathered(value: Any) -> Any:
+    """A host copy of a jax array sharded over several devices: each distinct shard written once
+    into its slice (``np.array(value)`` took 2-3x as long for an array split along two axes)."""
+    import numpy as np
+
+    out = np.empty(value.shape, value.dtype)
+    written = set()
+    for shard in value.addressable_shards:
+        key = tuple((part.start, part.stop) for part in shard.index)
+        if key not in written:
+            written.add(key)
+            out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 _HELD = "_hops_jax_value"  # the attribute of a stand-in tensor naming the jax array it stands for
