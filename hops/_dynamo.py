@@ -267,7 +267,10 @@ def _refuse_input_writes(body_gm: torch.fx.GraphModule, example_args: Sequence[A
     inputs = []
     for node in placeholders:
         example = node.meta.get("example_value")
-        if isinstance(example, torch.Tensor):
+        # A 0-d tensor is kept as it is: it may be a number Dynamo passes as a tensor (a float
+        # under ``dynamic=True``) that the body reads back with ``item()``, which a fresh fake
+        # cannot answer. A write into it still changes its version.
+        if isinstance(example, torch.Tensor) and example.dim() > 0:
             example = torch.empty_strided(
                 example.size(), example.stride(), dtype=example.dtype, device=example.device, requires_grad=example.requires_grad
             )

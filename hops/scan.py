@@ -923,17 +923,24 @@ def _inductor_rule(body: Callable, *inputs_and_spec: Any) -> tuple:
     def cond_fn(counter: torch.Tensor, *state: Any) -> torch.Tensor:
         return counter < iterations
 
+    # while_loop's operands are tensors, ints and SymInts; any other value the step reads (a
+    # float: Dynamo lifts a module's ``eps`` as an input of the body under ``dynamic=True``)
+    # is a constant of the loop's body.
+    operand = [isinstance(a, (torch.Tensor, int, torch.SymInt)) for a in additional]
+
     def body_fn(counter: torch.Tensor, *state: Any) -> tuple:
         # The loop's body reads what it is given (a traced subgraph closes over nothing).
         ny = len(ys_like)
-        carry, ys, xs, additional = state[:nc], state[nc : nc + ny], state[nc + ny : nc + ny + nx], state[nc + ny + nx :]
+        carry, ys, xs, given = state[:nc], state[nc : nc + ny], state[nc + ny : nc + ny + nx], iter(state[nc + ny + nx :])
+        step_additional = [next(given) if passed else value for value, passed in zip(additional, operand)]
         positions = counter * per_iteration + torch.arange(per_iteration, device=counter.device)
-        carry, ys = run_steps(positions, carry, xs, additional, ys, in_place=True)
+        carry, ys = run_steps(positions, carry, xs, step_additional, ys, in_place=True)
         return (counter + 1, *carry, *ys)
 
     if not (isinstance(iterations, int) and iterations == 0):  # a static zero-length loop is no loop
         counter = torch.zeros((), dtype=torch.int64, device=device)
-        _, *state = torch.ops.higher_order.while_loop(cond_fn, body_fn, (counter, *carry, *ys), (*xs, *additional))
+        passed_additional = [value for value, passed in zip(additional, operand) if passed]
+        _, *state = torch.ops.higher_order.while_loop(cond_fn, body_fn, (counter, *carry, *ys), (*xs, *passed_additional))
         carry, ys = state[:nc], state[nc:]
     if isinstance(length, int):
         if iterations * per_iteration < length:  # what the loop's iterations leave
