@@ -46,6 +46,24 @@ exact: geometric mean cost/best 1.1914, worst inf, no plan 14, longest past the 
 toulbar2: geometric mean cost/best 1.0087, worst inf, no plan 12, longest past the limit +2.74 s
 auto: geometric mean cost/best 1.0048, worst 1.0798, no plan 11, longest past the limit +2.12 s
 
+The table above is of the sequential portfolio (toulbar2 for 85% of the time, then the
+neighbourhood search). Issue 33 runs them at once; measured before and after on the same
+machine (500 and 2000 nodes, tightness none and 1.1, seeds 0 and 1, engines exact and auto;
+"busy": a ``while True: pass`` loop on one of the 2 cores; the geometric mean of cost / best
+plan of that run, the rows where auto's plan was worse than exact's or missing where exact
+had one, and the problems with no plan from auto):
+
+| limit | load | before: exact / auto geo mean | before: auto worse or missing | after: exact / auto geo mean | after: auto worse or missing |
+|---|---|---|---|---|---|
+| 3 s | idle | 1.1628 / 1.0000 (auto no plan 1) | 0 | 1.1868 / 1.0118 (auto no plan 1) | 1 (1.085x, 2000 nodes, 1.1) |
+| 3 s | busy | 1.1090 / 1.0031 (auto no plan 2) | 1 (1.019x) | 1.0256 / 1.0000 (auto no plan 2) | 0 |
+| 8 s | idle | 1.0947 / 1.0018 (auto no plan 1) | 1 (no plan; exact had one) | 1.1642 / 1.0000 (auto no plan 0) | 0 |
+| 8 s | busy | 1.0578 / 1.0073 (auto no plan 2) | 1 (1.044x) | 1.1480 / 1.0288 (auto no plan 2) | 2 (1.167x, 1.016x; 2000 nodes) |
+
+Every call stayed within its limit (+0.01 s at most after). What remains: on a loaded machine
+the two engines share the cores, so at 2000 nodes the neighbourhood search inside auto can end
+worse than it does alone (one core fewer for it while toulbar2 runs).
+
 Usage: python benchmarks/solver_engines.py [--time-limit S] [--sizes 500,2000,8000]
        [--seeds 0,1] [--tightness none,1.1,1.02] [--engines exact,toulbar2,auto]
 """
