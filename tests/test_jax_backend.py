@@ -37,6 +37,42 @@ class TestHopsJax(TestCase):
                 for got, want in zip([*outputs, *grads], [*expected, *expected_grads]):
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
+    def test_every_sample_compiled_with_dynamic_shapes_gives_eager_outputs_and_gradients(self):
+        # With dynamic=True the graphs take their sizes as ints and the forward returns some
+        # for the backward: jax specializes on them, and torch gets them back as ints.
+        for sample in SAMPLES:
+            with self.subTest(sample=sample.name):
+                torch._dynamo.reset()
+                compiled = torch.compile(sample.program, backend=hops_jax, dynamic=True, fullgraph=True)
+                inputs = sample.inputs(2)
+                outputs, grads = forward_backward(compiled, fresh(inputs))
+                expected, expected_grads = forward_backward(sample.reference, fresh(inputs))
+                for got, want in zip([*outputs, *grads], [*expected, *expected_grads]):
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    def test_one_dynamic_compile_serves_scans_of_every_length(self):
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        def step(h, x, w):
+            h = torch.tanh(h @ w + x)
+            return h, h.sum(-1)
+
+        def program(h, xs, w):
+            last, ys = hops.scan(step, h, xs, additional_inputs=(w,))
+            return last.sum() + ys.square().mean()
+
+        counter = CompileCounterWithBackend(hops_jax)
+        compiled = torch.compile(program, backend=counter, dynamic=True, fullgraph=True)
+        for length, batch in [(4, 2), (6, 3)]:
+            g = torch.Generator().manual_seed(length)
+            inputs = [torch.randn(batch, 3, generator=g), torch.randn(length, batch, 3, generator=g), torch.randn(3, 3, generator=g)]
+            inputs = [t.requires_grad_() for t in inputs]
+            got, got_grads = forward_backward(compiled, fresh(inputs))
+            expected, expected_grads = forward_backward(program, fresh(inputs))
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got_grads, expected_grads, rtol=1e-5, atol=1e-5)
+        self.assertEqual(counter.frame_count, 1)
+
     def test_no_copy_in_or_out_without_a_mesh(self):
         compiled = torch.compile(lambda x, w: torch.tanh(hops.einsum("ij,jk->ik", x, w)), backend=hops_jax)
         x, w = torch.randn(4, 3), torch.randn(3, 5)

@@ -132,7 +132,15 @@ class JaxGraph:
         from passes.jax import lower_to_jax
 
         lowered = lower_to_jax(gm)
-        self.function = jax.jit(lowered)
+        # A graph compiled with dynamic shapes takes its sizes as ints: jax specializes on them
+        # (static arguments: one compile per shape, as jax runs), and the sizes it returns (the
+        # forward's, saved for the backward) go back to torch as ints.
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        static = tuple(i for i, node in enumerate(placeholders) if _is_number(node.meta.get("val")))
+        self.function = jax.jit(lowered, static_argnums=static)
+        results = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+        results = results if isinstance(results, (tuple, list)) else [results]
+        self.numbers = {i for i, node in enumerate(results) if isinstance(node, fx.Node) and _is_number(node.meta.get("val"))}
         self.placement = _replicated_on_mesh(lowered.graph_module)
         self.saved = _saved_dtypes(gm) if forward else {}
         self.copies = {"in": 0, "out": 0}
@@ -152,7 +160,19 @@ class JaxGraph:
         from hops._compat import caller_saved_tensors_hooks
 
         saved = self.saved if self.saved and not caller_saved_tensors_hooks() else {}
-        return [_stand_in(o, saved[i]) if i in saved else _to_torch(o, self.copies) for i, o in enumerate(outputs)]
+        return [
+            _stand_in(o, saved[i]) if i in saved else _number(o) if i in self.numbers else _to_torch(o, self.copies)
+            for i, o in enumerate(outputs)
+        ]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> Any:
+    """A size (or other number) a graph returns, as the Python number torch expects."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def _held(value: Any, convert: Callable[..., Any], *how: Any) -> Any:
