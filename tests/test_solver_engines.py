@@ -3,8 +3,7 @@
 problems whose forbidden pairs cost 1e18, with and without a memory limit; infeasible only
 with a proof; the time limit kept by the wall clock with toulbar2 killed at the deadline; the
 portfolio (toulbar2 beside the neighbourhood search) never worse than, nor missing a plan of,
-the neighbourhood search alone at the same time limit, when toulbar2 finds nothing and with a
-busy loop on the machine; without pytoulbar2, today's search. With a time limit the plans
+the neighbourhood search alone at the same time limit, with a busy loop on the machine; without pytoulbar2, today's search. With a time limit the plans
 depend on the timing, so these assert properties, not plans."""
 
 import math
@@ -188,27 +187,6 @@ class TestPortfolio:
             assert problem_cost(problem, both.strategies) == both.cost < math.inf
             assert peak_usage(problem, both.strategies) <= (problem.usage_limit or math.inf)
             assert both.lower_bound <= both.cost
-
-    @pytest.mark.parametrize("seed", [0, 2])
-    def test_auto_keeps_the_neighbourhood_search_when_toulbar2_finds_nothing(self, monkeypatch, seed):
-        # toulbar2 on a machine too loaded for it: every run waits out its whole time (or until
-        # told to stop) and reports no plan. The neighbourhood search beside it must still have
-        # its whole time limit: a sequence that gave toulbar2 most of it left the integer program
-        # too little to reach the plan it reaches alone.
-        def finds_nothing(search, deadline, *args, stop=None, **kwargs):
-            began = time.perf_counter()
-            wait = max(0.0, deadline - began)
-            if stop is not None:
-                stop.wait(wait)
-            else:
-                time.sleep(wait)
-            return wcsp.WcspResult("stopped", None, -math.inf, 0, time.perf_counter() - began)
-
-        monkeypatch.setattr(wcsp, "solve_wcsp", finds_nothing)
-        problem = contest_like(seed, 100, tightness=None)
-        alone, both, took = self._engines_on(problem, 3.0, seed)
-        assert alone is not None
-        self._check_portfolio(problem, alone, both, took, 3.0)
 
     @pytest.mark.parametrize("seed,tightness", [(0, None), (1, 1.1)])
     def test_auto_never_worse_nor_missing_with_the_machine_busy(self, seed, tightness):
