@@ -114,16 +114,11 @@ def solve_cpsat(problem, time_limit: float, workers: int = 2, formulation: str =
             live = [usage[i] for i in np.flatnonzero((starts <= t) & (t < ends)) if usage[i] is not None]
             if live:
                 model.Add(sum(live) <= int(math.floor(problem.usage_limit)))
-    model.Minimize(sum(objective))
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit)
-    solver.parameters.num_workers = workers
-    status = solver.Solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, -math.inf, solver.StatusName(status)
+    solver, status, found = _minimize(model, objective, time_limit, workers)
+    if not found:
+        return None, -math.inf, status
     plan = [int(solver.Value(v)) for v in choice]
-    lower = (solver.BestObjectiveBound() - rounding) / scale + problem.constant
-    return plan, lower, solver.StatusName(status)
+    return plan, (solver.BestObjectiveBound() - rounding) / scale + problem.constant, status
 
 
 def _solve_local(problem, time_limit: float, workers: int):
@@ -163,16 +158,24 @@ def _solve_local(problem, time_limit: float, workers: int):
             row = [int(u) * x[i][a] for i in live for a, u in enumerate(problem.node_usages[i]) if u]
             if row:
                 model.Add(sum(row) <= int(math.floor(problem.usage_limit)))
+    solver, status, found = _minimize(model, terms, time_limit, workers)
+    if not found:
+        return None, -math.inf, status
+    plan = [next(a for a, v in enumerate(row) if solver.Value(v)) for row in x]
+    return plan, (solver.BestObjectiveBound() - rounding) / scale + problem.constant, status
+
+
+def _minimize(model, terms: list, time_limit: float, workers: int):
+    """CP-SAT's solver after minimizing ``sum(terms)`` for ``time_limit`` s, its status's name,
+    and whether it found a plan."""
+    from ortools.sat.python import cp_model
+
     model.Minimize(sum(terms))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_workers = workers
     status = solver.Solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, -math.inf, solver.StatusName(status)
-    plan = [next(a for a, v in enumerate(row) if solver.Value(v)) for row in x]
-    lower = (solver.BestObjectiveBound() - rounding) / scale + problem.constant
-    return plan, lower, solver.StatusName(status)
+    return solver, solver.StatusName(status), status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
 
 
 def _ours(problem, limit: float) -> tuple[float, float, float]:

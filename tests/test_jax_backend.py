@@ -26,29 +26,24 @@ class TestHopsJax(TestCase):
     def setUp(self):
         torch._dynamo.reset()
 
-    def test_every_sample_compiled_gives_eager_outputs_and_gradients(self):
+    def check_every_sample(self, seed, **options):
         for sample in SAMPLES:
             with self.subTest(sample=sample.name):
                 torch._dynamo.reset()
-                compiled = torch.compile(sample.program, backend=hops_jax, fullgraph=True)
-                inputs = sample.inputs(1)
+                compiled = torch.compile(sample.program, backend=hops_jax, fullgraph=True, **options)
+                inputs = sample.inputs(seed)
                 outputs, grads = forward_backward(compiled, fresh(inputs))
                 expected, expected_grads = forward_backward(sample.reference, fresh(inputs))
                 for got, want in zip([*outputs, *grads], [*expected, *expected_grads]):
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
+    def test_every_sample_compiled_gives_eager_outputs_and_gradients(self):
+        self.check_every_sample(1)
+
     def test_every_sample_compiled_with_dynamic_shapes_gives_eager_outputs_and_gradients(self):
         # With dynamic=True the graphs take their sizes as ints and the forward returns some
         # for the backward: jax specializes on them, and torch gets them back as ints.
-        for sample in SAMPLES:
-            with self.subTest(sample=sample.name):
-                torch._dynamo.reset()
-                compiled = torch.compile(sample.program, backend=hops_jax, dynamic=True, fullgraph=True)
-                inputs = sample.inputs(2)
-                outputs, grads = forward_backward(compiled, fresh(inputs))
-                expected, expected_grads = forward_backward(sample.reference, fresh(inputs))
-                for got, want in zip([*outputs, *grads], [*expected, *expected_grads]):
-                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        self.check_every_sample(2, dynamic=True)
 
     def test_one_dynamic_compile_serves_scans_of_every_length(self):
         from torch._dynamo.testing import CompileCounterWithBackend
