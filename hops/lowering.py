@@ -42,6 +42,9 @@ table each HOP module fills), or None; ``passes._infra.hop_tables`` lists it wit
 
 Devices: ``register_graph_compiler(device, compiler, prepare=...)`` (how ``hops.assume_pure``
 runs graphs traced for that device's tensors; see ``hops._targets``).
+
+Autograd: ``caller_saved_tensors_hooks()``: whether the caller has saved-tensor hooks active
+(offloading, checkpointing), which may read or replace what a compiled forward saves.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from hops._body_hop.body import at_boundary, distinct_tensors
 from hops._body_hop.body_record import across_calls_key, plan_body_key, traced_graph
 from hops._body_hop.flat_body import flat_body
 from hops._body_hop.subgraph import body_name, clone_aliased_outputs, is_view
+from hops._compat import caller_saved_tensors_hooks
 from hops._errors import hop_prefix, leaf_name
 from hops._inductor import inductor_rule
 from hops._layout import device_coordinates, global_shape, local_shape, replicated
@@ -60,6 +64,7 @@ __all__ = [
     "across_calls_key",
     "at_boundary",
     "body_name",
+    "caller_saved_tensors_hooks",
     "clone_aliased_outputs",
     "device_coordinates",
     "distinct_tensors",

@@ -157,7 +157,7 @@ class JaxGraph:
             inputs = [_held(a, _host_view, f"input {i}") for i, a in enumerate(args)]
             self.copies["in"] += sum(isinstance(x, np.ndarray) for x in inputs)
         outputs = self.function(*inputs)
-        from hops._compat import caller_saved_tensors_hooks
+        from hops.lowering import caller_saved_tensors_hooks
 
         saved = self.saved if self.saved and not caller_saved_tensors_hooks() else {}
         return [
