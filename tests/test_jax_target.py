@@ -276,6 +276,15 @@ class TestAtenTable(TestCase):
         graph = make_fx(joint(program), tracing_mode="fake")(x.requires_grad_(), y.requires_grad_())
         close(self, lower_to_jax(graph)(*arrays((x, y))), joint(program)(*fresh((x, y))), f"program {choices}", rtol=1e-4)
 
+    def test_prims_convert_element_type_casts_as_torch(self):
+        # Recorded by decompositions under dynamic shapes (a float Dynamo passes as a tensor).
+        def program(x):
+            return torch.ops.prims.convert_element_type(x * 3, torch.float16).float() + torch.ops.prims.convert_element_type(x, torch.int32)
+
+        x = torch.randn(4, 3) * 4
+        graph = make_fx(program)(x)
+        close(self, lower_to_jax(graph)(*arrays((x,))), program(x), "convert_element_type", rtol=1e-3)
+
     @settings(max_examples=3, deadline=None)
     @given(group=st.sampled_from([1, 2, 3]), is_causal=st.booleans(), masked=st.booleans(), scale=st.sampled_from([None, 0.3]), seed=st.integers(0, 2**16))
     @example(group=2, is_causal=True, masked=False, scale=None, seed=0)  # HF Llama's grouped heads, always

@@ -563,6 +563,11 @@ def _to_copy(x, *, dtype=None, **kwargs):
     return x if dtype is None else x.astype(jax_dtype(dtype))
 
 
+@register(torch.ops.prims.convert_element_type)  # (decompositions under dynamic shapes record it)
+def _convert_element_type(x, dtype):
+    return jnp().asarray(x).astype(jax_dtype(dtype))
+
+
 @register(aten.copy)
 def _copy(destination, source, non_blocking=False):
     return jnp().broadcast_to(source, destination.shape).astype(destination.dtype)
