@@ -285,6 +285,19 @@ class TestAtenTable(TestCase):
         graph = make_fx(program)(x)
         close(self, lower_to_jax(graph)(*arrays((x,))), program(x), "convert_element_type", rtol=1e-3)
 
+    def test_gather_and_its_gradient_as_torch(self):
+        # HF BERT's token-type embedding reads its buffer with gather; the backward scatters.
+        # The index is smaller than the input along the other dim, as torch allows.
+        def program(x, y):
+            index = torch.tensor([[0, 2, 1], [3, 3, 0]])
+            return torch.gather(x, 1, index) * y + torch.gather(x, 0, index[:, :2].clamp(max=1))[:, :1]
+
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(3, 4, generator=g), torch.randn(2, 3, generator=g)
+        graph = make_fx(joint(program), tracing_mode="fake")(x.requires_grad_(), y.requires_grad_())
+        assert any(n.target is torch.ops.aten.gather.default for n in graph.graph.nodes)
+        close(self, lower_to_jax(graph)(*arrays((x, y))), joint(program)(*fresh((x, y))), "gather", rtol=1e-5)
+
     @settings(max_examples=3, deadline=None)
     @given(group=st.sampled_from([1, 2, 3]), is_causal=st.booleans(), masked=st.booleans(), scale=st.sampled_from([None, 0.3]), seed=st.integers(0, 2**16))
     @example(group=2, is_causal=True, masked=False, scale=None, seed=0)  # HF Llama's grouped heads, always

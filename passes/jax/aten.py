@@ -514,6 +514,29 @@ def _index_select(x, dim, index):
     return jnp().take(x, index, axis=dim)
 
 
+def _along(index: Any, dim: int) -> tuple:
+    """The full index of ``torch.gather``/``scatter_add``'s ``index`` along ``dim``: ``index``
+    there, each other dim its own position (``index`` may be smaller than the input there)."""
+    grid = [
+        jnp().broadcast_to(jnp().arange(size).reshape([-1 if d == k else 1 for k in range(index.ndim)]), index.shape)
+        for d, size in enumerate(index.shape)
+    ]
+    grid[dim] = index
+    return tuple(grid)
+
+
+@register(aten.gather)
+def _gather(x, dim, index, sparse_grad=False):
+    return x[_along(index, dim % max(x.ndim, 1))]
+
+
+@register(aten.scatter_add)
+def _scatter_add(x, dim, index, source):
+    # (torch reads only the part of ``source`` that ``index`` covers)
+    covered = source[tuple(slice(0, size) for size in index.shape)]
+    return x.at[_along(index, dim % max(x.ndim, 1))].add(covered)
+
+
 @register(aten.cat)
 def _cat(tensors, dim=0):
     return jnp().concatenate(list(tensors), axis=dim)
