@@ -25,6 +25,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from hops.lowering import caller_saved_tensors_hooks
+
 __all__ = ["hops_jax", "JaxGraph"]
 
 
@@ -157,8 +159,6 @@ class JaxGraph:
             inputs = [_held(a, _host_view, f"input {i}") for i, a in enumerate(args)]
             self.copies["in"] += sum(isinstance(x, np.ndarray) for x in inputs)
         outputs = self.function(*inputs)
-        from hops.lowering import caller_saved_tensors_hooks
-
         saved = self.saved if self.saved and not caller_saved_tensors_hooks() else {}
         return [
             _stand_in(o, saved[i]) if i in saved else _number(o) if i in self.numbers else _to_torch(o, self.copies)
