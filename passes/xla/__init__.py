@@ -14,13 +14,13 @@ import torch.fx as fx
 from hops.lowering import register_graph_compiler
 from passes._infra import HopRulePass
 from passes.xla import eager, portable, rules  # noqa: F401  (register the target's and the device's rules)
-from passes.xla.backend import lowered_and_staged, prepare_autograd_for_xla
+from passes.xla.backend import XlaAutogradOrderError, lowered_and_staged, prepare_autograd_for_xla
 from passes.xla.rules import run_in_named_scope, run_scan
 
 # hops.assume_pure on XLA tensors: its graphs lowered and staged, as backend="hops_xla" does.
 register_graph_compiler("xla", lowered_and_staged, prepare=prepare_autograd_for_xla)
 
-__all__ = ["lower_to_xla", "run_scan", "run_in_named_scope"]
+__all__ = ["XlaAutogradOrderError", "lower_to_xla", "prepare_autograd_for_xla", "run_scan", "run_in_named_scope"]
 
 
 def lower_to_xla(gm: fx.GraphModule) -> fx.GraphModule:

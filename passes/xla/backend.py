@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-__all__ = ["hops_xla", "lowered_and_staged", "prepare_autograd_for_xla"]
+__all__ = ["XlaAutogradOrderError", "hops_xla", "lowered_and_staged", "prepare_autograd_for_xla"]
 
 
 class StagedGraph:
@@ -76,17 +76,38 @@ def _static_xla_metadata(gm: fx.GraphModule) -> Any:
 _QUEUES_READY = False
 
 
+class XlaAutogradOrderError(RuntimeError):
+    """No backward on XLA tensors can run in this process: torch's autograd engine sized its
+    per-device queues at a backward that ran before the XLA device counted (torch_xla's own
+    behaviour: under SPMD, any backward before the first XLA backward)."""
+
+
 def prepare_autograd_for_xla() -> None:
     """Run one XLA backward, once per process, before tracing a joint graph on XLA tensors:
     torch's autograd engine sizes its per-device queues at the first backward it runs, and a
     backward traced (under fake tensors) before any real XLA backward fails its internal
-    assert ``device.index() < device_ready_queues_.size()``."""
+    assert ``device.index() < device_ready_queues_.size()``. Where a backward ran before it
+    (a CPU reference computed first), that assert fails here: ``XlaAutogradOrderError`` says
+    what to do instead of torch's internal assert."""
     global _QUEUES_READY
     if not _QUEUES_READY:
         import torch_xla
 
         probe = torch.ones(1, device=torch_xla.device(), requires_grad=True)
-        (probe * 2).sum().backward()
+        try:
+            (probe * 2).sum().backward()
+        except RuntimeError as error:
+            if "device_ready_queues_" not in str(error):
+                raise
+            raise XlaAutogradOrderError(
+                "backward on XLA tensors cannot run in this process: a backward (e.g. on CPU tensors) ran "
+                "before the first backward on XLA tensors, and torch's autograd engine sized its device queues "
+                "then, without the XLA device (torch_xla's own behaviour; under SPMD even once the device "
+                "exists). Run one XLA backward first, at the start of the program (right after "
+                "torch_xla.runtime.use_spmd()): call passes.xla.prepare_autograd_for_xla(), or compute CPU "
+                "references in another process; torch.no_grad() inference and graphs whose gradients are "
+                "traced in (make_fx of torch.autograd.grad, then passes.lower_to_xla) need no backward"
+            ) from error
         _QUEUES_READY = True
 
 
