@@ -4,15 +4,18 @@ too hard to finish in T (measured before the deadlines: 6-9 s for the plain fron
 for the FX front at T = 3 s, inside HiGHS runs that do not keep their own time limit). Only the
 contract's bound is asserted: the machine is shared."""
 
+import itertools
 import math
 import time
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from passes.solver import NoPlanFoundError, peak_usage, problem_cost, solve_problem
+from passes.solver import NoPlanFoundError, StrategyProblem, peak_usage, problem_cost, solve_problem
 from passes.solver.deadline import solve_model_by
 from passes.solver.families import contest_like
-from passes.solver.search import Search
+from passes.solver.search import Search, _quick_answer
 from passes.solver.solve import Factor, MemoryTerm, choice_problem
 
 
@@ -114,3 +117,56 @@ def test_a_highs_run_past_its_deadline_is_ended_and_the_next_one_runs():
                  value=np.zeros(0), integer=np.ones(1, dtype=bool))
     again = solve_model_by(small, time.perf_counter() + 5.0)
     assert again is not None and again["status"] == "optimal" and again["x"].tolist() == [0.0]
+
+
+def test_a_time_limit_shorter_than_the_preparation_still_gets_a_plan_in_time():
+    # 8000 nodes: copying the problem for the reductions, its memory rows and the search's
+    # arrays take 1-2 s on a busy machine, before any plan exists (measured before those steps
+    # looked at the deadline: 1.9-2.3 s at a 0.2 s limit). Without forbidden pairs, every node
+    # on its smallest usage is a plan within the limit: one must come back, in time.
+    problem = contest_like(0, 8000, forbidden=0.0)
+    fx = fx_problem(problem, problem.usage_limit)
+    for time_limit, candidate, options in ((0.2, problem, {}), (0.5, problem, {}), (0.3, fx, dict(dominance="equal", presolve=False))):
+        began = time.perf_counter()
+        solution = solve_problem(candidate, time_limit=time_limit, **options)
+        took = time.perf_counter() - began
+        assert within_contract(took, time_limit), (time_limit, took)
+        assert peak_usage(problem, solution.strategies) <= problem.usage_limit
+        assert problem_cost(candidate, solution.strategies) == solution.cost < math.inf
+        assert solution.lower_bound <= solution.cost
+
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 5), st.booleans())
+def test_the_quick_answer_is_the_better_heuristic_plan_and_a_true_bound(seed, nodes, memory):
+    # The answer given when the deadline comes before the search: small costs and usages, so
+    # many ties; forbidden pairs; a memory limit sometimes below every plan.
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 4, size=nodes)
+    costs = [rng.integers(0, 4, size=k).astype(float) for k in sizes]
+    usages = [rng.integers(0, 3, size=k).astype(float) for k in sizes]
+    starts = rng.integers(0, 3, size=nodes)
+    intervals = np.stack([starts, starts + rng.integers(0, 3, size=nodes)], axis=1)
+    pairs = [tuple(rng.choice(nodes, size=2, replace=False)) for _ in range(nodes)] if nodes > 1 else []
+    tables = [np.where(rng.uniform(size=(sizes[i], sizes[j])) < 0.3, np.inf, rng.integers(-2, 4, size=(sizes[i], sizes[j]))) for i, j in pairs]
+    limit = float(rng.integers(0, 6)) if memory else None
+    problem = StrategyProblem(costs, usages, intervals, np.array(pairs, dtype=np.int64).reshape(-1, 2), tables, limit)
+
+    def fits(plan):
+        return limit is None or peak_usage(problem, plan) <= limit
+
+    cheapest = [int(np.argmin(c)) for c in costs]
+    frugal = [int(np.flatnonzero(u == u.min())[np.argmin(c[u == u.min()])]) for c, u in zip(costs, usages)]
+    expected = min((problem_cost(problem, plan) for plan in (cheapest, frugal) if fits(plan)), default=math.inf)
+    optimum = min(
+        (problem_cost(problem, plan) for plan in itertools.product(*(range(k) for k in sizes)) if fits(plan)), default=math.inf
+    )
+    try:
+        answer = _quick_answer(problem, time.perf_counter(), 0.1)
+    except NoPlanFoundError:
+        assert expected == math.inf
+        return
+    assert answer.cost == expected == problem_cost(problem, answer.strategies) < math.inf
+    assert fits(answer.strategies)
+    assert answer.lower_bound <= optimum

@@ -23,7 +23,7 @@ import time
 
 from passes.solver.highs_worker import _read, _write, solve_model
 
-__all__ = ["solve_model_by", "start_workers", "wait_for_workers", "CANCEL_GRACE"]
+__all__ = ["solve_model_by", "start_workers", "wait_for_workers", "CANCEL_GRACE", "OutOfTime", "check"]
 
 # Seconds before the deadline HiGHS's own time limit ends (its answer to that limit is usually
 # this prompt): the worker is killed at the deadline itself, so a run ends by it, answer and all.
@@ -37,6 +37,18 @@ _idle: list[subprocess.Popen] = []
 _all: set[subprocess.Popen] = set()
 _ready: set[subprocess.Popen] = set()  # workers that said they imported HiGHS
 _lock = threading.Lock()
+
+
+class OutOfTime(Exception):
+    """A step that must finish before the search can start (the problem's copy for the
+    reductions, the memory rows, the search's arrays) reached the deadline: what it built is
+    unusable, and ``solve_problem`` answers with the plan it has without them."""
+
+
+def check(deadline: float) -> None:
+    """Raise ``OutOfTime`` if ``deadline`` (a ``time.perf_counter()`` value) has passed."""
+    if time.perf_counter() >= deadline:
+        raise OutOfTime
 
 
 def _spawn() -> subprocess.Popen:

@@ -20,10 +20,12 @@ left with no strategy of finite cost, or a time step where the least usages brea
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
+from passes.solver.deadline import check
 from passes.solver.problem import InfeasiblePlacementError, StrategyProblem
 
 __all__ = ["Reduced"]
@@ -35,20 +37,28 @@ _ELIMINATION_BUDGET = 4_000_000
 # Entries of a chain link's product above which it is kept when it has more distinct rows times
 # columns than the two edges it replaces (their integer program is smaller than the product's).
 _LINK_GROWTH_ENTRIES = 16_384
+# Nodes or edges between two looks at a deadline in the steps that copy the problem (a few ms).
+_CHECK_EVERY = 256
 
 
 class Reduced:
     """The problem after exact reductions; remembers how to expand a solution of what is left."""
 
-    def __init__(self, problem: StrategyProblem, dominance: str = "full") -> None:
+    def __init__(self, problem: StrategyProblem, dominance: str = "full", deadline: float = math.inf) -> None:
+        """``deadline``: ``OutOfTime`` is raised past it (copying a 20k-node problem's tables
+        takes most of a second)."""
         if dominance not in ("full", "equal"):
             raise ValueError(f"dominance must be 'full' or 'equal', got {dominance!r}")
         n = problem.num_nodes
         self.problem = problem
         self.dominance = dominance
-        self.cost = [c.copy() for c in problem.node_costs]
-        self.usage = [u.copy() for u in problem.node_usages]
-        self.keep = [np.arange(len(c)) for c in problem.node_costs]
+        self.cost, self.usage, self.keep = [], [], []
+        for i, (c, u) in enumerate(zip(problem.node_costs, problem.node_usages)):
+            if i % _CHECK_EVERY == 0:
+                check(deadline)
+            self.cost.append(c.copy())
+            self.usage.append(u.copy())
+            self.keep.append(np.arange(len(c)))
         self.constant = problem.constant
         self.edges: dict[int, list] = {}  # id -> [i, j, matrix (strategies of i x of j)]
         self.adjacent: list[dict[int, int]] = [dict() for _ in range(n)]  # node -> {neighbour: edge id}
@@ -64,7 +74,10 @@ class Reduced:
         # integer program's pair variables are per class).
         self.classes: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
         given = problem.edge_classes
+        check(deadline)
         for k, (i, j) in enumerate(problem.edges.tolist()):
+            if k % _CHECK_EVERY == 0:
+                check(deadline)
             m = np.array(problem.edge_matrix(k), dtype=np.float64)
             self._add_edge(i, j, m, None if given is None else given[k])
 
@@ -212,8 +225,9 @@ class Reduced:
 
     # ------------------------------------------------------------------ memory
 
-    def memory_rows(self, limit: float | None) -> None:
-        """Find the memory constraints that can bind; mark the nodes they see."""
+    def memory_rows(self, limit: float | None, deadline: float = math.inf) -> None:
+        """Find the memory constraints that can bind; mark the nodes they see (``OutOfTime``
+        past ``deadline``: the rows are then incomplete)."""
         n = self.problem.num_nodes
         self.memory_node = np.zeros(n, dtype=bool)
         self.points = np.zeros(0, dtype=np.int64)
@@ -228,8 +242,13 @@ class Reduced:
         starts = np.unique(intervals[index, 0])
         lo = np.searchsorted(starts, intervals[index, 0], "left")
         hi = np.searchsorted(starts, intervals[index, 1], "left")
-        least = np.array([self.usage[i].min() for i in index])
-        most = np.array([self.usage[i].max() for i in index])
+        # Each live node's least and largest usage, over its strategies laid end to end.
+        usages = [self.usage[i] for i in index.tolist()]
+        first = np.concatenate([[0], np.cumsum([len(u) for u in usages])[:-1]]).astype(np.int64)
+        flat = np.concatenate(usages)
+        least = np.minimum.reduceat(flat, first)
+        most = np.maximum.reduceat(flat, first)
+        check(deadline)
 
         def profile(values: np.ndarray) -> np.ndarray:
             delta = np.zeros(len(starts) + 1)
@@ -261,8 +280,10 @@ class Reduced:
         self.memory_node[index[seen]] = True
         self.lo[index] = klo
         self.hi[index] = khi
-        for i in index[seen]:
-            self.usage[i] = self.usage[i] - self.usage[i].min()
+        for count, (i, smallest) in enumerate(zip(index[seen].tolist(), least[seen].tolist())):
+            if count % _CHECK_EVERY == 0:
+                check(deadline)
+            self.usage[i] = self.usage[i] - smallest
 
     # ------------------------------------------------------------------ elimination
 
@@ -320,13 +341,17 @@ class Reduced:
         c2 = len(np.unique(self.oriented_classes(node, k)[1]))
         return c1 * c2 > own * (c1 + c2)
 
-    def reduce(self, limit: float | None, deadline: float, eliminate: bool = True) -> None:
+    def reduce(self, limit: float | None, deadline: float, eliminate: bool = True, stop_by: float = math.inf) -> None:
         """The reductions (see the module docstring) until nothing changes or ``deadline``;
-        ``eliminate=False`` keeps every node (strategies are still dropped)."""
+        ``eliminate=False`` keeps every node (strategies are still dropped). The first steps
+        (infinite costs dropped, the memory rows) must finish for the result to be a reduced
+        problem: past ``stop_by`` they raise ``OutOfTime``."""
         n = self.problem.num_nodes
         for i in range(n):
+            if i % _CHECK_EVERY == 0:
+                check(stop_by)
             self._restrict(i, np.isfinite(self.cost[i]))
-        self.memory_rows(limit)
+        self.memory_rows(limit, stop_by)
         queue = list(range(n))
         rounds = 0
         while queue and time.perf_counter() < deadline:

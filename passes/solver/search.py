@@ -54,7 +54,7 @@ from typing import Sequence
 import numpy as np
 
 from passes.solver import wcsp
-from passes.solver.deadline import start_workers, wait_for_workers
+from passes.solver.deadline import OutOfTime, check, start_workers, wait_for_workers
 from passes.solver.milp import MIP_GAP, solve_neighbourhood
 from passes.solver.problem import (
     InfeasiblePlacementError,
@@ -72,12 +72,16 @@ __all__ = ["solve_problem", "Search"]
 
 # Pair variables of a MILP over the whole reduced problem above which only neighbourhoods are solved.
 _FULL_MILP_PAIRS = 300_000
+# Nodes or edges between two looks at the deadline while the search's arrays are built (a few ms).
+_CHECK_EVERY = 256
 
 
 class Search:
     """The reduced problem as arrays, with an incumbent and the memory it uses over time."""
 
-    def __init__(self, reduced: Reduced, seed: int) -> None:
+    def __init__(self, reduced: Reduced, seed: int, deadline: float = math.inf) -> None:
+        """``deadline``: ``OutOfTime`` is raised past it (the arrays of a 20k-node problem
+        take half a second)."""
         self.reduced = reduced
         self.nodes = np.flatnonzero(~reduced.removed)
         local = {int(v): k for k, v in enumerate(self.nodes)}
@@ -90,7 +94,10 @@ class Search:
         self.edges = []  # (local i, local j, matrix)
         self.adjacent: list[list[tuple[int, np.ndarray, np.ndarray]]] = [[] for _ in self.nodes]
         self.edge_class_ids = []
-        for eid, (i, j, m) in reduced.edges.items():
+        check(deadline)
+        for count, (eid, (i, j, m)) in enumerate(reduced.edges.items()):
+            if count % _CHECK_EVERY == 0:
+                check(deadline)
             self.edges.append((local[i], local[j], m))
             self.edge_class_ids.append(eid)
         self.edge_i = np.array([e[0] for e in self.edges], dtype=np.int64)
@@ -112,7 +119,10 @@ class Search:
         self.flat_edges = np.where(np.isfinite(flat_edges), flat_edges, self.big)
         self.penalized_cost = np.split(self.flat_penalized, self.cost_start[1:-1]) if len(sizes) else []
         penalized_tables = np.split(self.flat_edges, self.edge_start[1:-1]) if len(self.edges) else []
-        for (li, lj, m), penalized in zip(self.edges, penalized_tables):
+        check(deadline)
+        for count, ((li, lj, m), penalized) in enumerate(zip(self.edges, penalized_tables)):
+            if count % _CHECK_EVERY == 0:
+                check(deadline)
             penalized = penalized.reshape(m.shape)
             self.adjacent[li].append((lj, penalized, m))
             self.adjacent[lj].append((li, penalized.T, m.T))
@@ -133,6 +143,7 @@ class Search:
             first = np.concatenate([[0], np.cumsum(usage_sizes)[:-1]])
             column = np.arange(len(flat_usage)) - np.repeat(first, usage_sizes)
             self.padded_usage[np.repeat(memory_nodes, usage_sizes), column] = flat_usage
+        check(deadline)
         self.rng = np.random.default_rng(seed)
         self.s = np.zeros(len(self.nodes), dtype=np.int64)
         self.load = np.zeros(len(self.rhs))
@@ -513,9 +524,14 @@ def solve_problem(
     the memory limit if it breaks it (by default, where memory binds, the problem's optimum
     without the limit).
 
+    Every step before the search (the problem's copy, the memory rows, the search's arrays)
+    looks at the deadline too: when it comes first (a 20k-node problem and a limit under a
+    second or two), the answer is the cheaper of two plans read off the problem alone, every
+    node on its cheapest strategy or on its smallest usage (``stats["method"] == "quick"``).
+
     Raises ``InfeasiblePlacementError`` (a ``ValueError``) only with a proof that no choice fits
     the memory limit with finite cost (the reductions' or the MILP's), and ``NoPlanFoundError``
-    when the time limit ran out before a plan was found."""
+    (a ``TimeoutError``) when the time limit ran out before a plan was found."""
     if not isinstance(problem, StrategyProblem):
         raise TypeError(f"problem must be a StrategyProblem, got {type(problem).__name__}")
     if time_limit is not None:
@@ -534,11 +550,15 @@ def solve_problem(
     if time_limit is not None:
         start_workers(_LNS_WORKERS)  # (HiGHS's runs end at the deadline in worker processes)
     limit = None if problem.usage_limit is None else float(problem.usage_limit)
-    integral = _integral(problem)
-    reduced = Reduced(problem, dominance)
-    reduced.reduce(limit, begin + 0.25 * (deadline - begin), eliminate=reduce)
-    reduce_seconds = time.perf_counter() - begin
-    search_ = Search(reduced, seed)
+    try:
+        # (Each step looks at the deadline: a 20k-node problem's copy, memory rows and arrays
+        # take 1-2 s before any plan exists.)
+        reduced = Reduced(problem, dominance, deadline)
+        reduced.reduce(limit, begin + 0.25 * (deadline - begin), eliminate=reduce, stop_by=deadline)
+        reduce_seconds = time.perf_counter() - begin
+        search_ = Search(reduced, seed, deadline)
+    except OutOfTime:
+        return _quick_answer(problem, begin, time_limit)
     search_.presolve = presolve
     by_axes = search in ("auto", "axes") and _axis_count(search_) >= 3
     pairs_left = search_.pair_count(begin + 0.3 * (deadline - begin))
@@ -692,9 +712,56 @@ def solve_problem(
         method=method, seconds=time.perf_counter() - begin, search="portfolio" if runner is not None else "toulbar2" if by_wcsp else "exact", milps=search.milps, **search.milp_sizes,
         status="optimal" if stats.get("milp_optimal") or proven or not len(search.nodes) else f"{method} (not proven optimal)",
     )
-    if integral:
-        # Integer costs: no solution costs less than the bound rounded up.
-        lower = math.ceil(lower - 1e-9 * max(1.0, abs(lower)))
+    lower = _rounded_up(problem, lower, math.inf if time_limit is None else begin + float(time_limit))
+    return ProblemSolution(strategies, cost, min(lower, cost), stats)
+
+
+def _rounded_up(problem: StrategyProblem, lower: float, until: float) -> float:
+    """``lower`` rounded up when every cost is a whole number (no solution costs less), if
+    that is known by ``until`` (else as it is, which is still a bound)."""
+    if not math.isfinite(lower) or lower == math.floor(lower) or not _integral(problem, until):
+        return lower
+    return math.ceil(lower - 1e-9 * max(1.0, abs(lower)))
+
+
+def _quick_answer(problem: StrategyProblem, begin: float, time_limit: float | None) -> ProblemSolution:
+    """The answer when the time limit came before the search's arrays were built (a large
+    problem and a small limit): the cheaper of two plans read off the problem alone, every
+    node on its cheapest strategy, or on its smallest usage (the cheapest such, which fits
+    the memory limit whenever anything does), if one has finite cost and fits the limit;
+    the lower bound, every node's and every edge's least cost. Else ``NoPlanFoundError``:
+    nothing was proven, so never ``InfeasiblePlacementError``."""
+    # Every node's strategies laid end to end (a loop of numpy calls per node took 1.3 s on a
+    # 20k-node problem; sorting them, or padding them to rows, 0.5-0.7 s on a loaded machine).
+    sizes = np.array([len(c) for c in problem.node_costs], dtype=np.int64)
+    first = np.cumsum(sizes) - sizes
+    costs = np.concatenate([np.zeros(0), *problem.node_costs])
+    usages = np.concatenate([np.zeros(0), *problem.node_usages])
+    if len(sizes):
+        least = usages == np.repeat(np.minimum.reduceat(usages, first), sizes)
+        plans = [_first_least(costs, first, sizes), _first_least(np.where(least, costs, np.inf), first, sizes)]
+    else:
+        plans = [np.zeros(0, np.int64)]
+    found = []
+    for plan in plans:
+        cost = _plan_cost(problem, plan, costs[first + plan])
+        if math.isfinite(cost) and (problem.usage_limit is None or peak_usage(problem, plan) <= problem.usage_limit):
+            found.append((cost, plan.tolist()))
+    if not found:
+        raise NoPlanFoundError(
+            f"the time limit ({time_limit} s) ran out before the search could start on this problem of "
+            f"{problem.num_nodes} nodes, and neither its cheapest nor its smallest strategies make a plan "
+            "(a forbidden choice, or above the usage limit); the problem is not proven infeasible"
+        )
+    cost, strategies = min(found, key=lambda f: f[0])
+    lower = problem.constant + math.fsum(float(c.min()) for c in problem.node_costs)
+    lower += math.fsum(float(problem.edge_costs[k].min()) for k in range(len(problem.edges)))
+    seconds = time.perf_counter() - begin
+    stats = dict(
+        nodes=problem.num_nodes, edges=len(problem.edges), nodes_left=problem.num_nodes, edges_left=len(problem.edges),
+        reduce_seconds=seconds, seconds=seconds, search_seconds=seconds, method="quick", search="quick", milps=0,
+        status="quick (the time limit came before the search started; not proven optimal)",
+    )
     return ProblemSolution(strategies, cost, min(lower, cost), stats)
 
 
@@ -886,14 +953,14 @@ def _unconstrained_plan(problem: StrategyProblem, dominance: str, seed: int, dea
     or not solved by ``deadline``)."""
     if time.perf_counter() >= deadline:
         return None
-    reduced = Reduced(problem, dominance)
     try:
-        reduced.reduce(None, deadline)
+        reduced = Reduced(problem, dominance, deadline)
+        reduced.reduce(None, deadline, stop_by=deadline)
+        free = Search(reduced, seed, deadline)
     except InfeasiblePlacementError:  # pragma: no cover - the constrained reductions said so first
         return None
-    if time.perf_counter() >= deadline:
+    except OutOfTime:
         return None
-    free = Search(reduced, seed)
     if not len(free.nodes):
         return free.plan()
     if free.pair_count(deadline) > _FULL_MILP_PAIRS or time.perf_counter() >= deadline:
@@ -917,11 +984,39 @@ def _answer_reserve(problem: StrategyProblem, time_limit: float) -> float:
 _KILL_SECONDS = 0.1
 
 
-def _integral(problem: StrategyProblem) -> bool:
-    """Whether every finite cost is a whole number (then a bound rounds up)."""
-    values = np.concatenate([np.zeros(0), *problem.node_costs, *(m.ravel() for m in problem.edge_costs)])
-    finite = values[np.isfinite(values)]
-    return bool(np.all(finite == np.round(finite)))
+def _first_least(values: np.ndarray, first: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Per segment ``values[first[k]:first[k] + sizes[k]]`` (none empty, no NaN), the index in
+    it of its first least value (every segment holds its least: ``inf == inf`` too)."""
+    hits = np.flatnonzero(values == np.repeat(np.minimum.reduceat(values, first), sizes))
+    return hits[np.searchsorted(hits, first)] - first
+
+
+def _plan_cost(problem: StrategyProblem, plan: np.ndarray, node_costs: np.ndarray) -> float:
+    """``problem_cost`` of ``plan`` (its nodes' costs given), ``inf`` as soon as a choice is
+    forbidden (a heuristic plan of a problem with many forbidden pairs makes one early)."""
+    if not np.isfinite(node_costs).all():
+        return math.inf
+    values = []
+    for k, (a, b) in enumerate(zip(plan[problem.edges[:, 0]].tolist(), plan[problem.edges[:, 1]].tolist())):
+        value = problem.edge_cost(k, a, b)
+        if value == math.inf:
+            return math.inf
+        values.append(value)
+    return math.fsum(node_costs.tolist()) + math.fsum(values) + problem.constant
+
+
+def _integral(problem: StrategyProblem, until: float = math.inf) -> bool:
+    """Whether every finite cost is a whole number (then a bound rounds up); False if not
+    known by ``until`` (a 20k-node problem's tables take 0.4 s)."""
+    tables = [*problem.node_costs, *problem.edge_costs]
+    for first in range(0, len(tables), 1024):
+        if time.perf_counter() >= until:
+            return False
+        values = np.concatenate([np.zeros(0), *(m.ravel() for m in tables[first : first + 1024])])
+        finite = values[np.isfinite(values)]
+        if not np.all(finite == np.round(finite)):
+            return False
+    return True
 
 
 _LNS_MIN_PAIRS = 2_000  # the smallest neighbourhood, in pair variables
@@ -1101,16 +1196,18 @@ def _lagrangian_search(problem: StrategyProblem, main: Search, limit: float, dea
         stop = min(deadline, began + _ROUND_SECONDS)
         cumulative = np.concatenate([[0.0], np.cumsum(prices)])
         paid = cumulative[hi] - cumulative[lo]
-        reduced = Reduced(problem)
-        for v in np.flatnonzero(paid > 0).tolist():
-            reduced.cost[v] = reduced.cost[v] + paid[v] * reduced.usage[v]
         try:
-            reduced.reduce(None, began + 0.3 * (stop - began))
+            reduced = Reduced(problem, deadline=stop)
+            for v in np.flatnonzero(paid > 0).tolist():
+                reduced.cost[v] = reduced.cost[v] + paid[v] * reduced.usage[v]
+            reduced.reduce(None, began + 0.3 * (stop - began), stop_by=stop)
+            search = Search(reduced, seed + rounds, stop)
         except InfeasiblePlacementError:  # pragma: no cover - the constrained reductions said so first
             # The priced problem has every plan of the problem (finite prices keep finite costs
             # finite): nothing is proven here that the constrained reductions did not prove.
             break
-        search = Search(reduced, seed + rounds)
+        except OutOfTime:
+            break
         if len(search.nodes):
             search.assign_full(current)
             search.descend(stop, respect_memory=False)
