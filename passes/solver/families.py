@@ -85,9 +85,11 @@ def contest_like(
         m[plan[i], plan[j]] = 0.0 if same[plan[i], plan[j]] else moved[plan[i], plan[j]]
         matrices.append(m)
     edges = np.array(pairs, dtype=np.int64).reshape(-1, 2)
-    probe = StrategyProblem(costs, usages, intervals, edges, matrices)
     limit = None
     if tightness is not None:
+        # (Peaks of a problem without edges: a problem's validation of every table, twice,
+        # took 40% of the generation.)
+        probe = StrategyProblem(costs, usages, intervals, np.zeros((0, 2), np.int64), [])
         least = peak_usage(probe, [int(np.argmin(u)) for u in usages])
         limit = float(np.ceil(least * tightness))
         limit = max(limit, peak_usage(probe, plan))

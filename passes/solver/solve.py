@@ -591,7 +591,9 @@ def solve_graph(
             )
     problem_seconds = time.perf_counter() - start
     if time_limit is not None:
-        time_limit = max(1e-3, time_limit - problem_seconds)
+        # The limit counts from the call: the graph's and the problem's building are spent of
+        # it (past it, ``solve_problem`` answers with a plan read off the problem, at once).
+        time_limit = max(1e-3, time_limit - graph_seconds - problem_seconds)
     # (Only equal strategies merged: a scan's problem does not change with its trip count.)
     result = _solve_with_budget(problem, memory_budget, time_limit, reduce, search)
     options = result.strategies[: len(builder.owners)]
