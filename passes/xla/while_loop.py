@@ -113,95 +113,127 @@ def _build(
 ) -> _Loop:
     import torch_xla.core.xla_builder as xb
 
-    # 1. Stage one step on placeholders (tensors with a shape and no data).
+    step = _stage_step(body, carry, xs, additional)
+    ys = step.outputs[len(carry) :]
+    layout = _State.of(len(carry), len(xs), len(ys), len(additional), len(step.constants))
+    builder = xb.create_builder("scan")
+    state = _initial_state(builder, step, carry, xs, additional, ys, length, reverse)
+    iterations = length // unroll
+    loop = xb.Op.mkwhile(
+        state,
+        lambda counter, *rest: _another_iteration(counter, length, iterations * unroll, reverse, unroll),
+        lambda counter, *rest: _iteration(step, layout, [counter, *rest], reverse, unroll),
+    )
+    state = [loop.get_tuple_element(i) for i in range(len(state))]
+    for offset in range(length % unroll):
+        state = _one_step(step, layout, state, offset, reverse)
+    # The carries and ys are the results: the caller reads nothing else.
+    computation = xb.Op.tuple(state[layout.carry : layout.xs] + state[layout.ys : layout.additional]).build("scan")
+    return _Loop(computation, tuple(ys), tuple(step.constants), step.seeded)
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    """Where each value sits in the loop's state ``(counter, *carry, *xs, *ys, *additional,
+    *constants, [seeds])``: each field the position of its group's first value."""
+
+    carry: int
+    xs: int
+    ys: int
+    additional: int
+    constants: int
+    seeds: int
+
+    @classmethod
+    def of(cls, num_carry: int, num_xs: int, num_ys: int, num_additional: int, num_constants: int) -> "_State":
+        xs = 1 + num_carry
+        ys = xs + num_xs
+        additional = ys + num_ys
+        constants = additional + num_additional
+        return cls(1, xs, ys, additional, constants, constants + num_constants)
+
+
+def _stage_step(body: Callable, carry: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], additional: Sequence[torch.Tensor]):
+    """One step staged on placeholders (tensors with a shape and no data), its outputs checked."""
     step = stage(
         body,
         (*metadata(carry), *((tuple(t.shape[1:]), t.dtype) for t in xs), *metadata(additional)),
         name=f"{body_name(body)}_step",
         what=f"xla_while: step {body_name(body)}: (*new_carry, *ys)",
     )
-    num_carry, num_xs = len(carry), len(xs)
     _check_step_outputs(body_name(body), step.outputs, carry)
-    ys = step.outputs[num_carry:]
-    constants = step.constants
+    return step
 
-    # 2. The loop: state (counter, *carry, *xs, *ys, *additional, *constants, [seeds]); the
-    #    computation's parameters are the same without the counter and the ys, which start
-    #    as zeros the computation makes (a buffer from the host would be a transfer per call).
-    carry_start = 1
-    xs_start = carry_start + num_carry
-    ys_start = xs_start + num_xs
-    additional_start = ys_start + len(ys)
-    constants_start = additional_start + len(additional)
-    seeds_position = constants_start + len(constants)
+
+def _s64(builder: Any, value: int) -> Any:
+    import torch_xla.core.xla_builder as xb
+
+    return xb.Op.scalar(builder, value, dtype=xb.Type.S64)
+
+
+def _initial_state(builder: Any, step: Any, carry, xs, additional, ys, length: int, reverse: bool) -> list:
+    """The loop's first state: the computation's parameters are the state without the counter
+    and the ys, which start as zeros the computation makes (a buffer from the host would be a
+    transfer per call). The counter is the position of the iteration's first step: 0 up, or
+    ``length - 1`` down."""
+    import torch_xla.core.xla_builder as xb
 
     def shape(dims: Sequence[int], dtype: torch.dtype) -> Any:
         return xb.mkshape(xb.Op.from_torch_type(dtype), list(dims))
 
-    parameter_shapes = [
-        *(shape(t.shape, t.dtype) for t in carry),
-        *(shape(t.shape, t.dtype) for t in xs),
-        *(shape(t.shape, t.dtype) for t in additional),
-        *(shape(t.shape, t.dtype) for t in constants),
-    ]
+    parameter_shapes = [shape(t.shape, t.dtype) for t in (*carry, *xs, *additional, *step.constants)]
     if step.seeded:
         parameter_shapes.append(shape((length,), torch.int64))
-    builder = xb.create_builder("scan")
-
-    def s64(value: int, like: Any = None) -> Any:
-        return xb.Op.scalar(like.builder() if like is not None else builder, value, dtype=xb.Type.S64)
-
     parameters = [xb.mkparam(builder, i, s) for i, s in enumerate(parameter_shapes)]
     ys_zeros = [
         xb.Op.scalar(builder, 0, dtype=xb.Op.from_torch_type(y_dtype)).broadcast([length, *y_shape]) for y_shape, y_dtype in ys
     ]
-    iterations = length // unroll
-    # The counter is the position of the iteration's first step: 0 up, or length - 1 down.
-    num_given = num_carry + num_xs
-    state = [s64(length - 1 if reverse else 0), *parameters[:num_given], *ys_zeros, *parameters[num_given:]]
+    num_given = len(carry) + len(xs)
+    return [_s64(builder, length - 1 if reverse else 0), *parameters[:num_given], *ys_zeros, *parameters[num_given:]]
 
-    def condition(counter: Any, *rest: Any) -> Any:
-        # Another iteration only while all of its ``unroll`` steps are in range. Forward, the
-        # bound is a multiple of the increment: XLA's loop simplifier (in torch_xla 2.9)
-        # floors (bound - start) / increment as the trip count and deletes ``i < 1; i += 3``.
-        if reverse:
-            return counter >= s64(length - iterations * unroll + unroll - 1, counter)
-        return counter < s64(iterations * unroll, counter)
 
-    def one_step(state: list, offset: int) -> list:
-        """``state`` after the iteration's step ``offset`` (the counter is not advanced)."""
-        counter = state[0]
-        position = counter
-        if offset:
-            position = counter - s64(offset, counter) if reverse else counter + s64(offset, counter)
-        slices = [_slice(state[xs_start + i], position) for i in range(num_xs)]
-        step_inputs = [*state[carry_start:xs_start], *slices, *state[additional_start:constants_start]]
-        seed = _slice(state[seeds_position], position) if step.seeded else None  # this step's seed
-        arguments = step.arguments(step_inputs, state[constants_start:seeds_position], seed, counter.builder())
-        result = xb.Op.call(step.computation, arguments)
-        state = list(state)
-        for i in range(num_carry):
-            state[carry_start + i] = result.get_tuple_element(i)
-        for j in range(len(ys)):
-            state[ys_start + j] = _update_slice(state[ys_start + j], result.get_tuple_element(num_carry + j), position)
-        return state
+def _another_iteration(counter: Any, length: int, steps_in_loop: int, reverse: bool, unroll: int) -> Any:
+    """Whether all of the next iteration's ``unroll`` steps are in range. Forward, the bound is
+    a multiple of the increment: XLA's loop simplifier (in torch_xla 2.9) floors (bound -
+    start) / increment as the trip count and deletes ``i < 1; i += 3``."""
+    if reverse:
+        return counter >= _s64(counter.builder(), length - steps_in_loop + unroll - 1)
+    return counter < _s64(counter.builder(), steps_in_loop)
 
-    def loop_body(counter: Any, *rest: Any) -> tuple:
-        state = [counter, *rest]
-        for offset in range(unroll):
-            state = one_step(state, offset)
-        # One increment by the step count: the induction variable stays ``i += k``, the
-        # form XLA's loop analyses recognize (a chain of ``+1``s makes them miscount).
-        state[0] = counter - s64(unroll, counter) if reverse else counter + s64(unroll, counter)
-        return tuple(state)
 
-    loop = xb.Op.mkwhile(state, condition, loop_body)
-    state = [loop.get_tuple_element(i) for i in range(len(state))]
-    for offset in range(length % unroll):
-        state = one_step(state, offset)
-    # The carries and ys are the results: the caller reads nothing else.
-    computation = xb.Op.tuple(state[carry_start:xs_start] + state[ys_start:additional_start]).build("scan")
-    return _Loop(computation, tuple(ys), tuple(constants), step.seeded)
+def _iteration(step: Any, layout: _State, state: list, reverse: bool, unroll: int) -> tuple:
+    """The state after one iteration: ``unroll`` steps, then one increment of the counter by
+    the step count (the induction variable stays ``i += k``, the form XLA's loop analyses
+    recognize; a chain of ``+1``s makes them miscount)."""
+    counter = state[0]
+    for offset in range(unroll):
+        state = _one_step(step, layout, state, offset, reverse)
+    increment = _s64(counter.builder(), unroll)
+    state[0] = counter - increment if reverse else counter + increment
+    return tuple(state)
+
+
+def _one_step(step: Any, layout: _State, state: list, offset: int, reverse: bool) -> list:
+    """``state`` after the iteration's step ``offset`` (the counter is not advanced)."""
+    import torch_xla.core.xla_builder as xb
+
+    counter = state[0]
+    position = counter
+    if offset:
+        shift = _s64(counter.builder(), offset)
+        position = counter - shift if reverse else counter + shift
+    slices = [_slice(x, position) for x in state[layout.xs : layout.ys]]
+    step_inputs = [*state[layout.carry : layout.xs], *slices, *state[layout.additional : layout.constants]]
+    seed = _slice(state[layout.seeds], position) if step.seeded else None  # this step's seed
+    arguments = step.arguments(step_inputs, state[layout.constants : layout.seeds], seed, counter.builder())
+    result = xb.Op.call(step.computation, arguments)
+    num_carry = layout.xs - layout.carry
+    state = list(state)
+    for i in range(num_carry):
+        state[layout.carry + i] = result.get_tuple_element(i)
+    for j in range(layout.additional - layout.ys):
+        state[layout.ys + j] = _update_slice(state[layout.ys + j], result.get_tuple_element(num_carry + j), position)
+    return state
 
 
 def _check_step_outputs(name: str, outputs: Metadata, carry: Sequence[torch.Tensor]) -> None:
