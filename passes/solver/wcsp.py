@@ -123,73 +123,13 @@ def solve_wcsp(
         return WcspResult("error", None, -math.inf, 0, 0.0)
     if time.perf_counter() >= deadline:
         return WcspResult("stopped", None, -math.inf, 0, 0.0)
-    n = len(search.nodes)
-    domains = np.array([len(c) for c in search.cost], dtype=np.int64)
-    with tempfile.NamedTemporaryFile(prefix="wcsp-", suffix=".pickle", delete=False) as handle:
-        data = pickle.dumps(_data(search, upper, hint, seed, vns, rows), protocol=pickle.HIGHEST_PROTOCOL)
-        handle.write(struct.pack("<Q", len(data)) + data)
-        path = handle.name
-    scale = None
-    best = None
-    lower = -math.inf
-    solutions = 0
-    status = "stopped"
+    log = _Log(len(search.nodes), np.array([len(c) for c in search.cost], dtype=np.int64))
+    path = _write_input(_data(search, upper, hint, seed, vns, rows))
     process = None
     try:
         with open(path, "rb") as stdin:
             process = subprocess.Popen([sys.executable, _WORKER], stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        fd = process.stdout.fileno()
-        pending = b""
-        expect_values = False
-        ended = False
-        while not ended:
-            wait = (deadline if solutions else min(deadline, first_by)) - time.perf_counter()
-            if wait <= 0:
-                break
-            if stop is not None:
-                wait = min(wait, _STOP_POLL)
-            ready, _, _ = select.select([fd], [], [], None if math.isinf(wait) else wait)
-            if stop is not None and stop.is_set():
-                break
-            if not ready:
-                if stop is not None:
-                    continue  # (a look at ``stop``: the deadline is looked at above)
-                break
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                break
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                if scale is None:
-                    found = _SCALE.match(line)
-                    if found:
-                        base, factor, slack = (float(found.group(k)) for k in (1, 2, 3))
-                        scale = _Scale(base, factor, slack, found.group(4) == b"1", int(found.group(5)))
-                    continue
-                if expect_values:
-                    expect_values = False
-                    values = line.split()
-                    if len(values) == n:
-                        chosen = np.array([int(a) for a in values], dtype=np.int64)
-                        if ((chosen >= 0) & (chosen < domains)).all():
-                            best = chosen
-                            solutions += 1
-                    continue
-                if _SOLUTION.match(line):
-                    expect_values = True
-                elif found := _GAP.match(line):
-                    lower = max(lower, float(found.group(1)))
-                elif found := _END.match(line):
-                    ended = True
-                    final = float(found.group(2))
-                    if found.group(1) == b"complete":
-                        status = "complete"
-                        if math.isfinite(final):
-                            lower = max(lower, final)
-                    else:
-                        status = "error"
-                    break
+        _follow(process, log, deadline, first_by, stop)
     finally:
         if process is not None:
             if process.poll() is None:
@@ -197,15 +137,103 @@ def solve_wcsp(
             process.wait()
             process.stdout.close()
         os.unlink(path)
-    if scale is None:  # (stopped before the worker had built its model)
-        return WcspResult("error" if status == "error" else "stopped", None, -math.inf, 0, time.perf_counter() - began)
-    if status == "complete":
-        if best is None and (upper is None or not math.isfinite(upper)):
-            # (Rounded costs do not matter here: every plan toulbar2 could see costs less than top.)
-            status = "infeasible" if scale.exact else "error"
-        elif scale.exact and scale.factor == 1.0:
-            status = "optimal"
-    # (With usages rounded up, toulbar2's bound is of a smaller problem's: no bound of this one.)
-    bounded = scale.exact and math.isfinite(lower) and lower < scale.top
-    problem_lower = scale.to_problem(lower) if bounded else -math.inf
-    return WcspResult(status, best, problem_lower, solutions, time.perf_counter() - began)
+    return log.result(upper, time.perf_counter() - began)
+
+
+def _write_input(data: dict) -> str:
+    """``data`` pickled, behind its length, in a file for the worker's standard input; its path."""
+    with tempfile.NamedTemporaryFile(prefix="wcsp-", suffix=".pickle", delete=False) as handle:
+        payload = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+        handle.write(struct.pack("<Q", len(payload)) + payload)
+        return handle.name
+
+
+def _follow(process: subprocess.Popen, log: _Log, deadline: float, first_by: float, stop) -> None:
+    """Read the worker's log into ``log`` until it ends, the deadline (or ``first_by`` without
+    a solution yet) comes, or ``stop`` is set."""
+    fd = process.stdout.fileno()
+    pending = b""
+    while True:
+        wait = (deadline if log.solutions else min(deadline, first_by)) - time.perf_counter()
+        if wait <= 0:
+            return
+        if stop is not None:
+            wait = min(wait, _STOP_POLL)
+        ready, _, _ = select.select([fd], [], [], None if math.isinf(wait) else wait)
+        if stop is not None and stop.is_set():
+            return
+        if not ready:
+            if stop is not None:
+                continue  # (a look at ``stop``: the deadline is looked at above)
+            return
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        if log.read(lines):
+            return
+
+
+class _Log:
+    """What the worker's log has said so far: the model's scale, the best solution and how many
+    were reported, the best lower bound, and how the search ended."""
+
+    def __init__(self, nodes: int, domains: np.ndarray) -> None:
+        self.nodes = nodes
+        self.domains = domains
+        self.scale: _Scale | None = None
+        self.best: np.ndarray | None = None
+        self.lower = -math.inf
+        self.solutions = 0
+        self.status = "stopped"
+        self._expect_values = False
+
+    def read(self, lines: list[bytes]) -> bool:
+        """Take in whole lines of the log; whether the worker said it ended."""
+        for line in lines:
+            if self.scale is None:
+                found = _SCALE.match(line)
+                if found:
+                    base, factor, slack = (float(found.group(k)) for k in (1, 2, 3))
+                    self.scale = _Scale(base, factor, slack, found.group(4) == b"1", int(found.group(5)))
+                continue
+            if self._expect_values:
+                self._expect_values = False
+                values = line.split()
+                if len(values) == self.nodes:
+                    chosen = np.array([int(a) for a in values], dtype=np.int64)
+                    if ((chosen >= 0) & (chosen < self.domains)).all():
+                        self.best = chosen
+                        self.solutions += 1
+                continue
+            if _SOLUTION.match(line):
+                self._expect_values = True
+            elif found := _GAP.match(line):
+                self.lower = max(self.lower, float(found.group(1)))
+            elif found := _END.match(line):
+                final = float(found.group(2))
+                if found.group(1) == b"complete":
+                    self.status = "complete"
+                    if math.isfinite(final):
+                        self.lower = max(self.lower, final)
+                else:
+                    self.status = "error"
+                return True
+        return False
+
+    def result(self, upper: float | None, seconds: float) -> WcspResult:
+        """The run's result in the problem's terms (what an exhaustive end proves: see ``WcspResult``)."""
+        scale, status = self.scale, self.status
+        if scale is None:  # (stopped before the worker had built its model)
+            return WcspResult("error" if status == "error" else "stopped", None, -math.inf, 0, seconds)
+        if status == "complete":
+            if self.best is None and (upper is None or not math.isfinite(upper)):
+                # (Rounded costs do not matter here: every plan toulbar2 could see costs less than top.)
+                status = "infeasible" if scale.exact else "error"
+            elif scale.exact and scale.factor == 1.0:
+                status = "optimal"
+        # (With usages rounded up, toulbar2's bound is of a smaller problem's: no bound of this one.)
+        bounded = scale.exact and math.isfinite(self.lower) and self.lower < scale.top
+        problem_lower = scale.to_problem(self.lower) if bounded else -math.inf
+        return WcspResult(status, self.best, problem_lower, self.solutions, seconds)
