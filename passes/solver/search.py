@@ -45,6 +45,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import functools
+import itertools
 import math
 import os
 import threading
@@ -1063,59 +1064,100 @@ def _large_neighbourhood_search(
     While the incumbent breaks the memory limit, the limit is soft (priced per unit above it, the
     price rising while it stays broken) and neighbourhoods grow from nodes live where it is broken.
     """
-    budget = budget or _LNS_FIRST_PAIRS
-    rounds = improvements = 0
-    penalty = None
-    stuck = 0
-    if search.violation() > 0:
-        penalty = max(search.objective(), 1.0) / search.violation()
-
-    def score() -> float:
-        return search.objective() + (penalty * search.violation() if penalty is not None else 0.0)
-
-    current = score()
-    took = 0.0
-    seconds_per_pair = None  # the slowest round's seconds per pair variable of its budget
+    lns = _Lns(search, budget or _LNS_FIRST_PAIRS, incumbent)
     while True:
-        workers = _LNS_WORKERS
-        if incumbent is not None:
-            if incumbent.stop.is_set():
-                break  # (a proof: of this plan's optimality, or that there is none)
-            shared_cost, shared_s = incumbent.get()
-            fits = penalty is None and search.violation() == 0
-            if shared_s is not None and (not fits or shared_cost < search.objective() - 1e-9 * max(1.0, abs(current))):
-                search.assign(shared_s)
-                penalty = None
-                current = score()
-            if not incumbent.done.is_set():
-                workers = max(1, _LNS_WORKERS - 1)
+        workers = lns.adopt_shared()
+        if workers == 0:
+            break  # (a proof: of this plan's optimality, or that there is none)
         left = deadline - time.perf_counter()
         # A round runs over by its model's building and HiGHS past its own time limit (measured
         # on instance A: a 470k-column round given 8.9 s took 12.6 s, 6 s of it building): a
         # round's neighbourhood is no larger than the slowest round's seconds per pair variable
         # say half of what is left allows, and HiGHS gets at most half of what is left.
-        if left < 0.2 + (0.0 if seconds_per_pair is None else 2 * _LNS_MIN_PAIRS * seconds_per_pair):
+        if left < 0.2 + (0.0 if lns.seconds_per_pair is None else 2 * _LNS_MIN_PAIRS * lns.seconds_per_pair):
             break
-        if penalty is not None and search.violation() == 0:
-            penalty = None
-            current = score()
-        forbidden = current >= search.big
-        size = budget if seconds_per_pair is None else max(_LNS_MIN_PAIRS, min(budget, int(0.5 * left / seconds_per_pair)))
-        # One neighbourhood per core, disjoint, solved at once (HiGHS runs without the GIL):
-        # each against the incumbent, then applied one after the other while each gains.
-        frees = []
+        lns.drop_penalty_if_fits()
+        size = lns.size(left)
+        frees = lns.neighbourhoods(size, workers)
+        results = lns.solve(frees, size, left, deadline)
+        lns.apply(frees, results)
+        if len(frees[0]) >= len(search.nodes) and results[0][0] == "optimal" and lns.penalty is None:
+            break
+    return lns.rounds, lns.improvements, lns.budget
+
+
+class _Lns:
+    """The state of ``_large_neighbourhood_search``: the plan's score (its cost, plus the price
+    of the memory above the limit while it breaks it), the next neighbourhood's size, and the
+    counts of rounds and improvements."""
+
+    def __init__(self, search: Search, budget: int, incumbent: _Incumbent | None) -> None:
+        self.search = search
+        self.budget = budget
+        self.incumbent = incumbent
+        self.rounds = self.improvements = 0
+        self.penalty = None
+        self.stuck = 0
+        if search.violation() > 0:
+            self.penalty = max(search.objective(), 1.0) / search.violation()
+        self.current = self.score()
+        self.seconds_per_pair = None  # the slowest round's seconds per pair variable of its budget
+
+    def score(self) -> float:
+        search = self.search
+        return search.objective() + (self.penalty * search.violation() if self.penalty is not None else 0.0)
+
+    def adopt_shared(self) -> int:
+        """The plan toulbar2 shared, if cheaper (or this one breaks the limit); the
+        neighbourhoods to solve this round (0: a proof was found, the search ends)."""
+        incumbent, search = self.incumbent, self.search
+        if incumbent is None:
+            return _LNS_WORKERS
+        if incumbent.stop.is_set():
+            return 0
+        shared_cost, shared_s = incumbent.get()
+        fits = self.penalty is None and search.violation() == 0
+        if shared_s is not None and (not fits or shared_cost < search.objective() - 1e-9 * max(1.0, abs(self.current))):
+            search.assign(shared_s)
+            self.penalty = None
+            self.current = self.score()
+        return _LNS_WORKERS if incumbent.done.is_set() else max(1, _LNS_WORKERS - 1)
+
+    def drop_penalty_if_fits(self) -> None:
+        if self.penalty is not None and self.search.violation() == 0:
+            self.penalty = None
+            self.current = self.score()
+
+    def size(self, left: float) -> int:
+        """Pair variables of this round's neighbourhoods: the budget, or what half of the time
+        left allows at the slowest round's pace."""
+        if self.seconds_per_pair is None:
+            return self.budget
+        return max(_LNS_MIN_PAIRS, min(self.budget, int(0.5 * left / self.seconds_per_pair)))
+
+    def neighbourhoods(self, size: int, workers: int) -> list[np.ndarray]:
+        """One neighbourhood per core, disjoint (each solved against the incumbent, then applied
+        one after the other while each gains)."""
+        search = self.search
+        forbidden = self.current >= search.big
+        frees: list[np.ndarray] = []
         for _ in range(workers):
-            free = search.neighbourhood(size, *_lns_seeds(search, rounds, penalty, forbidden))
+            free = search.neighbourhood(size, *_lns_seeds(search, self.rounds, self.penalty, forbidden))
             for other in frees:
                 free = np.setdiff1d(free, other, assume_unique=True)
             if len(free):
                 frees.append(free)
-            rounds += 1
-        began = time.perf_counter()
+            self.rounds += 1
+        return frees
 
+    def solve(self, frees: list[np.ndarray], size: int, left: float, deadline: float) -> list[tuple]:
+        """Each neighbourhood's program, solved at once (HiGHS runs without the GIL); the next
+        budget from how it went."""
+        search = self.search
+        began = time.perf_counter()
         solve = functools.partial(
-            search.solve_milp, time_limit=min(10.0, 0.5 * left), warm=True, penalty=penalty, soft_forbidden=forbidden,
-            deadline=deadline, want_bound=False,
+            search.solve_milp, time_limit=min(10.0, 0.5 * left), warm=True, penalty=self.penalty,
+            soft_forbidden=self.current >= search.big, deadline=deadline, want_bound=False,
         )
         if len(frees) == 1:
             results = [solve(frees[0])]
@@ -1123,38 +1165,41 @@ def _large_neighbourhood_search(
             with concurrent.futures.ThreadPoolExecutor(max_workers=len(frees)) as pool:
                 results = list(pool.map(solve, frees))
         took = time.perf_counter() - began
-        seconds_per_pair = max(seconds_per_pair or 0.0, took / max(size, 1))
+        self.seconds_per_pair = max(self.seconds_per_pair or 0.0, took / max(size, 1))
         statuses = [status for status, _, _ in results]
         if all(status == "optimal" for status in statuses) and took < 2.0:
-            budget = min(int(budget * 1.3), 400_000)
+            self.budget = min(int(self.budget * 1.3), 400_000)
         elif any(status != "optimal" for status in statuses):
-            budget = max(int(budget / 1.5), _LNS_MIN_PAIRS)
+            self.budget = max(int(self.budget / 1.5), _LNS_MIN_PAIRS)
+        return results
+
+    def apply(self, frees: list[np.ndarray], results: list[tuple]) -> None:
+        """Each neighbourhood's strategies, kept if the score drops (a neighbourhood solved
+        against the incumbent may not fit beside another's moves), else undone; the price of
+        memory raised while the plan stays above the limit."""
+        search, incumbent = self.search, self.incumbent
         for free, (_, chosen, _) in zip(frees, results):
             if chosen is None:
                 continue
             previous = search.s[free].copy()
             for v, a in zip(free.tolist(), chosen.tolist()):
                 search.move(v, a)
-            new = score()
-            # (A neighbourhood solved against the incumbent may not fit beside another's moves.)
-            fits = penalty is not None or search.violation() == 0
-            if fits and new < current - 1e-9 * max(1.0, abs(current)):
-                current = new
-                improvements += 1
-                stuck = 0
+            new = self.score()
+            fits = self.penalty is not None or search.violation() == 0
+            if fits and new < self.current - 1e-9 * max(1.0, abs(self.current)):
+                self.current = new
+                self.improvements += 1
+                self.stuck = 0
                 if incumbent is not None and search.violation() == 0 and new < search.big:
                     incumbent.offer(new, search.s)
             else:
                 for v, a in zip(free.tolist(), previous.tolist()):
                     search.move(v, a)
-                stuck += 1
-                if penalty is not None and stuck >= 5:
-                    penalty *= 4.0
-                    current = score()
-                    stuck = 0
-        if len(frees[0]) >= len(search.nodes) and statuses[0] == "optimal" and penalty is None:
-            break
-    return rounds, improvements, budget
+                self.stuck += 1
+                if self.penalty is not None and self.stuck >= 5:
+                    self.penalty *= 4.0
+                    self.current = self.score()
+                    self.stuck = 0
 
 
 # The memory limit priced instead of constrained, for this share of the search's time when it
@@ -1274,49 +1319,69 @@ def _axis_search(search: Search, deadline: float) -> dict | None:
     best found in these neighbourhoods, not a proven optimum. Leaves the plan in ``search``;
     its stats, or ``None`` when no coarse level was solved (infeasible, or out of time).
     """
-    import itertools
-
     coded = {v: codes for v in range(len(search.nodes)) if (codes := search.reduced.axes(int(search.nodes[v]))) is not None}
     ndim = max(codes.shape[1] for codes in coded.values())
-    every = np.arange(len(search.nodes))
     stats = dict(coarse_costs=[], refine_costs=[])
+    best = _coarse_plan(search, coded, ndim, deadline, stats)
+    if best is None:
+        return None
+    best = _refine_by_axes(search, coded, ndim, best, deadline, stats)
+    search.assign(best[0])
+    return stats
 
-    def run(masks: dict[int, np.ndarray], warm: bool, gap: float) -> tuple[str, np.ndarray | None]:
-        status, chosen, _ = search.solve_milp(every, math.inf, warm, deadline=deadline, masks=masks, gap=gap)
-        return status, chosen
 
-    def cost_of(chosen: np.ndarray) -> float:
-        previous = search.s.copy()
-        search.assign(chosen)
-        found = search.objective() if search.violation() == 0 else math.inf
-        search.assign(previous)
-        return found
+def _axis_program(search: Search, masks: dict[int, np.ndarray], warm: bool, gap: float, deadline: float) -> tuple[str, np.ndarray | None]:
+    """The program over every node, each restricted to the strategies ``masks`` allow: (status, plan)."""
+    status, chosen, _ = search.solve_milp(np.arange(len(search.nodes)), math.inf, warm, deadline=deadline, masks=masks, gap=gap)
+    return status, chosen
 
-    best: tuple[np.ndarray, float] | None = None
+
+def _plan_cost_within(search: Search, chosen: np.ndarray) -> float:
+    """The cost of the plan ``chosen`` (``inf`` above the memory limit); the search's plan unchanged."""
+    previous = search.s.copy()
+    search.assign(chosen)
+    found = search.objective() if search.violation() == 0 else math.inf
+    search.assign(previous)
+    return found
+
+
+def _coarse_plan(search: Search, coded: dict, ndim: int, deadline: float, stats: dict) -> tuple[np.ndarray, float] | None:
+    """Step 1 of ``_axis_search``: every coded node keeps the strategies that place alike on two
+    mesh axes (the first pair whose program is feasible), solved exactly; (plan, cost), or
+    ``None`` (no pair feasible, or the deadline came first)."""
     for a, b in itertools.combinations(range(ndim), 2):
         masks = {v: codes[:, a] == codes[:, b] for v, codes in coded.items()}
         if any(not mask.any() for mask in masks.values()):
             continue
-        status, chosen = run(masks, False, MIP_GAP)
+        status, chosen = _axis_program(search, masks, False, MIP_GAP, deadline)
         if chosen is None:
             if status == "infeasible":
                 continue
-            break  # the deadline came first
-        cost = cost_of(chosen)
+            return None  # the deadline came first
+        cost = _plan_cost_within(search, chosen)
         stats["coarse_costs"].append(cost)
         if math.isfinite(cost):
-            best = (chosen, cost)
-            break  # one coarse level is a start; the neighbourhoods below untie it
-    if best is None:
-        return None
+            return chosen, cost  # one coarse level is a start; the neighbourhoods below untie it
+    return None
 
-    def one_axis(plan: np.ndarray) -> dict[int, np.ndarray]:
-        return {v: (codes != codes[plan[v]]).sum(axis=1) <= 1 for v, codes in coded.items()}
 
-    def plane(plan: np.ndarray, pair: tuple[int, int]) -> dict[int, np.ndarray]:
-        fixed = [axis for axis in range(ndim) if axis not in pair]
-        return {v: (codes[:, fixed] == codes[plan[v], fixed]).all(axis=1) for v, codes in coded.items()}
+def _one_axis(coded: dict, plan: np.ndarray) -> dict[int, np.ndarray]:
+    """Masks: every coded node may change its layout on any one mesh axis from ``plan``."""
+    return {v: (codes != codes[plan[v]]).sum(axis=1) <= 1 for v, codes in coded.items()}
 
+
+def _plane(coded: dict, ndim: int, plan: np.ndarray, pair: tuple[int, int]) -> dict[int, np.ndarray]:
+    """Masks: every coded node may change its layout on the two mesh axes ``pair`` from ``plan``."""
+    fixed = [axis for axis in range(ndim) if axis not in pair]
+    return {v: (codes[:, fixed] == codes[plan[v], fixed]).all(axis=1) for v, codes in coded.items()}
+
+
+def _refine_by_axes(
+    search: Search, coded: dict, ndim: int, best: tuple[np.ndarray, float], deadline: float, stats: dict
+) -> tuple[np.ndarray, float]:
+    """Step 2 of ``_axis_search``: the one-axis neighbourhood of the plan so far, then (3 or
+    more axes) every plane of two axes, solved at once, the largest first; repeated while
+    the plan gets cheaper, until the deadline. The best (plan, cost)."""
     planes = list(itertools.combinations(range(ndim), 2)) if ndim >= 3 else []
     one_axis_from = planes_from = None  # the plans those neighbourhoods were last solved from
     first_round = True
@@ -1325,10 +1390,10 @@ def _axis_search(search: Search, deadline: float) -> dict | None:
         plan = best[0]
         tasks = []
         if one_axis_from is not plan:
-            tasks.append(one_axis(plan))
+            tasks.append(_one_axis(coded, plan))
             one_axis_from = plan
         if planes and planes_from is not plan and not first_round:
-            tasks += [plane(plan, pair) for pair in planes]
+            tasks += [_plane(coded, ndim, plan, pair) for pair in planes]
             planes_from = plan
         first_round = False
         if not tasks:
@@ -1336,14 +1401,13 @@ def _axis_search(search: Search, deadline: float) -> dict | None:
         tasks.sort(key=lambda masks: -sum(int(m.sum()) for m in masks.values()))
         search.assign(plan)  # every neighbourhood from the plan so far
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(tasks), os.cpu_count() or 1)) as pool:
-            results = list(pool.map(lambda masks: run(masks, True, _NEIGHBOURHOOD_GAP), tasks))
-        found = [(chosen, cost_of(chosen)) for _, chosen in results if chosen is not None]
+            results = list(pool.map(lambda masks: _axis_program(search, masks, True, _NEIGHBOURHOOD_GAP, deadline), tasks))
+        found = [(chosen, _plan_cost_within(search, chosen)) for _, chosen in results if chosen is not None]
         stats["refine_costs"].extend(cost for _, cost in found)
         improved = [f for f in found if f[1] < best[1] - 1e-12 * abs(best[1])]
         if improved:
             best = min(improved, key=lambda f: f[1])
-    search.assign(best[0])
-    return stats
+    return best
 
 
 def _solved_by_axes(
