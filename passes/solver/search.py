@@ -533,17 +533,7 @@ def solve_problem(
     Raises ``InfeasiblePlacementError`` (a ``ValueError``) only with a proof that no choice fits
     the memory limit with finite cost (the reductions' or the MILP's), and ``NoPlanFoundError``
     (a ``TimeoutError``) when the time limit ran out before a plan was found."""
-    if not isinstance(problem, StrategyProblem):
-        raise TypeError(f"problem must be a StrategyProblem, got {type(problem).__name__}")
-    if time_limit is not None:
-        if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
-            raise ValueError(f"time_limit must be a number of seconds > 0 or None, got {time_limit!r}")
-    if search not in _SEARCHES:
-        raise ValueError(f"search must be one of {list(_SEARCHES)}, got {search!r}")
-    if search == "toulbar2" and not wcsp.available():
-        raise ImportError("search='toulbar2' needs pytoulbar2 (pip install pytoulbar2); search='auto' runs without it")
-    if start is not None:
-        start = _check_strategies(problem, start).tolist()
+    start = _checked_arguments(problem, time_limit, search, start)
     begin = time.perf_counter()
     # The search (every engine call in it) ends by ``deadline``; the time after it, up to the
     # time limit, is kept for expanding and checking the plan (``_answer_reserve``).
@@ -557,35 +547,77 @@ def solve_problem(
         reduced = Reduced(problem, dominance, deadline)
         reduced.reduce(limit, begin + 0.25 * (deadline - begin), eliminate=reduce, stop_by=deadline)
         reduce_seconds = time.perf_counter() - begin
-        search_ = Search(reduced, seed, deadline)
+        searched = Search(reduced, seed, deadline)
     except OutOfTime:
         return _quick_answer(problem, begin, time_limit)
-    search_.presolve = presolve
-    by_axes = search in ("auto", "axes") and _axis_count(search_) >= 3
-    pairs_left = search_.pair_count(begin + 0.3 * (deadline - begin))
+    searched.presolve = presolve
+    by_axes = search in ("auto", "axes") and _axis_count(searched) >= 3
+    pairs_left = searched.pair_count(begin + 0.3 * (deadline - begin))
     if by_axes and search == "auto":
         by_axes = pairs_left > _EXACT_PAIRS
     if by_axes:
-        return _solved_by_axes(problem, search_, deadline, begin, reduce_seconds, pairs_left)
-    search_mode, search = search, search_
+        return _solved_by_axes(problem, searched, deadline, begin, reduce_seconds, pairs_left)
     stats = dict(
         nodes=problem.num_nodes,
         edges=len(problem.edges),
-        nodes_left=len(search.nodes),
-        edges_left=len(search.edges),
-        memory_nodes=int(search.memory.sum()),
-        memory_constraints=len(search.rhs),
+        nodes_left=len(searched.nodes),
+        edges_left=len(searched.edges),
+        memory_nodes=int(searched.memory.sum()),
+        memory_constraints=len(searched.rhs),
         pairs_left=pairs_left,
         reduce_seconds=reduce_seconds,
     )
-    lower = search.lower_bound()
-    method = "reductions"
-    by_wcsp = search_mode == "toulbar2" or (
-        search_mode == "auto" and time_limit is not None and wcsp.available() and len(search.nodes) <= _WCSP_MAX_NODES
-    )
-    proven = False
-    runner: _WcspRunner | None = None
-    if len(search.nodes):
+    run = _Run(problem, searched, search, time_limit, begin, deadline, seed, dominance, start, stats)
+    if len(searched.nodes):
+        candidates = run.heuristic_plans()
+        run.start_portfolio(candidates)
+        run.unconstrained_plan(candidates)
+        run.adopt_best(candidates)
+        run.search_to_the_deadline()
+    if run.runner is not None:
+        run.portfolio_answer()
+    return run.answer()
+
+
+def _checked_arguments(problem: StrategyProblem, time_limit, search: str, start) -> list[int] | None:
+    """``solve_problem``'s arguments checked (a clear error naming the bad one); ``start`` as a list."""
+    if not isinstance(problem, StrategyProblem):
+        raise TypeError(f"problem must be a StrategyProblem, got {type(problem).__name__}")
+    if time_limit is not None:
+        if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
+            raise ValueError(f"time_limit must be a number of seconds > 0 or None, got {time_limit!r}")
+    if search not in _SEARCHES:
+        raise ValueError(f"search must be one of {list(_SEARCHES)}, got {search!r}")
+    if search == "toulbar2" and not wcsp.available():
+        raise ImportError("search='toulbar2' needs pytoulbar2 (pip install pytoulbar2); search='auto' runs without it")
+    return None if start is None else _check_strategies(problem, start).tolist()
+
+
+class _Run:
+    """One ``solve_problem`` call after the reductions, as its steps: heuristic plans, the
+    portfolio's toulbar2 started, the unconstrained optimum repaired, the best adopted, the
+    search until the deadline (toulbar2 alone, the whole program, the neighbourhoods), the
+    portfolio's answer, and the answer checked. ``lower``: the best bound so far."""
+
+    def __init__(
+        self, problem: StrategyProblem, search: Search, mode: str, time_limit: float | None, begin: float,
+        deadline: float, seed: int, dominance: str, start: list[int] | None, stats: dict,
+    ) -> None:
+        self.problem, self.search, self.mode, self.time_limit = problem, search, mode, time_limit
+        self.begin, self.deadline, self.seed, self.dominance, self.start, self.stats = begin, deadline, seed, dominance, start, stats
+        self.limit = None if problem.usage_limit is None else float(problem.usage_limit)
+        self.lower = search.lower_bound()
+        self.method = "reductions"
+        self.by_wcsp = mode == "toulbar2" or (
+            mode == "auto" and time_limit is not None and wcsp.available() and len(search.nodes) <= _WCSP_MAX_NODES
+        )
+        self.proven = False
+        self.runner: _WcspRunner | None = None
+
+    def heuristic_plans(self) -> list[tuple[float, np.ndarray]]:
+        """(cost, plan) of the heuristics: the cheapest strategies improved ignoring memory (if
+        within the limit), then the greedy constructions."""
+        search, deadline = self.search, self.deadline
         # The cheapest strategies, improved ignoring memory, then repaired; if memory is broken,
         # the smallest-usage start (feasible whenever anything is) when that has finite cost.
         search.start(least_usage=False)
@@ -599,122 +631,164 @@ def solve_problem(
         candidates = [] if cheapest is None else [(cheapest_cost, cheapest)]
         variants = [dict(lookahead=False), dict(frugal=True, lookahead=False), dict(frugal=True, lookahead=True)]
         for number, variant in enumerate(variants):
-            if number and time_limit is not None and time.perf_counter() - begin > 0.3 * time_limit:
+            if number and self.time_limit is not None and time.perf_counter() - self.begin > 0.3 * self.time_limit:
                 break
             search.construct(deadline, **variant)
             search.descend(deadline)
             candidates.append((search.objective(), search.s.copy()))
-        if by_wcsp and search_mode == "auto":
-            # The portfolio: toulbar2 from the best plan so far, beside everything below.
-            search.assign(min(candidates, key=lambda candidate: candidate[0])[1])
-            runner = _WcspRunner(search, deadline, seed)
-            search.stop = runner.incumbent.stop
-        if len(search.rhs) and (start is not None or (pairs_left <= _FULL_MILP_PAIRS and search_mode != "toulbar2")):
-            # Memory binds: the problem's optimum without the limit (reduced without it, which
-            # eliminates what memory kept; where the whole program is small), greedily repaired
-            # back within the limit.
-            share = math.inf if time_limit is None else time.perf_counter() + 0.3 * (deadline - time.perf_counter())
-            plan = _unconstrained_plan(problem, dominance, seed, min(deadline, share)) if start is None else start
-            if plan is not None:
-                search.assign_full(plan)
-                if search.repair(deadline):
-                    search.descend(deadline)
-                    stats["unconstrained_start"] = search.objective()
-                    candidates.append((search.objective(), search.s.copy()))
+        return candidates
+
+    def start_portfolio(self, candidates: list) -> None:
+        """``search="auto"`` with toulbar2: its thread started from the best plan so far, beside
+        everything after this."""
+        if self.by_wcsp and self.mode == "auto":
+            self.search.assign(min(candidates, key=lambda candidate: candidate[0])[1])
+            self.runner = _WcspRunner(self.search, self.deadline, self.seed)
+            self.search.stop = self.runner.incumbent.stop
+
+    def unconstrained_plan(self, candidates: list) -> None:
+        """Where memory binds: the problem's optimum without the limit (reduced without it,
+        which eliminates what memory kept; where the whole program is small), or the caller's
+        ``start``, greedily repaired back within the limit, added to ``candidates``."""
+        search, stats = self.search, self.stats
+        if not len(search.rhs) or not (
+            self.start is not None or (stats["pairs_left"] <= _FULL_MILP_PAIRS and self.mode != "toulbar2")
+        ):
+            return
+        share = math.inf if self.time_limit is None else time.perf_counter() + 0.3 * (self.deadline - time.perf_counter())
+        plan = (
+            _unconstrained_plan(self.problem, self.dominance, self.seed, min(self.deadline, share)) if self.start is None else self.start
+        )
+        if plan is not None:
+            search.assign_full(plan)
+            if search.repair(self.deadline):
+                search.descend(self.deadline)
+                stats["unconstrained_start"] = search.objective()
+                candidates.append((search.objective(), search.s.copy()))
+
+    def adopt_best(self, candidates: list) -> None:
+        """The cheapest candidate as the search's plan (offered to toulbar2 if within the limit)."""
+        search = self.search
         search.assign(min(candidates, key=lambda candidate: candidate[0])[1])
-        stats["start_violation"] = search.violation()
+        self.stats["start_violation"] = search.violation()
         best = search.objective()
-        stats["heuristic_cost"] = best
-        if runner is not None and search.violation() == 0 and best < search.big:
-            runner.incumbent.offer(best, search.s)
-        if search_mode == "toulbar2":
-            found, proven = _wcsp_phase(search, deadline, seed, stats)
-            lower = max(lower, found)
-            method = "toulbar2"
-        if time_limit is not None and search_mode != "toulbar2":
-            wait_for_workers(deadline)  # (started above; a run timed below does not count their start)
-        if search_mode == "toulbar2" or (runner is not None and runner.incumbent.proven.is_set()):
+        self.stats["heuristic_cost"] = best
+        if self.runner is not None and search.violation() == 0 and best < search.big:
+            self.runner.incumbent.offer(best, search.s)
+
+    def search_to_the_deadline(self) -> None:
+        """toulbar2 alone (``search="toulbar2"``); else the program over the whole reduced
+        problem where it is small (or without a time limit), then, unless it or toulbar2 proved
+        the optimum, a bound and the neighbourhood searches until the deadline."""
+        if self.mode == "toulbar2":
+            found, self.proven = _wcsp_phase(self.search, self.deadline, self.seed, self.stats)
+            self.lower = max(self.lower, found)
+            self.method = "toulbar2"
+        if self.time_limit is not None and self.mode != "toulbar2":
+            wait_for_workers(self.deadline)  # (started above; a run timed below does not count their start)
+        runner = self.runner
+        if self.mode == "toulbar2" or (runner is not None and runner.incumbent.proven.is_set()):
             pass
-        elif time_limit is None or stats["pairs_left"] <= _FULL_MILP_PAIRS:
-            method = "milp"
-            left = math.inf if time_limit is None else deadline - time.perf_counter()
-            if len(search.rhs):
-                # (Memory rows make the whole program far slower to prove: leave the searches time.)
-                left *= _MEMORY_MILP_SHARE
-            status, chosen, bound = search.solve_milp(
-                np.arange(len(search.nodes)),
-                left,
-                warm=best < search.big,
-                deadline=deadline,
+        elif self.time_limit is None or self.stats["pairs_left"] <= _FULL_MILP_PAIRS:
+            self.whole_program()
+        done = self.stats.get("milp_optimal") or self.mode == "toulbar2" or (runner is not None and runner.incumbent.proven.is_set())
+        if not done and time.perf_counter() < self.deadline < math.inf:
+            self.neighbourhoods()
+
+    def whole_program(self) -> None:
+        """HiGHS on the whole reduced problem, from the plan (half the time left where memory binds)."""
+        search, runner, stats = self.search, self.runner, self.stats
+        self.method = "milp"
+        left = math.inf if self.time_limit is None else self.deadline - time.perf_counter()
+        if len(search.rhs):
+            # (Memory rows make the whole program far slower to prove: leave the searches time.)
+            left *= _MEMORY_MILP_SHARE
+        status, chosen, bound = search.solve_milp(
+            np.arange(len(search.nodes)),
+            left,
+            warm=search.objective() < search.big,
+            deadline=self.deadline,
+        )
+        stats["milp_status"] = status
+        if status == "infeasible" and runner is not None:
+            runner.finish()  # (toulbar2 is told to stop: the program proved there is no plan)
+        if status == "infeasible":
+            raise InfeasiblePlacementError(
+                f"no strategies meet usage_limit={self.limit} with finite cost (the MILP over the reduced problem is infeasible)"
             )
-            stats["milp_status"] = status
-            if status == "infeasible" and runner is not None:
-                runner.finish()  # (toulbar2 is told to stop: the program proved there is no plan)
-            if status == "infeasible":
-                raise InfeasiblePlacementError(
-                    f"no strategies meet usage_limit={limit} with finite cost (the MILP over the reduced problem is infeasible)"
-                )
-            if chosen is not None:
-                for v, a in enumerate(chosen.tolist()):
-                    search.move(v, a)
-            lower = max(lower, bound)
-            stats["milp_optimal"] = status == "optimal"
-            if runner is not None and stats["milp_optimal"]:
-                runner.incumbent.proven.set()
-                runner.incumbent.stop.set()
-            elif runner is not None and search.violation() == 0 and search.objective() < search.big:
-                runner.incumbent.offer(search.objective(), search.s)
-        done = stats.get("milp_optimal") or search_mode == "toulbar2" or (runner is not None and runner.incumbent.proven.is_set())
-        if not done and time.perf_counter() < deadline < math.inf:
-            method = "milp-lns" if method == "milp" else "lns"
-            # A bound of the LP relaxation's kind, for a tenth of the time left.
-            began = time.perf_counter()
-            lower = max(lower, search.diffusion_bound(began + 0.1 * (deadline - began)))
-            stats["bound_seconds"] = time.perf_counter() - began
-            began = time.perf_counter()
-            priced = _LAGRANGIAN_SHARE * (deadline - began)
-            if limit is not None and len(search.rhs) and priced >= _LAGRANGIAN_MIN_ROUNDS * _ROUND_SECONDS:
-                stats["lagrangian_rounds"], stats["lagrangian_repairs"] = _lagrangian_search(problem, search, limit, began + priced, seed)
-                stats["lagrangian_cost"] = search.objective()
-                stats["lagrangian_seconds"] = time.perf_counter() - began
-            stats["lns_rounds"], stats["lns_improvements"], _ = _large_neighbourhood_search(
-                search, deadline, incumbent=None if runner is None else runner.incumbent
-            )
-    if runner is not None:
-        # The portfolio's answer: the cheaper plan of the two engines (toulbar2's thread ends
-        # by the deadline: its worker is killed there).
+        if chosen is not None:
+            for v, a in enumerate(chosen.tolist()):
+                search.move(v, a)
+        self.lower = max(self.lower, bound)
+        stats["milp_optimal"] = status == "optimal"
+        if runner is not None and stats["milp_optimal"]:
+            runner.incumbent.proven.set()
+            runner.incumbent.stop.set()
+        elif runner is not None and search.violation() == 0 and search.objective() < search.big:
+            runner.incumbent.offer(search.objective(), search.s)
+
+    def neighbourhoods(self) -> None:
+        """A min-sum diffusion bound (a tenth of the time left), memory priced (where there is
+        time for its rounds), then large neighbourhoods until the deadline."""
+        search, stats, deadline = self.search, self.stats, self.deadline
+        self.method = "milp-lns" if self.method == "milp" else "lns"
+        began = time.perf_counter()
+        self.lower = max(self.lower, search.diffusion_bound(began + 0.1 * (deadline - began)))
+        stats["bound_seconds"] = time.perf_counter() - began
+        began = time.perf_counter()
+        priced = _LAGRANGIAN_SHARE * (deadline - began)
+        if self.limit is not None and len(search.rhs) and priced >= _LAGRANGIAN_MIN_ROUNDS * _ROUND_SECONDS:
+            stats["lagrangian_rounds"], stats["lagrangian_repairs"] = _lagrangian_search(self.problem, search, self.limit, began + priced, self.seed)
+            stats["lagrangian_cost"] = search.objective()
+            stats["lagrangian_seconds"] = time.perf_counter() - began
+        stats["lns_rounds"], stats["lns_improvements"], _ = _large_neighbourhood_search(
+            search, deadline, incumbent=None if self.runner is None else self.runner.incumbent
+        )
+
+    def portfolio_answer(self) -> None:
+        """The cheaper plan of the two engines (toulbar2's thread ends by the deadline: its
+        worker is killed there), its bound and proof."""
+        search, runner = self.search, self.runner
         found, proven_by_wcsp = runner.finish()
-        lower = max(lower, found)
-        stats.update(runner.stats)
+        self.lower = max(self.lower, found)
+        self.stats.update(runner.stats)
         ours = search.objective() if search.violation() == 0 else math.inf
         if runner.best is not None and runner.best_cost < ours:
             search.assign(runner.best)
-            method = "toulbar2"
-        proven = proven_by_wcsp and search.objective() <= runner.best_cost
-        stats["lns_cost"] = ours
-    stats["search_seconds"] = time.perf_counter() - begin
-    # (Without a time limit the MILP over the whole reduced problem ran to its end: a plan, or
-    # a proof that there is none, raised above.)
-    if search.violation() > 0:
-        raise NoPlanFoundError(
-            f"found no strategies within usage_limit={limit} in time_limit={time_limit} s (the best still uses "
-            f"{search.violation():.6g} above it); the problem is not proven infeasible"
+            self.method = "toulbar2"
+        self.proven = proven_by_wcsp and search.objective() <= runner.best_cost
+        self.stats["lns_cost"] = ours
+
+    def answer(self) -> ProblemSolution:
+        """The plan as the problem's strategies, checked, with its cost, bound and stats;
+        ``NoPlanFoundError`` if it breaks the limit or makes a forbidden choice."""
+        search, stats, limit, time_limit = self.search, self.stats, self.limit, self.time_limit
+        stats["search_seconds"] = time.perf_counter() - self.begin
+        # (Without a time limit the MILP over the whole reduced problem ran to its end: a plan, or
+        # a proof that there is none, raised above.)
+        if search.violation() > 0:
+            raise NoPlanFoundError(
+                f"found no strategies within usage_limit={limit} in time_limit={time_limit} s (the best still uses "
+                f"{search.violation():.6g} above it); the problem is not proven infeasible"
+            )
+        if search.objective() >= search.big:
+            raise NoPlanFoundError(
+                f"found no strategies of finite cost in time_limit={time_limit} s (some choice is forbidden on every "
+                "plan tried); the problem is not proven infeasible"
+            )
+        strategies = search.plan()
+        cost = problem_cost(self.problem, strategies)
+        if limit is not None and peak_usage(self.problem, strategies) > limit:  # pragma: no cover - a bug if reached
+            raise AssertionError("the solver returned strategies above the usage limit")
+        method = self.method
+        stats.update(
+            method=method, seconds=time.perf_counter() - self.begin,
+            search="portfolio" if self.runner is not None else "toulbar2" if self.by_wcsp else "exact",
+            milps=search.milps, **search.milp_sizes,
+            status="optimal" if stats.get("milp_optimal") or self.proven or not len(search.nodes) else f"{method} (not proven optimal)",
         )
-    if search.objective() >= search.big:
-        raise NoPlanFoundError(
-            f"found no strategies of finite cost in time_limit={time_limit} s (some choice is forbidden on every "
-            "plan tried); the problem is not proven infeasible"
-        )
-    strategies = search.plan()
-    cost = problem_cost(problem, strategies)
-    if limit is not None and peak_usage(problem, strategies) > limit:  # pragma: no cover - a bug if reached
-        raise AssertionError("the solver returned strategies above the usage limit")
-    stats.update(
-        method=method, seconds=time.perf_counter() - begin, search="portfolio" if runner is not None else "toulbar2" if by_wcsp else "exact", milps=search.milps, **search.milp_sizes,
-        status="optimal" if stats.get("milp_optimal") or proven or not len(search.nodes) else f"{method} (not proven optimal)",
-    )
-    lower = _rounded_up(problem, lower, math.inf if time_limit is None else begin + float(time_limit))
-    return ProblemSolution(strategies, cost, min(lower, cost), stats)
+        lower = _rounded_up(self.problem, self.lower, math.inf if time_limit is None else self.begin + float(time_limit))
+        return ProblemSolution(strategies, cost, min(lower, cost), stats)
 
 
 def _rounded_up(problem: StrategyProblem, lower: float, until: float) -> float:
