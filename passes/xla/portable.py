@@ -7,6 +7,12 @@
 - Reductions given an empty ``dim`` list (decompositions write ``sum(x, [])``): torch reduces over
   every dim, torch_xla 2.9 over none (a loss of shape ``[32]`` instead of a scalar). A node with
   an empty list gets every dim of its input, counted when it runs.
+- Ops torch_xla has no kernel for, which it runs by copying their inputs to the host
+  (``native_layer_norm_backward``, in every LayerNorm model's backward): in a computation staged
+  once (a scan's ``While`` body, a ``hops_xla`` graph) the inputs are placeholders with no data,
+  and reading one aborts the process. Each such op with a decomposition in torch's table runs
+  as that decomposition (``falls_back_to_host``; asked of the dispatcher, so torch_xla's own
+  list decides).
 Tables keyed by the op, like the target's rules.
 """
 
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Any, Callable
 
 import torch
@@ -149,6 +156,37 @@ def _empty_dims(node: fx.Node) -> bool:
     return isinstance(dim, (list, tuple)) and len(dim) == 0
 
 
+# Dispatch keys whose kernel runs an op on XLA tensors without torch_xla's copy to the host.
+_DEVICE_KEYS = ("XLA", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional", "CompositeImplicitAutograd")
+
+
+@functools.cache
+def falls_back_to_host(op: Any) -> bool:
+    """Whether torch_xla runs ``op`` by copying its inputs to the host: an ATen op with no
+    kernel for XLA tensors. False where torch_xla is not loaded (its kernels are unknown)."""
+    if not isinstance(op, torch._ops.OpOverload) or "torch_xla" not in sys.modules:
+        return False
+    return not any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key) for key in _DEVICE_KEYS)
+
+
+@functools.cache
+def device_decomposition(op: Any) -> Callable[..., Any] | None:
+    """torch's decomposition of ``op`` when torch_xla would run ``op`` on the host, else None."""
+    from torch._decomp import decomposition_table
+
+    if not falls_back_to_host(op):
+        return None
+    decomposition = decomposition_table.get(op)
+    if decomposition is None:
+        return None
+
+    def decomposed(*args: Any, **kwargs: Any) -> Any:
+        return decomposition(*args, **kwargs)
+
+    decomposed.__name__ = f"{op.__name__.replace('.', '_')}_decomposed"
+    return decomposed
+
+
 def _portable_target(node: fx.Node) -> Callable[..., Any] | None:
     if node.op != "call_function":
         return None
@@ -156,13 +194,14 @@ def _portable_target(node: fx.Node) -> Callable[..., Any] | None:
         return PORTABLE[node.target]
     if node.target in REDUCE_EVERY_DIM_WHEN_EMPTY and _empty_dims(node):
         return every_dim(node.target)
-    return None
+    return device_decomposition(node.target)
 
 
 def replace_non_portable_ops(gm: fx.GraphModule) -> bool:
     """Point every node of ``gm`` and its subgraphs that torch_xla would not run as torch does
-    (an op of ``PORTABLE``; a reduction of ``REDUCE_EVERY_DIM_WHEN_EMPTY`` given ``dim=[]``) at
-    its portable function (in place). Whether any was."""
+    (an op of ``PORTABLE``; a reduction of ``REDUCE_EVERY_DIM_WHEN_EMPTY`` given ``dim=[]``; an
+    op it runs on the host, ``device_decomposition``) at its portable function (in place).
+    Whether any was."""
     changed = False
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
