@@ -111,3 +111,49 @@ def test_a_scan_body_with_an_op_torch_xla_runs_on_the_host_lowers_and_runs(op):
     torch_xla.sync()
     for name, value, reference in zip(("loss", "grad h", "grad ws"), got, expected):
         torch.testing.assert_close(value.cpu(), reference.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+class Normed(torch.nn.Module):
+    """A linear layer then a normalisation whose forward saves statistics for its backward."""
+
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.norm = {"layer_norm": torch.nn.LayerNorm(8), "group_norm": torch.nn.GroupNorm(2, 8)}[norm]
+
+    def forward(self, x):
+        return self.norm(self.linear(x).tanh()).square().mean()
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("norm", ["layer_norm", "group_norm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_hops_xla_trains_a_model_whose_saved_values_differ_in_dtype_from_the_trace(norm, dtype):
+    """``torch.compile(backend="hops_xla")`` of a bf16 model with a LayerNorm (GPT-2, OPT):
+    the forward graph, traced with torch's meta rules, saves LayerNorm's mean and rstd as
+    float32, but torch_xla computes them in bf16; the backward graph staged for the trace's
+    float32 was refused by XLA (``Call parameter must match argument``). Loss and gradients
+    equal the CPU's (to bf16's precision), on two calls."""
+    import torch_xla
+
+    torch.manual_seed(0)
+    model = Normed(norm).to(dtype)
+    x = torch.randn(4, 8, dtype=dtype)
+    model(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    expected_loss = model(x).detach()
+    device = torch_xla.device()
+    on_xla = Normed(norm).to(dtype)
+    on_xla.load_state_dict(model.state_dict())
+    on_xla.to(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(on_xla, backend="hops_xla")
+    tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    for _ in range(2):
+        on_xla.zero_grad(set_to_none=True)
+        loss = compiled(x.to(device))
+        loss.backward()
+        torch_xla.sync()
+        torch.testing.assert_close(loss.detach().cpu(), expected_loss, **tolerance)
+        for (name, p), reference in zip(on_xla.named_parameters(), expected):
+            torch.testing.assert_close(p.grad.cpu(), reference, msg=lambda m: f"gradient of {name}: {m}", **tolerance)

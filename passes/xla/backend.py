@@ -41,6 +41,7 @@ class StagedGraph:
         self.none_outputs = tuple(i for i, value in enumerate(outputs) if value is None)
         self.count = len(outputs)
         self.metadata = _static_xla_metadata(gm)
+        self.checked = False
 
         def tensor_outputs(*inputs: Any) -> list:
             return [value for i, value in enumerate(gm(*inputs)) if i not in self.none_outputs]
@@ -48,6 +49,15 @@ class StagedGraph:
         self.staged = StagedFunction(tensor_outputs, name="graph")
 
     def __call__(self, *inputs: Any) -> list:
+        if self.metadata is not None and not self.checked:
+            # Once: what arrives may differ from the trace, where torch_xla's kernel and torch's
+            # meta rule disagree (LayerNorm's saved mean of a bf16 input: float32 traced, bf16 on
+            # XLA). Staged for the trace, the call would be refused; then stage for what arrives.
+            from passes.xla.staging import metadata
+
+            self.checked = True
+            if metadata(inputs) != self.metadata:
+                self.metadata = None
         if self.metadata is not None:  # the graph's inputs are known: no per-input checks
             values = self.staged(*inputs, key=self.metadata)
         elif inputs and all(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in inputs):
