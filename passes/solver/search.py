@@ -538,8 +538,6 @@ def solve_problem(
     # The search (every engine call in it) ends by ``deadline``; the time after it, up to the
     # time limit, is kept for expanding and checking the plan (``_answer_reserve``).
     deadline = math.inf if time_limit is None else begin + float(time_limit) - _answer_reserve(problem, float(time_limit))
-    if time_limit is not None:
-        start_workers(_LNS_WORKERS)  # (HiGHS's runs end at the deadline in worker processes)
     limit = None if problem.usage_limit is None else float(problem.usage_limit)
     try:
         # (Each step looks at the deadline: a 20k-node problem's copy, memory rows and arrays
@@ -550,6 +548,11 @@ def solve_problem(
         searched = Search(reduced, seed, deadline)
     except OutOfTime:
         return _quick_answer(problem, begin, time_limit)
+    if time_limit is not None:
+        # HiGHS's runs end at the deadline in worker processes, started now: they import HiGHS
+        # while the heuristics run (started before the reductions, their imports took the CPU
+        # a quick answer needed: 0.2 s of it became 0.5 s on a loaded machine).
+        start_workers(_LNS_WORKERS)
     searched.presolve = presolve
     by_axes = search in ("auto", "axes") and _axis_count(searched) >= 3
     pairs_left = searched.pair_count(begin + 0.3 * (deadline - begin))
@@ -829,8 +832,7 @@ def _quick_answer(problem: StrategyProblem, begin: float, time_limit: float | No
             "(a forbidden choice, or above the usage limit); the problem is not proven infeasible"
         )
     cost, strategies = min(found, key=lambda f: f[0])
-    lower = problem.constant + math.fsum(float(c.min()) for c in problem.node_costs)
-    lower += math.fsum(float(problem.edge_costs[k].min()) for k in range(len(problem.edges)))
+    lower = _least_cost(problem, math.inf if time_limit is None else begin + float(time_limit))
     seconds = time.perf_counter() - begin
     stats = dict(
         nodes=problem.num_nodes, edges=len(problem.edges), nodes_left=problem.num_nodes, edges_left=len(problem.edges),
@@ -1057,6 +1059,16 @@ def _answer_reserve(problem: StrategyProblem, time_limit: float) -> float:
 
 # Seconds for killing a worker at the deadline and reaping it.
 _KILL_SECONDS = 0.1
+
+
+def _least_cost(problem: StrategyProblem, until: float) -> float:
+    """A lower bound: every node's and every edge's least cost (``-inf`` if not summed by ``until``)."""
+    parts = [float(c.min()) for c in problem.node_costs]
+    for k, m in enumerate(problem.edge_costs):
+        if k % 1024 == 0 and time.perf_counter() >= until:
+            return -math.inf
+        parts.append(float(m.min()))
+    return problem.constant + math.fsum(parts)
 
 
 def _first_least(values: np.ndarray, first: np.ndarray, sizes: np.ndarray) -> np.ndarray:
