@@ -12,6 +12,16 @@ here: a plain two-layer model trained with ``backend="openxla"`` under SPMD depa
 eager at the third SGD step; without SPMD it does not). A staged computation is specific to
 shapes and dtypes only; shardings stay with the tensors bound to it.
 
+Not reachable from here (torch_xla 2.9's own behaviour, measured with ``backend="eager"`` too):
+Dynamo cannot trace ``layer_norm`` on XLA tensors with a symbolic size (``dynamic=True``, or
+``torch._dynamo.mark_dynamic``): torch_xla's kernel calls ``numel()`` under fake tensors and Dynamo
+stops before any backend runs. Models with LayerNorm (GPT-2, OPT) compile with static shapes
+(a graph per batch size); RMSNorm models (Llama, Qwen3, Mistral) compile with ``dynamic=True``.
+
+A backward on XLA tensors needs the autograd engine to have counted the XLA device: under SPMD,
+no CPU backward may run before the first XLA backward (``prepare_autograd_for_xla``, called first
+thing, makes the order free; ``XlaAutogradOrderError`` says so when it is too late).
+
 The backend is found by name through the ``torch_dynamo_backends`` entry point group:
 ``import passes`` is not needed to use it. ``lowered_and_staged`` is also how
 ``hops.assume_pure`` runs its graphs on XLA tensors (registered by ``passes.xla``). The
