@@ -326,10 +326,11 @@ class TestAtenTable(TestCase):
             torch.testing.assert_close(torch.from_numpy(np.asarray(a)), b, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
     def test_an_op_without_a_rule_is_refused_naming_it_before_anything_runs(self):
-        graph = make_fx(lambda x: torch.cumsum(x, 0).sin())(torch.randn(3))
-        with self.assertRaisesRegex(NoJaxRule, r"lower_to_jax: %cumsum .*: no JAX rule for aten\.cumsum\.default") as caught:
+        # (kthvalue: no rule, and no decomposition of torch's to run instead)
+        graph = make_fx(lambda x: torch.kthvalue(x, 2).values.sin())(torch.randn(3))
+        with self.assertRaisesRegex(NoJaxRule, r"lower_to_jax: %kthvalue .*: no JAX rule for aten\.kthvalue\.default") as caught:
             lower_to_jax(graph)
-        self.assertIs(caught.exception.op, torch.ops.aten.cumsum.default)
+        self.assertIs(caught.exception.op, torch.ops.aten.kthvalue.default)
         self.assertIsInstance(caught.exception, passes.PassError)
 
 

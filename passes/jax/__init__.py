@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 from passes.jax.aten import NoJaxRule
@@ -34,6 +35,18 @@ from passes.jax.rules import TARGET, lower_hops
 __all__ = ["lower_to_jax", "assume_pure_on_jax", "NoJaxRule", "TARGET"]
 
 
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` to lower, sharing its tensors (constants, parameters): lowering rewrites
+    nodes, never a tensor, and copying one fails where a fake mode is active (a backend called by
+    AOTAutograd: a model's tensor constant, HF's rotary ``inv_freq``, cannot be cloned there)."""
+    memo: dict[int, Any] = {}
+    for module in gm.modules():
+        for value in (*module._parameters.values(), *module._buffers.values(), *vars(module).values()):
+            if isinstance(value, torch.Tensor):
+                memo[id(value)] = value
+    return copy.deepcopy(gm, memo)
+
+
 def lower_to_jax(gm: fx.GraphModule) -> Callable[..., Any]:
     """The JAX function ``gm`` computes: it takes the graph's inputs as ``jax.Array``s (or
     numpy arrays, or anything ``jnp`` takes) and returns its outputs as ``jax.Array``s, in the
@@ -42,7 +55,7 @@ def lower_to_jax(gm: fx.GraphModule) -> Callable[..., Any]:
     take, ``NoJaxRule`` for an ATen op without a rule; both before anything runs."""
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"lower_to_jax: gm must be a torch.fx.GraphModule, got {type(gm).__name__}")
-    lowered = lower_hops(copy.deepcopy(gm))
+    lowered = lower_hops(_copy(gm))
     run = jax_function(lowered)
 
     def function(*args: Any) -> Any:

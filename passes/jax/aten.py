@@ -88,6 +88,15 @@ def rule_of(op: Any, where: str) -> Callable[..., Any]:
         rule = ATEN.get(op.overloadpacket)
     if rule is None and op in PYTHON_FUNCTIONS:
         rule = op
+    if rule is None and isinstance(op, torch._ops.OpOverload) and op.overloadpacket.__name__.endswith("_copy"):
+        # a view op's copying variant (``view_copy``, ``slice_copy``: functionalized graphs
+        # that removed the views): the view's rule, views being copies here
+        view = getattr(getattr(aten, op.overloadpacket.__name__.removesuffix("_copy"), None), op._overloadname, None)
+        rule = ATEN.get(view) or ATEN.get(getattr(view, "overloadpacket", None))
+    if rule is None and isinstance(op, type) and issubclass(op, tuple):
+        rule = _as_tuple  # a decomposition's named result (``torch.return_types``): its fields
+    if rule is None:
+        rule = _decomposed(op)
     if rule is None:
         raise NoJaxRule(
             f"lower_to_jax: {where}: no JAX rule for {op} (target 'jax' has its own table of core ATen ops, "
@@ -95,6 +104,10 @@ def rule_of(op: Any, where: str) -> Callable[..., Any]:
             op,
         )
     return rule
+
+
+def _as_tuple(*fields: Any) -> tuple:
+    return tuple(fields)
 
 
 def jnp() -> Any:
@@ -253,6 +266,12 @@ def _div(x, y, rounding_mode=None):
     return quotient
 
 
+# torch's aliases of the arithmetic ops (traced as they are under dynamic shapes' decompositions)
+ATEN[aten.true_divide] = ATEN[aten.divide] = _div
+ATEN[aten.multiply] = _mul
+ATEN[aten.subtract] = _sub
+
+
 @register(aten.pow)
 def _pow(x, y):
     return jnp().power(x, y)
@@ -400,6 +419,26 @@ def _var(x, dim=None, *, correction=1, keepdim=False):
     return jnp().var(x, axis=_dims(dim, x.ndim), ddof=1 if correction is None else correction, keepdims=keepdim)
 
 
+@register(aten.var_mean)
+def _var_mean(x, dim=None, *, correction=1, keepdim=False):
+    return _var(x, dim, correction=correction, keepdim=keepdim), _mean(x, dim, keepdim)
+
+
+@register(torch.ops.prims.var)  # (the reference decompositions of the norms record it)
+def _prims_var(x, dims, correction=1, *, output_dtype=None):
+    return _var(x, dims, correction=correction)
+
+
+@register(torch.ops.prims.sum)
+def _prims_sum(x, dims, *, output_dtype=None):
+    return _sum(x, dims, dtype=output_dtype)
+
+
+@register(torch.ops.prims.broadcast_in_dim)
+def _broadcast_in_dim(x, shape, broadcast_dimensions):
+    return lax().broadcast_in_dim(x, tuple(shape), tuple(broadcast_dimensions))
+
+
 @register(aten.any)
 def _any(x, dim=None, keepdim=False):
     return jnp().any(x, axis=_dims(dim, x.ndim), keepdims=keepdim)
@@ -539,7 +578,9 @@ def _scatter_add(x, dim, index, source):
 
 @register(aten.cat)
 def _cat(tensors, dim=0):
-    return jnp().concatenate(list(tensors), axis=dim)
+    # torch skips a 1-d empty tensor among others (what HF's OPT and Llama concatenate onto)
+    kept = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or list(tensors)[:1]
+    return jnp().concatenate(kept, axis=dim)
 
 
 @register(aten.stack)
@@ -724,8 +765,13 @@ def _attention(query, key, value, is_causal, attn_mask, scale):
         scores = jnp().where(jnp().tril(jnp().ones((length, source), bool)), scores, -jnp().inf)
     if attn_mask is not None:
         scores = jnp().where(attn_mask, scores, -jnp().inf) if attn_mask.dtype == jnp().bool_ else scores + attn_mask
+    # A query every key is masked from (a left-padded row under a -inf mask): the CPU kernel
+    # gives it output 0 and logsumexp 0, and no gradient; softmax over it would be NaN.
+    blind = jnp().all(scores == -jnp().inf, axis=-1)
+    scores = jnp().where(blind[..., None], 0, scores)
     logsumexp = __import__("jax").nn.logsumexp(scores, axis=-1)
-    return jnp().matmul(jnp().exp(scores - logsumexp[..., None]), value), logsumexp
+    weights = jnp().where(blind[..., None], 0, jnp().exp(scores - logsumexp[..., None]))
+    return jnp().matmul(weights, value), jnp().where(blind, 0, logsumexp)
 
 
 @register(aten._scaled_dot_product_flash_attention_for_cpu)
@@ -790,3 +836,421 @@ def _conj(x):
 @register(aten.permute_copy)
 def _permute_copy(x, dims):
     return jnp().transpose(x, tuple(dims))
+
+
+# ---------------------------------------------------------------- ops by torch's decompositions
+
+
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+_DECOMPOSED: dict[Any, "_Decomposition"] = {}
+
+
+class _Decomposition:
+    """The rule of an op without one of its own that torch decomposes (``mse_loss``, ``glu``,
+    ``logsumexp``, ``linalg_vector_norm``, ``tril``, ``native_group_norm``, the backward ops of
+    activations...): torch's decomposition traced at the arguments' shapes and dtypes (once per
+    signature; ``make_fx``, fake tensors) into a graph of ATen ops, which is lowered in turn.
+    An op of that graph without a rule is refused then (``NoJaxRule`` naming it), when the
+    lowered function is first traced."""
+
+    def __init__(self, op: Any, decomposition: Callable[..., Any]) -> None:
+        self.op, self.decomposition = op, decomposition
+        self.graphs: dict[Any, Callable[..., Any]] = {}
+
+    def _graph(self, args: Any, kwargs: Any) -> Callable[..., Any]:
+        import torch.utils._pytree as pytree
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        from passes.jax.graph import jax_function
+
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+        key = (spec, tuple((tuple(leaf.shape), str(leaf.dtype)) if i in arrays else (type(leaf), repr(leaf)) for i, leaf in enumerate(leaves)))
+        made = self.graphs.get(key)
+        if made is not None:
+            return made
+
+        def call(*tensors: torch.Tensor) -> Any:
+            filled = list(leaves)
+            for i, tensor in zip(arrays, tensors):
+                filled[i] = tensor
+            a, k = pytree.tree_unflatten(filled, spec)
+            return self.decomposition(*a, **k)
+
+        examples = [torch.empty(tuple(leaves[i].shape), dtype=_TORCH_DTYPES[str(leaves[i].dtype)]) for i in arrays]
+        graph = make_fx(call, tracing_mode="fake")(*examples)
+        if any(_writes(node.target) for node in graph.graph.nodes):
+            # a decomposition writing into its own buffers (copy_, index_put_): functionalized
+            graph = make_fx(torch.func.functionalize(call), tracing_mode="fake")(*examples)
+        if any(node.target is self.op for node in graph.graph.nodes):
+            raise NoJaxRule(f"lower_to_jax: no JAX rule for {self.op}, and torch's decomposition of it calls it again", self.op)
+        made = jax_function(graph)
+        self.graphs[key] = made
+        return made
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch.utils._pytree as pytree
+
+        args, kwargs = _mutable((args, kwargs))  # (some decompositions edit their list arguments)
+
+        arrays = [jnp().asarray(leaf) for leaf in pytree.tree_leaves((args, kwargs)) if _is_array(leaf)]
+        return self._graph(args, kwargs)(*arrays)
+
+
+def _mutable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _mutable(v) for k, v in value.items()}
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_mutable(v) for v in value)
+    if isinstance(value, list):
+        return [_mutable(v) for v in value]
+    return value
+
+
+def _writes(target: Any) -> bool:
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return any(argument.alias_info is not None and argument.alias_info.is_write for argument in target._schema.arguments)
+
+
+def _is_array(value: Any) -> bool:
+    import jax
+    import numpy
+
+    return isinstance(value, (jax.Array, jax.core.Tracer, numpy.ndarray))
+
+
+def _decomposed(op: Any) -> _Decomposition | None:
+    """The decomposition rule of ``op`` (torch's core ATen decompositions first, then its other
+    ATen ones), or None: for an op without one, or a random one (its values would be torch's
+    generator's, which a jax program does not have)."""
+    if not isinstance(op, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in op.tags:
+        return None
+    made = _DECOMPOSED.get(op)
+    if made is None:
+        from torch._decomp import core_aten_decompositions, decomposition_table
+
+        decomposition = core_aten_decompositions().get(op) or decomposition_table.get(op)
+        if decomposition is None:
+            return None
+        made = _DECOMPOSED[op] = _Decomposition(op, decomposition)
+    return made
+
+
+# ---------------------------------------------------------------- elementwise families, the rest
+
+
+def _special(name: str) -> Callable[..., Any]:
+    def rule(x):
+        import jax.scipy.special
+
+        return getattr(jax.scipy.special, name)(x)
+
+    return rule
+
+
+for _op, _name in (
+    (aten.asin, "arcsin"),
+    (aten.acos, "arccos"),
+    (aten.atan, "arctan"),
+    (aten.sinh, "sinh"),
+    (aten.cosh, "cosh"),
+    (aten.asinh, "arcsinh"),
+    (aten.acosh, "arccosh"),
+    (aten.atanh, "arctanh"),
+    (aten.trunc, "trunc"),
+    (aten.exp2, "exp2"),
+    (aten.log10, "log10"),
+    (aten.isfinite, "isfinite"),
+    (aten.isneginf, "isneginf"),
+    (aten.isposinf, "isposinf"),
+    (aten.signbit, "signbit"),
+    (aten.square, "square"),
+    (aten.angle, "angle"),
+    (aten.real, "real"),
+    (aten.imag, "imag"),
+):
+    ATEN[_op] = _unary(_name)
+
+for _op, _name in ((aten.erfc, "erfc"), (aten.erfinv, "erfinv"), (aten.lgamma, "gammaln"), (aten.digamma, "digamma"), (aten.special_i0e, "i0e"), (aten.i0, "i0")):
+    ATEN[_op] = _special(_name)
+
+for _op, _name in (
+    (aten.fmod, "fmod"),
+    (aten.bitwise_xor, "bitwise_xor"),
+    (aten.bitwise_left_shift, "left_shift"),
+    (aten.__lshift__, "left_shift"),
+    (aten.bitwise_right_shift, "right_shift"),
+    (aten.__rshift__, "right_shift"),
+    (aten.hypot, "hypot"),
+    (aten.copysign, "copysign"),
+    (aten.logaddexp, "logaddexp"),
+    (aten.logaddexp2, "logaddexp2"),
+    (aten.nextafter, "nextafter"),
+    (aten.logical_xor, "logical_xor"),
+    (aten.floor_divide, "floor_divide"),
+    (aten.fmax, "fmax"),
+    (aten.fmin, "fmin"),
+):
+    ATEN[_op] = (lambda name: lambda x, y: getattr(jnp(), name)(x, y))(_name)
+
+
+@register(aten.polygamma)
+def _polygamma(n, x):
+    import jax.scipy.special
+
+    return jax.scipy.special.polygamma(n, x)
+
+
+@register(aten.polar)
+def _polar(magnitude, angle):
+    return lax().complex(magnitude * jnp().cos(angle), magnitude * jnp().sin(angle))
+
+
+@register(aten.complex)
+def _complex(real, imag):
+    return lax().complex(real, imag)
+
+
+# ---------------------------------------------------------------- indexing (int64 indices as jax's ints)
+
+
+def _index_tuple(indices: Any) -> tuple:
+    # torch's advanced indexing is numpy's: ``None`` in the list is a full slice of that dim
+    return tuple(slice(None) if index is None else index for index in indices)
+
+
+@register(aten.index, aten._unsafe_index)
+def _index(x, indices):
+    return x[_index_tuple(indices)]
+
+
+@register(aten.index_put, aten._unsafe_index_put)
+def _index_put(x, indices, values, accumulate=False):
+    where = x.at[_index_tuple(indices)]
+    values = jnp().asarray(values, dtype=x.dtype)
+    return where.add(values) if accumulate else where.set(values)
+
+
+@register(aten.scatter)
+def _scatter(x, dim, index, source, *, reduce=None):
+    where = x.at[_along(index, dim % max(x.ndim, 1))]
+    if isinstance(source, (int, float, bool)) or getattr(source, "ndim", 1) == 0:
+        values = jnp().broadcast_to(jnp().asarray(source, x.dtype), index.shape)
+    else:
+        values = source[tuple(slice(0, size) for size in index.shape)]
+    if reduce is None:
+        return where.set(values)
+    if reduce == "add":
+        return where.add(values)
+    if reduce == "multiply":
+        return where.multiply(values)
+    raise ValueError(f"lower_to_jax: aten.scatter with reduce={reduce!r}: torch takes 'add' or 'multiply'")
+
+
+@register(aten.scatter_reduce)
+def _scatter_reduce(x, dim, index, source, reduce, *, include_self=True):
+    grid = _along(index, dim % max(x.ndim, 1))
+    values = source[tuple(slice(0, size) for size in index.shape)]
+    identity = {"sum": 0, "mean": 0, "prod": 1, "amax": -jnp().inf, "amin": jnp().inf}.get(reduce)
+    if identity is None:
+        raise ValueError(f"lower_to_jax: aten.scatter_reduce with reduce={reduce!r}: torch takes sum, prod, mean, amax or amin")
+    if reduce in ("amax", "amin") and not jnp().issubdtype(x.dtype, jnp().floating):
+        info = jnp().iinfo(x.dtype)
+        identity = info.min if reduce == "amax" else info.max
+    base = x if include_self else x.at[grid].set(jnp().asarray(identity, x.dtype))
+    at = base.at[grid]
+    if reduce in ("sum", "mean"):
+        total = at.add(values)
+        if reduce == "sum":
+            return total
+        counts = jnp().zeros(x.shape, x.dtype).at[grid].add(1) + (1 if include_self else 0)
+        mean = total / jnp().maximum(counts, 1)
+        return mean.astype(x.dtype) if jnp().issubdtype(x.dtype, jnp().floating) else jnp().floor_divide(total, jnp().maximum(counts, 1))
+    return {"prod": at.multiply, "amax": at.max, "amin": at.min}[reduce](values)
+
+
+@register(aten.as_strided)
+def _as_strided(x, size, stride, storage_offset=None):
+    # a jax value has no storage: ``x``'s own elements, in row-major order, stand for it (as
+    # for a contiguous tensor, which is what a functionalized graph's base is)
+    return jnp().reshape(x, -1)[_strided_positions(size, stride, storage_offset)]
+
+
+@register(aten.as_strided_scatter)
+def _as_strided_scatter(x, source, size, stride, storage_offset=None):
+    flat = jnp().reshape(x, -1).at[_strided_positions(size, stride, storage_offset)].set(source)
+    return flat.reshape(x.shape)
+
+
+def _strided_positions(size, stride, storage_offset):
+    positions = jnp().asarray(storage_offset or 0)
+    for d, (length, step) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = length
+        positions = positions + (jnp().arange(length) * step).reshape(shape)
+    return positions
+
+
+@register(aten.constant_pad_nd)
+def _constant_pad_nd(x, pad, value=0):
+    # torch: (low, high) pairs from the last dim backwards; negative pads cut
+    widths = [(0, 0, 0)] * x.ndim
+    for i in range(len(pad) // 2):
+        widths[x.ndim - 1 - i] = (pad[2 * i], pad[2 * i + 1], 0)
+    return lax().pad(x, jnp().asarray(value, x.dtype), widths)
+
+
+# ---------------------------------------------------------------- sorting, selection, scans along a dim
+
+
+@register(aten.sort)
+def _sort(x, dim=-1, descending=False, *, stable=False):
+    if isinstance(dim, bool):  # sort.stable(x, *, stable, dim=-1, descending=False) traced positionally
+        dim = -1
+    order = jnp().argsort(x, axis=dim, stable=True, descending=descending)
+    return jnp().take_along_axis(x, order, axis=dim), order
+
+
+@register(aten.argsort)
+def _argsort(x, dim=-1, descending=False, *, stable=False):
+    return _sort(x, dim, descending)[1]
+
+
+@register(aten.topk)
+def _topk(x, k, dim=-1, largest=True, sorted=True):
+    moved = jnp().moveaxis(x, dim, -1)
+    values, indices = lax().top_k(moved if largest else -moved, k)
+    values = values if largest else -values
+    return jnp().moveaxis(values, -1, dim), jnp().moveaxis(indices, -1, dim)
+
+
+def _with_indices(reduce: str, arg: str) -> Callable[..., Any]:
+    def rule(x, dim=None, keepdim=False):
+        if dim is None:  # max.default / min.default: the value only
+            return getattr(jnp(), reduce)(x)
+        return getattr(jnp(), reduce)(x, axis=dim, keepdims=keepdim), getattr(jnp(), arg)(x, axis=dim, keepdims=keepdim)
+
+    return rule
+
+
+ATEN[aten.max.dim] = ATEN[aten.max.default] = _with_indices("max", "argmax")
+ATEN[aten.min.dim] = ATEN[aten.min.default] = _with_indices("min", "argmin")
+ATEN[aten.max.other] = ATEN[aten.maximum]
+ATEN[aten.min.other] = ATEN[aten.minimum]
+
+
+def _cumulative_dtype(x, dtype):
+    if dtype is not None:
+        return jax_dtype(dtype)
+    if not jnp().issubdtype(x.dtype, jnp().inexact):
+        return jnp().int64  # torch: an integer or bool tensor accumulates in int64 (int32 without x64)
+    return None
+
+
+@register(aten.cumsum)
+def _cumsum(x, dim, *, dtype=None):
+    return jnp().cumsum(x, axis=dim % max(x.ndim, 1), dtype=_cumulative_dtype(x, dtype))
+
+
+@register(aten.cumprod)
+def _cumprod(x, dim, *, dtype=None):
+    return jnp().cumprod(x, axis=dim % max(x.ndim, 1), dtype=_cumulative_dtype(x, dtype))
+
+
+@register(aten.logcumsumexp)
+def _logcumsumexp(x, dim):
+    return lax().cumlogsumexp(x, axis=dim % max(x.ndim, 1))
+
+
+def _running(name: str) -> Callable[..., Any]:
+    def rule(x, dim):
+        dim = dim % max(x.ndim, 1)
+        values = getattr(lax(), name)(x, axis=dim)
+        # torch's index: the last position holding the running extreme
+        positions = lax().broadcasted_iota(jnp().int32, x.shape, dim)
+        return values, lax().cummax(jnp().where(x == values, positions, -1), axis=dim)
+
+    return rule
+
+
+ATEN[aten.cummax] = _running("cummax")
+ATEN[aten.cummin] = _running("cummin")
+
+
+# ---------------------------------------------------------------- convolution
+
+
+def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    import jax
+
+    spatial = x.ndim - 2
+    stride, padding, dilation = (tuple(v) * (spatial if len(v) == 1 else 1) for v in (stride, padding, dilation))
+    letters = "DHW"[-spatial:] if spatial <= 3 else None
+    if letters is None:
+        raise NotImplementedError(f"lower_to_jax: aten.convolution over {spatial} spatial dims has no rule")
+    numbers = ("NC" + letters, "OI" + letters, "NC" + letters)
+
+    def forward(y, w):
+        return lax().conv_general_dilated(
+            y, w, stride, [(p, p) for p in padding], rhs_dilation=dilation, dimension_numbers=numbers, feature_group_count=groups
+        )
+
+    if not transposed:
+        out = forward(x, weight)
+    else:
+        # the transposed convolution is the forward one's gradient with respect to its input
+        # (torch's weight layout for it, (in, out / groups, k...), is that forward's)
+        output_padding = tuple(output_padding) * (spatial if len(output_padding) == 1 else 1)
+        size = tuple(
+            (n - 1) * s - 2 * p + d * (k - 1) + o + 1
+            for n, s, p, d, k, o in zip(x.shape[2:], stride, padding, dilation, weight.shape[2:], output_padding)
+        )
+        shape = (x.shape[0], weight.shape[1] * groups, *size)
+        out = jax.linear_transpose(lambda y: forward(y, weight), jax.ShapeDtypeStruct(shape, x.dtype))(x)[0]
+    if bias is not None:
+        out = out + bias.reshape((-1,) + (1,) * spatial)
+    return out
+
+
+register(aten.convolution)(_convolution)
+
+
+@register(aten.convolution_backward)
+def _convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask):
+    import jax
+
+    _, vjp = jax.vjp(lambda y, w: _convolution(y, w, None, stride, padding, dilation, transposed, output_padding, groups), x, weight)
+    grad_x, grad_w = vjp(grad)
+    grad_b = grad.sum(axis=(0, *range(2, grad.ndim))) if bias_sizes is not None else None
+    return tuple(g if wanted else None for g, wanted in zip((grad_x, grad_w, grad_b), output_mask))
+
+
+# ---------------------------------------------------------------- checks and storage-less creation
+
+
+@register(aten._assert_async, aten._assert_scalar, aten.sym_constrain_range, aten.sym_constrain_range_for_size, aten._assert_tensor_metadata)
+def _check(*args, **kwargs):
+    return None  # a run-time check of torch's: a jax program has no host check in its path
+
+
+@register(aten.empty_strided)
+def _empty_strided(size, stride, **kwargs):
+    return jnp().zeros(tuple(size), _creation_dtype(kwargs))
+
+
+@register(aten.new_empty_strided)
+def _new_empty_strided(x, size, stride, **kwargs):
+    return jnp().zeros(tuple(size), _creation_dtype(kwargs, x.dtype))
+
+
+@register(aten.diagonal)
+def _diagonal(x, offset=0, dim1=0, dim2=1):
+    return jnp().diagonal(x, offset, dim1 % x.ndim, dim2 % x.ndim)
+
+
+@register(aten.diagonal_backward)
+def _diagonal_backward(grad, input_sizes, offset, dim1, dim2):
+    import jax
+
+    return jax.vjp(lambda x: _diagonal(x, offset, dim1, dim2), jnp().zeros(tuple(input_sizes), grad.dtype))[1](grad)[0]

@@ -27,11 +27,34 @@ _FUNCTIONS: "weakref.WeakKeyDictionary[fx.GraphModule, Callable[..., Any]]" = we
 RUNNERS: set[Callable[..., Any]] = set()
 
 
-def _constant(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
+class _Constant:
+    """A tensor constant of the graph as a jax array, made when the function first runs: a
+    backend lowers the graph while AOTAutograd's fake mode is active, where reading a real
+    tensor's values is refused (a model's constant, OPT's empty ``tensor([])``)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value, self.array = value, None
+
+    def get(self) -> Any:
+        if self.array is None:
+            import jax.numpy as jnp
+
+            value = self.value
+            self.array = jnp.asarray(value.detach().cpu().numpy()) if isinstance(value, torch.Tensor) else value
+        return self.array
+
+
+def _constant(value: Any) -> _Constant:
+    return _Constant(value)
+
+
+def _as_jax(value: Any) -> Any:
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
         import jax.numpy as jnp
 
-        return jnp.asarray(value.detach().cpu().numpy())
+        return jnp.asarray(value)
     return value
 
 
@@ -108,10 +131,12 @@ def jax_function(gm: fx.GraphModule) -> Callable[..., Any]:
         flat = codegen.process_inputs(*args)
         if len(flat) != len(placeholders):
             raise TypeError(f"{gm.__class__.__name__}: takes {len(placeholders)} inputs, got {len(flat)}")
+        # a numpy input as a jax array: rules use jax's methods on their operands (``x.at``)
+        flat = [_as_jax(value) for value in flat]
         env: dict[fx.Node, Any] = dict(zip(placeholders, flat))
         for node, what in steps:
             if node.op == "get_attr":
-                env[node] = what
+                env[node] = what.get()
                 continue
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
             env[node] = what(*args, **kwargs)

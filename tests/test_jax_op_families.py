@@ -1,0 +1,214 @@
+"""Target ``"jax"``'s ATen rules by family, against torch: each op of a family (elementwise,
+indexing with integer indices, scatter, sorting and selection, running reductions, convolution,
+padding and strided views) traced with its gradient by ``make_fx`` and lowered; the ops torch
+decomposes and the table has no rule of its own for run through torch's decomposition; a view
+op's ``_copy`` variant takes the view's rule. And two things graphs from ``torch.compile`` hold:
+tensor constants lowered while AOTAutograd's fake mode is active, and attention rows masked
+from every key (left padding).
+
+The programs run op by op on jax (no ``jax.jit``): a compile per program would cost more than
+the whole file.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+
+jax = pytest.importorskip("jax", reason="target 'jax' needs jax (the 'jax' extra)")
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from passes.jax import NoJaxRule, lower_to_jax  # noqa: E402
+from passes.jax.aten import ATEN  # noqa: E402
+from tests.helpers.snapshot import TestCase  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def with_grads(program):
+    """``program``'s outputs and the gradients of their sum for its floating-point inputs."""
+
+    def traced(*inputs):
+        outputs = program(*inputs)
+        floats = [t for t in inputs if t.is_floating_point()]
+        loss = sum((o.abs() if o.is_complex() else o).float().sum() for o in pytree.tree_leaves(outputs) if o.is_floating_point() or o.is_complex())
+        return outputs, torch.autograd.grad(loss, floats, allow_unused=True)
+
+    return traced
+
+
+def check(test, name, program, *inputs, rtol=1e-4, atol=1e-5):
+    inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
+    graph = make_fx(with_grads(program), tracing_mode="fake")(*inputs)
+    graph = make_fx(torch.func.functionalize(graph), tracing_mode="fake")(*inputs)  # as AOTAutograd's graphs
+    fresh = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    expected = pytree.tree_leaves(with_grads(program)(*fresh))
+    got = pytree.tree_leaves(lower_to_jax(graph)(*[t.detach().numpy() for t in inputs]))
+    test.assertEqual(len(got), len(expected), f"{name}: number of outputs")
+    for i, (a, e) in enumerate(zip(got, expected)):
+        if e is None:  # an input the outputs do not depend on differentiably
+            test.assertIsNone(a, f"{name}[{i}]")
+            continue
+        a = torch.from_numpy(np.array(a))
+        e = e.detach()
+        if not e.is_floating_point() and not e.is_complex():
+            a, e = a.long(), e.long()  # int64 is jax's int32 without x64
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{name}[{i}]: {m}")
+
+
+def r(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed + sum(shape)))
+
+
+INDEX = torch.tensor([[0, 2], [3, 1], [1, 1]])  # int64, repeated entries (an input of the programs)
+
+
+FAMILIES = {
+    "elementwise": [
+        ("asin acos atan", lambda x: (x.tanh() * 0.9).asin() + (x.tanh() * 0.9).acos() + x.atan(), r(3, 4)),
+        ("sinh cosh asinh", lambda x: x.sinh() + x.cosh() + x.asinh(), r(3, 4)),
+        ("acosh atanh", lambda x: (x.abs() + 1.5).acosh() + (x.tanh() * 0.9).atanh(), r(3, 4)),
+        ("trunc exp2 log10 square", lambda x: x.trunc() * x + x.exp2() + (x.abs() + 1).log10() + x.square(), r(3, 4) * 3),
+        ("erfc erfinv", lambda x: x.erfc() + (x.tanh() * 0.9).erfinv(), r(3, 4)),
+        ("lgamma digamma", lambda x: (x.abs() + 0.5).lgamma() + (x.abs() + 0.5).digamma(), r(3, 4)),
+        ("isfinite isinf signbit", lambda x: x * x.log().isfinite() + x * x.signbit(), r(3, 4)),
+        ("fmod remainder floor_divide", lambda x: torch.fmod(x, 0.7) + torch.remainder(x, 0.7) + torch.floor_divide(x.detach(), 0.7), r(3, 4) * 3),
+        ("hypot copysign logaddexp", lambda x, y: torch.hypot(x, y) + torch.copysign(x, y) + torch.logaddexp(x, y) + torch.logaddexp2(x, y), r(3, 4), r(3, 4, seed=1)),
+        ("integer bitwise and shifts", lambda x, i: x * ((i ^ 3) + (i << 1) + (i >> 1) + (i & 5) + (i | 2) + i // 2), r(4), torch.tensor([1, 5, 7, 12])),
+        ("polar angle real imag", lambda a, b: torch.polar(a.abs(), b).angle() + torch.view_as_real(torch.polar(a.abs(), b)).sum(-1) + torch.complex(a, b).real, r(5), r(5, seed=1)),
+    ],
+    "indexing": [
+        ("index with int64 tensors", lambda x, i: x[i] * 2 + x[:, i[:, 0]].sum(), r(4, 4), INDEX),
+        ("index, a slice between", lambda x, i: x[i[:, 0], :, i[:, 1]], r(4, 2, 4), INDEX),
+        ("index_put", lambda x, i, v: x.index_put((i[:, 0],), v), r(4, 2), INDEX, r(3, 2)),
+        ("index_put accumulate", lambda x, i, v: x.index_put((i[:, 0], i[:, 1]), v, accumulate=True), r(4, 4), INDEX, r(3)),
+        ("index_add", lambda x, i, v: x.index_add(0, i[:, 1], v, alpha=2), r(4, 2), INDEX, r(3, 2)),
+        ("scatter src", lambda x, v, i: x.scatter(1, i, v), r(3, 4), r(3, 2), torch.tensor([[0, 2], [3, 1], [1, 0]])),
+        ("scatter value", lambda x, i: x.scatter(1, i, 1.5), r(3, 4), torch.tensor([[0, 2], [3, 1], [1, 0]])),
+        ("scatter reduce (no derivative in torch)", lambda x, v, i: x + x.detach().scatter(1, i, v.detach(), reduce="add") + x.detach().scatter(1, i, v.detach(), reduce="multiply"), r(3, 4), r(3, 2), INDEX),
+        *[
+            (f"scatter_reduce {how} include_self={include}", (lambda how, include: lambda x, v, i: x.scatter_reduce(1, i, v, how, include_self=include))(how, include), r(3, 4), r(3, 2), INDEX)
+            for how, include in (("sum", False), ("prod", True), ("mean", False), ("mean", True), ("amax", False), ("amin", True))
+        ],
+        ("gather", lambda x, i: torch.gather(x, 1, i), r(3, 4), INDEX),
+        ("embedding padding_idx", lambda w, i: F.embedding(i, w, padding_idx=1), r(4, 3), INDEX),
+        ("masked_fill -inf softmax", lambda x: x.masked_fill(x > 0.5, float("-inf")).softmax(-1), r(3, 4)),
+        ("argmax one_hot", lambda x: x * F.one_hot(x.argmax(-1), 4), r(3, 4)),
+    ],
+    "selection": [
+        ("sort", lambda x: x.sort(-1).values * 2 + x.sort(0, descending=True).values, r(3, 4)),
+        ("sort stable, indices", lambda x: x.sort(stable=True).values * (x.sort(stable=True).indices + x.argsort(0)), r(3, 4)),
+        ("topk largest, smallest, dim 0", lambda x: x.topk(2).values.sum() + x.topk(2, 0, largest=False).values, r(3, 4)),
+        ("max min with and without a dim", lambda x: x.max(-1).values + x.min(0, keepdim=True).values.sum() + x.max() + x.min() + x.max(-1).indices, r(3, 4)),
+    ],
+    "running": [
+        ("cumsum cumprod", lambda x: x.cumsum(-1) + x.cumprod(0) + x.cumsum(1, dtype=torch.float64).float(), r(3, 4)),
+        ("cumsum of an integer mask", lambda x, m: x * (m.cumsum(-1) - 1), r(2, 4), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])),
+        ("logcumsumexp", lambda x: x.logcumsumexp(1), r(3, 4)),
+        ("cummax cummin", lambda x: x.cummax(1).values + x.cummin(0).values + x.cummax(-1).indices, r(3, 4)),
+    ],
+    "convolution": [
+        ("conv1d padding", lambda x, w, b: F.conv1d(x, w, b, padding=1), r(2, 3, 6), r(4, 3, 3), r(4)),
+        ("conv2d stride dilation groups", lambda x, w: F.conv2d(x, w, stride=2, padding=1, dilation=(1, 2), groups=2), r(1, 4, 6, 6), r(2, 2, 3, 3)),
+        ("conv_transpose1d", lambda x, w, b: F.conv_transpose1d(x, w, b, stride=2, padding=1, output_padding=1), r(2, 3, 5), r(3, 2, 3), r(2)),
+        ("conv_transpose2d groups", lambda x, w: F.conv_transpose2d(x, w, stride=2, groups=2), r(1, 4, 3, 3), r(4, 1, 2, 2)),
+    ],
+    "shapes": [
+        ("constant_pad_nd, negative pads", lambda x: F.pad(x, (1, 2, -1, 0), value=0.5), r(3, 4)),
+        ("as_strided", lambda x: x.as_strided((2, 2), (1, 3), 1) * 2, r(3, 4)),
+        ("diagonal", lambda x: x.diagonal() + x.diagonal(1, 0, 1).sum(), r(4, 4)),
+        ("cat of an empty 1-d tensor", lambda x: torch.cat([torch.tensor([]), x.flatten(), x[0]]), r(3, 4)),
+        ("unfold", lambda x: x.unfold(1, 2, 1), r(2, 5)),
+    ],
+}
+
+
+class TestFamilies(TestCase):
+    def run_family(self, family):
+        for name, program, *inputs in FAMILIES[family]:
+            with self.subTest(name):
+                check(self, name, program, *inputs)
+
+    def test_elementwise(self):
+        self.run_family("elementwise")
+
+    def test_indexing_and_scatter(self):
+        self.run_family("indexing")
+
+    def test_sorting_and_selection(self):
+        self.run_family("selection")
+
+    def test_running_reductions(self):
+        self.run_family("running")
+
+    def test_convolution_forward_and_backward(self):
+        self.run_family("convolution")
+
+    def test_padding_and_strided_views(self):
+        self.run_family("shapes")
+
+
+# Ops the table has no rule of its own for, which torch decomposes (each op listed is checked
+# to be absent from the table, so these run through the decomposition).
+DECOMPOSED = [
+    (aten.mse_loss.default, lambda x, y: F.mse_loss(x, y) + F.huber_loss(x, y) + F.glu(x).sum() + F.mish(x).sum() + F.leaky_relu(x, 0.1).sum(), r(3, 4), r(3, 4, seed=1)),
+    (aten.logsumexp.default, lambda x: x.logsumexp(-1) + x.std(0)[0] + torch.linalg.vector_norm(x, 3) + x.tril()[0] + x.roll(1, -1)[0], r(4, 4)),
+    (aten.native_group_norm.default, lambda x, w, b: F.group_norm(x, 2, w, b), r(2, 4, 3), r(4), r(4, seed=1)),
+    (aten.nll_loss2d_forward.default, lambda x, t: F.cross_entropy(x, t), r(2, 5, 3), torch.tensor([[1, 2, 4], [0, 0, 3]])),
+]
+
+
+class TestDecompositions(TestCase):
+    def test_ops_without_a_rule_run_through_torchs_decomposition(self):
+        for op, program, *inputs in DECOMPOSED:
+            with self.subTest(str(op)):
+                self.assertNotIn(op, ATEN, "listed to exercise the decomposition")
+                self.assertNotIn(op.overloadpacket, ATEN, "listed to exercise the decomposition")
+                check(self, str(op), program, *inputs)
+
+    def test_a_random_op_is_refused_naming_it(self):
+        # its values would be torch's generator's: not decomposed into a jax program
+        graph = make_fx(lambda x: F.dropout(x, 0.5, training=True))(r(3, 4))
+        with self.assertRaisesRegex(NoJaxRule, r"no JAX rule for aten\.(native_dropout|bernoulli_?)\."):
+            lower_to_jax(graph)
+
+    def test_copy_variants_of_views_take_the_views_rule(self):
+        def program(x):
+            return x.t().unsqueeze(0).expand(2, -1, -1)[:, 1:].reshape(2, -1).diagonal(0, 0, 1) * x[1].view(4, 1)[0]
+
+        x = r(3, 4)
+        graph = make_fx(torch.func.functionalize(program, remove="mutations_and_views"))(x)
+        self.assertTrue(any(str(node.target).endswith("_copy.default") for node in graph.graph.nodes))
+        torch.testing.assert_close(torch.from_numpy(np.array(lower_to_jax(graph)(x.numpy()))), program(x))
+
+
+class TestCompiledGraphs(TestCase):
+    def test_a_graph_with_tensor_constants_lowered_under_a_fake_mode(self):
+        # as a torch.compile backend lowers AOTAutograd's graphs: HF models' constants
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        constant = torch.tensor([1.0, -2.0, 3.0])
+        graph = make_fx(lambda x: x * constant + torch.cat([torch.tensor([]), x]).sum())(r(3))
+        with FakeTensorMode():
+            function = lower_to_jax(graph)
+        x = r(3)
+        torch.testing.assert_close(torch.from_numpy(np.array(function(x.numpy()))), x * constant + x.sum())
+
+    def test_attention_rows_masked_from_every_key_as_the_cpu_kernel(self):
+        # a left-padded query under a -inf mask: output 0, logsumexp 0, no gradient (not NaN)
+        fused, backward = aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
+        q, k, v, grad = r(1, 2, 3, 4), r(1, 2, 3, 4, seed=1), r(1, 2, 3, 4, seed=2), r(1, 2, 3, 4, seed=3)
+        mask = torch.zeros(3, 3)
+        mask[0] = float("-inf")
+        mask[1, 0] = float("-inf")
+        out, lse = fused(q, k, v, 0.0, False, attn_mask=mask)
+        expected = (out, lse, *backward(grad, q, k, v, out, lse, 0.0, False, attn_mask=mask))
+        q_, k_, v_, grad_, mask_ = (jnp.asarray(t.numpy()) for t in (q, k, v, grad, mask))
+        got = ATEN[fused](q_, k_, v_, 0.0, False, attn_mask=mask_)
+        got = (*got, *ATEN[backward](grad_, q_, k_, v_, *got, 0.0, False, attn_mask=mask_))
+        for name, a, e in zip(("output", "logsumexp", "grad query", "grad key", "grad value"), got, expected):
+            torch.testing.assert_close(torch.from_numpy(np.array(a)), e, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
