@@ -31,8 +31,8 @@ def test_a_cpu_backward_before_the_first_xla_backward_is_a_typed_error_naming_th
     """A user computes the CPU reference first (one CPU backward), then compiles with
     ``backend="hops_xla"``: torch's autograd engine has sized its device queues without the
     XLA device (torch_xla's behaviour under SPMD), and no XLA backward can run in the process.
-    The backend says so when it compiles, naming what works, instead of torch's internal
-    assert at the user's ``loss.backward()``. (That ``prepare_autograd_for_xla()`` called first
+    The backend (and ``hops.assume_pure``) says so before tracing, naming what works, instead
+    of torch's internal assert at the user's ``loss.backward()``. (That ``prepare_autograd_for_xla()`` called first
     makes XLA backwards work is what ``conftest.py`` relies on for the whole suite.)"""
     program = """
         import torch, torch_xla
@@ -41,9 +41,8 @@ def test_a_cpu_backward_before_the_first_xla_backward_is_a_typed_error_naming_th
         import passes.xla
         w = torch.randn(4, 4, requires_grad=True)
         (w.tanh().sum()).backward()  # the CPU reference
-        wx = w.detach().to(torch_xla.device()).requires_grad_()
-        try:
-            torch.compile(lambda w: w.tanh().sum(), backend="hops_xla")(wx)
+        try:  # what backend="hops_xla" and hops.assume_pure on XLA tensors call first
+            passes.xla.prepare_autograd_for_xla()
         except Exception as error:
             causes = [error]
             while causes[-1] is not None:
@@ -127,7 +126,7 @@ class Normed(torch.nn.Module):
 
 @pytest.mark.xla
 @pytest.mark.parametrize("norm", ["layer_norm", "group_norm"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 def test_hops_xla_trains_a_model_whose_saved_values_differ_in_dtype_from_the_trace(norm, dtype):
     """``torch.compile(backend="hops_xla")`` of a bf16 model with a LayerNorm (GPT-2, OPT):
     the forward graph, traced with torch's meta rules, saves LayerNorm's mean and rstd as
