@@ -152,6 +152,47 @@ class TestHopsJax(TestCase):
                 self.assertEqual(copies, {"out": 1})
                 torch.testing.assert_close(result, torch.from_numpy(value), rtol=0, atol=0)
 
+    def test_dropout_in_training_draws_from_torchs_generator_with_the_gradient_of_its_mask(self):
+        # dropout(tanh(x @ w)): a quarter of the values zero, the rest scaled by 1 / (1 - p); the
+        # gradient the one of the mask the forward drew; a second call draws anew, and
+        # torch.manual_seed gives the same draws again.
+        p = 0.25
+
+        def program(x, w):
+            return torch.nn.functional.dropout(torch.tanh(x @ w), p, training=True)
+
+        x, w = torch.randn(64, 32), torch.randn(32, 64, requires_grad=True)
+        compiled = torch.compile(program, backend=hops_jax, fullgraph=True)
+        torch.manual_seed(7)
+        y = compiled(x, w)
+        (grad,) = torch.autograd.grad(y.sum(), w)
+        kept = y != 0
+        self.assertLess(abs(1 - kept.float().mean().item() - p), 0.05)
+        dense = torch.tanh(x @ w.detach())
+        torch.testing.assert_close(y[kept], dense[kept] / (1 - p))
+        torch.testing.assert_close(grad, x.t() @ (kept * (1 - dense**2) / (1 - p)), rtol=1e-4, atol=1e-4)
+        self.assertFalse(torch.equal(compiled(x, w) != 0, kept))
+        torch.manual_seed(7)
+        self.assertTrue(torch.equal(compiled(x, w), y))
+
+    def test_each_step_of_a_scan_draws_its_own_dropout_mask(self):
+        # ys[t] = dropout(xs[t] * w), every xs[t] the same: the masks differ between steps, and
+        # w's gradient is the sum of the steps' kept values over w.
+        def step(c, x, w):
+            y = torch.nn.functional.dropout(x * w, 0.5, training=True)
+            return c, y
+
+        def program(xs, w):
+            return hops.scan(step, torch.zeros(()), xs, additional_inputs=(w,))[1]
+
+        xs, w = torch.ones(4, 256), torch.rand(256).add(0.5).requires_grad_()
+        ys = torch.compile(program, backend=hops_jax, fullgraph=True)(xs, w)
+        (grad,) = torch.autograd.grad(ys.sum(), w)
+        masks = ys != 0
+        for t in range(1, 4):
+            self.assertFalse(torch.equal(masks[t], masks[0]))
+        torch.testing.assert_close(grad, ys.detach().sum(0) / w.detach())
+
     def test_a_tensor_on_another_device_is_refused_naming_it(self):
         with self.assertRaisesRegex(ValueError, r"hops_jax: input 0 is a meta tensor; this backend runs on CPU tensors"):
             backend._to_jax(torch.empty(2, device="meta"), {"in": 0}, "input 0")

@@ -22,7 +22,7 @@ jax = pytest.importorskip("jax", reason="target 'jax' needs jax (the 'jax' extra
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from passes.jax import NoJaxRule, lower_to_jax  # noqa: E402
+from passes.jax import NoJaxRule, lower_to_jax, random_key  # noqa: E402
 from passes.jax.aten import ATEN  # noqa: E402
 from tests.helpers.snapshot import TestCase  # noqa: E402
 
@@ -170,11 +170,19 @@ class TestDecompositions(TestCase):
                 self.assertNotIn(op.overloadpacket, ATEN, "listed to exercise the decomposition")
                 check(self, str(op), program, *inputs)
 
-    def test_a_random_op_is_refused_naming_it(self):
-        # its values would be torch's generator's: not decomposed into a jax program
-        graph = make_fx(lambda x: F.dropout(x, 0.5, training=True))(r(3, 4))
-        with self.assertRaisesRegex(NoJaxRule, r"no JAX rule for aten\.(native_dropout|bernoulli_?)\."):
-            lower_to_jax(graph)
+    def test_a_random_op_draws_from_the_key_it_runs_under_and_is_refused_without_one(self):
+        # torch's generator is not jax's: a random op draws from the key of passes.jax.random_key
+        program = lower_to_jax(make_fx(lambda x: F.dropout(x, 0.5, training=True))(r(3, 4)))
+        with self.assertRaisesRegex(NoJaxRule, r"aten\.(native_dropout|bernoulli)\S* draws random numbers: run the lowered function inside passes\.jax\.random_key"):
+            program(np.ones((64, 64), np.float32))
+        draws = []
+        for seed in (0, 0, 1):
+            with random_key(jax.random.key(seed)):
+                draws.append(np.asarray(program(np.ones((64, 64), np.float32))))
+        np.testing.assert_array_equal(draws[0], draws[1])
+        self.assertFalse(np.array_equal(draws[0], draws[2]))
+        self.assertEqual(set(np.unique(draws[0])), {0.0, 2.0})
+        self.assertLess(abs((draws[0] == 0).mean() - 0.5), 0.05)
 
     def test_copy_variants_of_views_take_the_views_rule(self):
         def program(x):

@@ -27,12 +27,12 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from passes.jax.aten import NoJaxRule
+from passes.jax.aten import NoJaxRule, random_key
 from passes.jax.graph import jax_function
 from passes.jax.pure import assume_pure_on_jax
 from passes.jax.rules import TARGET, lower_hops
 
-__all__ = ["lower_to_jax", "assume_pure_on_jax", "NoJaxRule", "TARGET"]
+__all__ = ["lower_to_jax", "assume_pure_on_jax", "random_key", "NoJaxRule", "TARGET"]
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

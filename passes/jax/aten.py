@@ -1254,3 +1254,105 @@ def _diagonal_backward(grad, input_sizes, offset, dim1, dim2):
     import jax
 
     return jax.vjp(lambda x: _diagonal(x, offset, dim1, dim2), jnp().zeros(tuple(input_sizes), grad.dtype))[1](grad)[0]
+
+
+# ---------------------------------------------------------------- random ops
+
+# The keys random ops draw from, innermost last (``random_key``); each cell holds the key the
+# next draw splits.
+_KEYS: list[list[Any]] = []
+
+
+class random_key:
+    """``with random_key(key):`` random ops of lowered graphs run inside draw from ``key`` (a
+    ``jax.random.key``), each from a fresh split of it, as a JAX function takes its key: torch's
+    generator is not jax's. Backend ``"hops_jax"`` draws each call's key from torch's generator
+    (``torch.manual_seed`` reproduces a run); a scan gives each step a key of its own."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+    def __enter__(self) -> None:
+        _KEYS.append([self.key])
+
+    def __exit__(self, *exc: Any) -> None:
+        _KEYS.pop()
+
+
+def has_key() -> bool:
+    return bool(_KEYS)
+
+
+def split_key(count: int) -> Any:
+    """``count`` fresh keys from the active one (for a scan's steps)."""
+    import jax
+
+    cell = _KEYS[-1]
+    keys = jax.random.split(cell[0], count + 1)
+    cell[0] = keys[0]
+    return keys[1:]
+
+
+def _next_key(op: Any) -> Any:
+    if not _KEYS:
+        raise NoJaxRule(
+            f"lower_to_jax: {op} draws random numbers: run the lowered function inside "
+            "passes.jax.random_key(jax.random.key(seed)) (backend 'hops_jax' does, with a seed from torch's generator)",
+            op,
+        )
+    return split_key(1)[0]
+
+
+def _uniform(op: Any, shape: Any, dtype: Any) -> Any:
+    import jax
+
+    return jax.random.uniform(_next_key(op), tuple(shape), dtype)
+
+
+@register(aten.native_dropout)
+def _native_dropout(x, p, train):
+    if train is False or p == 0:
+        return x, jnp().ones(x.shape, bool)
+    if p >= 1:
+        return jnp().zeros_like(x), jnp().zeros(x.shape, bool)
+    keep = _uniform(aten.native_dropout, x.shape, jnp().float32) >= p
+    return jnp().where(keep, x * (1.0 / (1.0 - p)), 0).astype(x.dtype), keep
+
+
+@register(aten.native_dropout_backward)
+def _native_dropout_backward(grad, mask, scale):
+    return (grad * mask * scale).astype(grad.dtype)
+
+
+@register(aten.bernoulli.p, aten.bernoulli_.float)
+def _bernoulli_p(x, p=0.5, **kwargs):
+    return (_uniform(aten.bernoulli, x.shape, jnp().float32) < p).astype(x.dtype)
+
+
+@register(aten.bernoulli.default)
+def _bernoulli(probabilities, **kwargs):
+    return (_uniform(aten.bernoulli, probabilities.shape, jnp().float32) < probabilities).astype(probabilities.dtype)
+
+
+@register(aten.rand)
+def _rand(size, **kwargs):
+    return _uniform(aten.rand, size, _creation_dtype(kwargs))
+
+
+@register(aten.rand_like)
+def _rand_like(x, **kwargs):
+    return _uniform(aten.rand_like, x.shape, _creation_dtype(kwargs, x.dtype))
+
+
+@register(aten.randn)
+def _randn(size, **kwargs):
+    import jax
+
+    return jax.random.normal(_next_key(aten.randn), tuple(size), _creation_dtype(kwargs))
+
+
+@register(aten.randn_like)
+def _randn_like(x, **kwargs):
+    import jax
+
+    return jax.random.normal(_next_key(aten.randn_like), x.shape, _creation_dtype(kwargs, x.dtype))

@@ -139,7 +139,13 @@ class JaxGraph:
         # forward's, saved for the backward) go back to torch as ints.
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         static = tuple(i for i, node in enumerate(placeholders) if _is_number(node.meta.get("val")))
-        self.function = jax.jit(lowered, static_argnums=static)
+        self.random = _draws_random_numbers(lowered.graph_module)
+        if self.random:
+            # A key per call, drawn from torch's generator (torch.manual_seed reproduces a run):
+            # the jitted function's first argument.
+            self.function = jax.jit(_keyed(lowered), static_argnums=tuple(i + 1 for i in static))
+        else:
+            self.function = jax.jit(lowered, static_argnums=static)
         results = next(iter(gm.graph.find_nodes(op="output"))).args[0]
         results = results if isinstance(results, (tuple, list)) else [results]
         self.numbers = {i for i, node in enumerate(results) if isinstance(node, fx.Node) and _is_number(node.meta.get("val"))}
@@ -158,12 +164,38 @@ class JaxGraph:
             # onto the devices that need it: a copy per input).
             inputs = [_held(a, _host_view, f"input {i}") for i, a in enumerate(args)]
             self.copies["in"] += sum(isinstance(x, np.ndarray) for x in inputs)
+        if self.random:
+            import jax
+
+            inputs = [jax.random.key(int(torch.randint(0, 2**31 - 1, ()))), *inputs]
         outputs = self.function(*inputs)
         saved = self.saved if self.saved and not caller_saved_tensors_hooks() else {}
         return [
             _stand_in(o, saved[i]) if i in saved else _number(o) if i in self.numbers else _to_torch(o, self.copies)
             for i, o in enumerate(outputs)
         ]
+
+
+def _draws_random_numbers(gm: fx.GraphModule) -> bool:
+    """Whether a node of ``gm`` or of a body in it is a random ATen op."""
+    from passes._infra import graph_modules
+
+    return any(
+        isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+        for module in graph_modules(gm)
+        for node in module.graph.nodes
+    )
+
+
+def _keyed(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` taking the key its random ops draw from as its first argument."""
+    from passes.jax.aten import random_key
+
+    def keyed(key: Any, *args: Any) -> Any:
+        with random_key(key):
+            return function(*args)
+
+    return keyed
 
 
 def _is_number(value: Any) -> bool:

@@ -43,6 +43,7 @@ from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import Mesh, Partial, Shard, ShardingSpec
 from passes._infra import HopRulePass, PassError, body_attr, body_module, register_rule, typed_spec
 from passes.inline import kernel_call, region_operands
+from passes.jax.aten import has_key, random_key, split_key
 from passes.jax.graph import RUNNERS, jax_function
 
 TARGET = "jax"
@@ -192,9 +193,19 @@ def scan(body: fx.GraphModule, *operands_and_spec: Any) -> tuple[Any, ...]:
     init, xs, additional = split_scan_operands(operands, spec)
     run_body = jax_function(body)
     num_carry = len(init)
+    # Under a random key (random ops in the program), each step draws from a key of its own,
+    # as torch's scan draws fresh numbers at each step: the body is traced once.
+    keyed = has_key()
+    if keyed:
+        xs = [*xs, split_key(spec.length if spec.length is not None else xs[0].shape[0])]
 
     def step(carry: tuple, x: tuple) -> tuple:
-        outputs = run_body(*carry, *x, *additional)
+        if keyed:
+            *x, key = x
+            with random_key(key):
+                outputs = run_body(*carry, *x, *additional)
+        else:
+            outputs = run_body(*carry, *x, *additional)
         return tuple(outputs[:num_carry]), tuple(outputs[num_carry:])
 
     if spec.remat:
