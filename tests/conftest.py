@@ -60,7 +60,7 @@ LONGEST_FIRST = [
     "test_inductor", "test_random_bodies_against_reference", "test_inductor_chains",
     "test_real_models", "test_layouts", "test_examples", "test_solver_scale",
     "test_solver_scan_quality", "test_inductor_pass_chaining", "test_jax_real_models",
-    "test_solver_example", "test_numbers_in_bodies", "test_dynamo_errors", "test_dtensor",
+    "test_jax_op_families", "test_solver_example", "test_xla_user_programs", "test_numbers_in_bodies", "test_dynamo_errors", "test_dtensor",
     "test_export_serialization", "test_device_targets",
 ]
 
