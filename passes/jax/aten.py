@@ -169,6 +169,10 @@ def _unary(name: str) -> Callable[..., Any]:
     return lambda x: getattr(jnp(), name)(x)
 
 
+def _binary(name: str) -> Callable[..., Any]:
+    return lambda x, y: getattr(jnp(), name)(x, y)
+
+
 for _op, _name in (
     (aten.sin, "sin"),
     (aten.cos, "cos"),
@@ -293,7 +297,7 @@ for _op, _name in (
     (aten.remainder, "remainder"),
     (aten.atan2, "arctan2"),
 ):
-    ATEN[_op] = (lambda name: lambda x, y: getattr(jnp(), name)(x, y))(_name)
+    ATEN[_op] = _binary(_name)
 
 
 @register(aten.where)
@@ -992,7 +996,7 @@ for _op, _name in (
     (aten.fmax, "fmax"),
     (aten.fmin, "fmin"),
 ):
-    ATEN[_op] = (lambda name: lambda x, y: getattr(jnp(), name)(x, y))(_name)
+    ATEN[_op] = _binary(_name)
 
 
 @register(aten.polygamma)
