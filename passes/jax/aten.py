@@ -928,7 +928,7 @@ def _decomposed(op: Any) -> _Decomposition | None:
     """The decomposition rule of ``op`` (torch's core ATen decompositions first, then its other
     ATen ones), or None: for an op without one, or a random one (its values would be torch's
     generator's, which a jax program does not have)."""
-    if not isinstance(op, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in op.tags:
+    if not isinstance(op, torch._ops.OpOverload) or is_random(op):
         return None
     made = _DECOMPOSED.get(op)
     if made is None:
@@ -1281,6 +1281,11 @@ class random_key:
 
     def __exit__(self, *exc: Any) -> None:
         _KEYS.pop()
+
+
+def is_random(op: Any) -> bool:
+    """Whether ``op`` is an ATen op that draws random numbers."""
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
 
 
 def has_key() -> bool:

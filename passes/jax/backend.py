@@ -179,12 +179,9 @@ class JaxGraph:
 def _draws_random_numbers(gm: fx.GraphModule) -> bool:
     """Whether a node of ``gm`` or of a body in it is a random ATen op."""
     from passes._infra import graph_modules
+    from passes.jax.aten import is_random
 
-    return any(
-        isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
-        for module in graph_modules(gm)
-        for node in module.graph.nodes
-    )
+    return any(is_random(node.target) for module in graph_modules(gm) for node in module.graph.nodes)
 
 
 def _keyed(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -26,6 +26,7 @@ Nothing here imports jax until a lowered graph runs: registering the table is li
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -202,9 +203,7 @@ def scan(body: fx.GraphModule, *operands_and_spec: Any) -> tuple[Any, ...]:
     def step(carry: tuple, x: tuple) -> tuple:
         if keyed:
             *x, key = x
-            with random_key(key):
-                outputs = run_body(*carry, *x, *additional)
-        else:
+        with random_key(key) if keyed else contextlib.nullcontext():
             outputs = run_body(*carry, *x, *additional)
         return tuple(outputs[:num_carry]), tuple(outputs[num_carry:])
 
