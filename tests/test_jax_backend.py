@@ -16,9 +16,10 @@ ACCELERATOR_BEFORE_JAX = torch.accelerator.current_accelerator()
 jax = pytest.importorskip("jax", reason="backend hops_jax needs jax (the 'jax' extra)")
 
 import hops  # noqa: E402
+from hops import Replicate, Shard  # noqa: E402
 from passes.jax import backend  # noqa: E402
 from passes.jax.backend import hops_jax  # noqa: E402
-from tests.helpers.hop_db import ROWS, SAMPLES, forward_backward, fresh  # noqa: E402
+from tests.helpers.hop_db import MESH, ROWS, SAMPLES, forward_backward, fresh  # noqa: E402
 from tests.helpers.snapshot import TestCase  # noqa: E402
 
 
@@ -192,6 +193,46 @@ class TestHopsJax(TestCase):
         for t in range(1, 4):
             self.assertFalse(torch.equal(masks[t], masks[0]))
         torch.testing.assert_close(grad, ys.detach().sum(0) / w.detach())
+
+    def test_dropout_in_a_local_map_region_masks_each_shard_on_its_own(self):
+        # y = dropout(x * w) in a region on the 2x2 mesh. Each device's block lands in its own
+        # place of y (out placements shard y over both axes), so all four devices' masks are
+        # read. Along an axis the inputs are sharded over, the masks differ; along one they are
+        # replicated over, they are the same (a replicated value stays replicated). Kept values
+        # are x * w / (1 - p), about 1 - p of them kept, and the gradients are those of the
+        # masks the forward drew.
+        p = 0.25
+
+        def body(x, w):
+            return torch.nn.functional.dropout(x * w, p, training=True)
+
+        for sharded in ((Shard(0), Replicate()), (Replicate(), Shard(1)), (Shard(0), Shard(1))):
+            with self.subTest(inputs=sharded):
+                torch._dynamo.reset()
+                region = hops.local_map(body, mesh=MESH, in_placements=(sharded, sharded), out_placements=((Shard(0), Shard(1)),))
+                x, w = torch.randn(8, 64, requires_grad=True), torch.rand(8, 64).add(0.5).requires_grad_()
+                y = torch.compile(lambda x, w: region(x, w), backend=hops_jax, fullgraph=True)(x, w)
+                gx, gw = torch.autograd.grad(y.sum(), (x, w))
+                split = [placement != Replicate() for placement in sharded]  # x's dim k split along mesh axis k
+                rows, columns = 8 // (2 if split[0] else 1), 64 // (2 if split[1] else 1)
+                self.assertEqual(tuple(y.shape), (2 * rows, 2 * columns))
+                blocks = {(i, j): (slice(i * rows, (i + 1) * rows), slice(j * columns, (j + 1) * columns)) for i in (0, 1) for j in (0, 1)}
+                masks = {device: y[block] != 0 for device, block in blocks.items()}
+                along_data = [torch.equal(masks[(0, j)], masks[(1, j)]) for j in (0, 1)]
+                along_model = [torch.equal(masks[(i, 0)], masks[(i, 1)]) for i in (0, 1)]
+                self.assertEqual(along_data, [not split[0]] * 2, "the same masks along 'data' exactly where the inputs are replicated there")
+                self.assertEqual(along_model, [not split[1]] * 2, "the same masks along 'model' exactly where the inputs are replicated there")
+                self.assertLess(abs(1 - (y != 0).float().mean().item() - p), 0.05)
+                grad_x, grad_w = torch.zeros(8, 64), torch.zeros(8, 64)
+                for (i, j), block in blocks.items():
+                    piece = (slice(i * rows, (i + 1) * rows) if split[0] else slice(None), slice(j * columns, (j + 1) * columns) if split[1] else slice(None))
+                    kept = masks[(i, j)]
+                    dense = (x * w).detach()[piece]
+                    torch.testing.assert_close(y[block][kept], dense[kept] / (1 - p))
+                    grad_x[piece] += kept * w.detach()[piece] / (1 - p)
+                    grad_w[piece] += kept * x.detach()[piece] / (1 - p)
+                torch.testing.assert_close(gx, grad_x)
+                torch.testing.assert_close(gw, grad_w)
 
     def test_a_tensor_on_another_device_is_refused_naming_it(self):
         with self.assertRaisesRegex(ValueError, r"hops_jax: input 0 is a meta tensor; this backend runs on CPU tensors"):

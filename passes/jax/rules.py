@@ -10,7 +10,9 @@ through ``passes.jax.graph.jax_function``):
 - a ``local_map`` region -> ``local_map``: ``jax.shard_map`` of its (active) body, in/out specs
   from the placements (``sdy.manual_computation``); a ``Partial("sum")`` input enters on the
   first device along its axis (the others hold zeros) and a ``Partial`` output leaves reduced
-  (``psum``; ``pmean`` / ``pmax`` / ``pmin``), as the XLA target does;
+  (``psum``; ``pmean`` / ``pmax`` / ``pmin``), as the XLA target does; under a random key its
+  random ops draw per block: each device folds its position along the input-sharded axes into
+  the region's key (``sharded_axes``);
 - a scan -> ``scan``: ``jax.lax.scan`` (``reverse``, ``unroll``; ``remat`` -> ``jax.checkpoint``
   of the step), its body keeping every nested HOP (lowered by these same rules);
 - a named scope -> ``named_scope``: its body inside ``jax.named_scope`` (the scope's name reaches
@@ -42,9 +44,9 @@ from hops.named_scope import ScopeSpec, named_scope_hop
 from hops.scan import ScanSpec, scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
 from hops.specs import Mesh, Partial, Shard, ShardingSpec
-from passes._infra import HopRulePass, PassError, body_attr, body_module, register_rule, typed_spec
+from passes._infra import HopRulePass, PassError, body_attr, body_module, graph_modules, register_rule, typed_spec
 from passes.inline import kernel_call, region_operands
-from passes.jax.aten import has_key, random_key, split_key
+from passes.jax.aten import has_key, is_random, random_key, split_key
 from passes.jax.graph import RUNNERS, jax_function
 
 TARGET = "jax"
@@ -152,8 +154,24 @@ def local_map(body: fx.GraphModule, *operands_and_spec: Any) -> tuple[Any, ...]:
     tensor_positions = [i for i, p in enumerate(spec.in_placements) if p is not None]
     tensors = [operands[i] for i in tensor_positions]
     in_specs = tuple(partition_spec(spec.mesh, spec.in_placements[i], operands[i].ndim) for i in tensor_positions)
+    # Under a random key, the body's draws come from a key of the region's own (a replicated
+    # operand), which each device folds its position into along the axes it holds a different
+    # block on: see ``sharded_axes``.
+    keyed = has_key() and _draws_random_numbers(body)
+    if keyed:
+        tensors.append(split_key(1)[0])
+        in_specs += (jax.sharding.PartitionSpec(),)
+        folded = sharded_axes(spec)
 
     def local(*local_tensors: Any) -> tuple[Any, ...]:
+        if keyed:
+            *local_tensors, key = local_tensors
+            for axis in folded:
+                key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+        with random_key(key) if keyed else contextlib.nullcontext():
+            return region(*local_tensors)
+
+    def region(*local_tensors: Any) -> tuple[Any, ...]:
         inputs = list(operands)
         for i, value in zip(tensor_positions, local_tensors):
             for axis, placement in zip(spec.mesh.axis_names, spec.in_placements[i]):
@@ -172,6 +190,25 @@ def local_map(body: fx.GraphModule, *operands_and_spec: Any) -> tuple[Any, ...]:
 
     out_specs = tuple(partition_spec(spec.mesh, p) for p in spec.out_placements)
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*tensors)
+
+
+def sharded_axes(spec: Any) -> tuple[str, ...]:
+    """The mesh axes a region's devices draw different random numbers along: those some input
+    is ``Shard``ed over (each device along them computes a different block, and dropout over a
+    sharded activation must mask each block independently, as the unsharded program would).
+    Along the others every device holds the same inputs (``Replicate``, or the parts of a
+    ``Partial`` sum, where one mask for all parts is dropout of the sum) and draws the same
+    numbers, so a value replicated there stays replicated. A per-device output (a residual the
+    backward region reads) does not count: it is no block of a global value."""
+    return tuple(
+        axis
+        for k, axis in enumerate(spec.mesh.axis_names)
+        if any(placements is not None and isinstance(placements[k], Shard) for placements in spec.in_placements)
+    )
+
+
+def _draws_random_numbers(body: fx.GraphModule) -> bool:
+    return any(is_random(node.target) for module in graph_modules(body) for node in module.graph.nodes)
 
 
 @register_rule(TARGET, local_map_hop)
