@@ -19,7 +19,7 @@ import numpy as np
 
 from passes.solver.problem import StrategyProblem, peak_usage
 
-__all__ = ["contest_like"]
+__all__ = ["contest_like", "contest_like_planted"]
 
 
 def contest_like(
@@ -34,6 +34,19 @@ def contest_like(
 
     ``tightness``: the usage limit over the least peak (``None``: no limit); ``forbidden``: the
     share of each edge's pairs that are forbidden (outside the planted plan's)."""
+    return contest_like_planted(seed, nodes, tightness=tightness, forbidden=forbidden, max_strategies=max_strategies)[0]
+
+
+def contest_like_planted(
+    seed: int,
+    nodes: int = 2000,
+    *,
+    tightness: float | None = 1.1,
+    forbidden: float = 0.35,
+    max_strategies: int = 40,
+) -> tuple[StrategyProblem, list[int]]:
+    """``contest_like``'s problem and its planted plan (a strategy per node: every pair it
+    makes allowed, within the usage limit), a witness that the problem is feasible."""
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes!r}")
     if tightness is not None and tightness < 1.0:
@@ -93,4 +106,5 @@ def contest_like(
         least = peak_usage(probe, [int(np.argmin(u)) for u in usages])
         limit = float(np.ceil(least * tightness))
         limit = max(limit, peak_usage(probe, plan))
-    return StrategyProblem(costs, usages, intervals, edges, matrices, limit, name=f"contest-like-{seed}-{nodes}")
+    problem = StrategyProblem(costs, usages, intervals, edges, matrices, limit, name=f"contest-like-{seed}-{nodes}")
+    return problem, plan.tolist()
