@@ -234,6 +234,29 @@ class TestHopsJax(TestCase):
                 torch.testing.assert_close(gx, grad_x)
                 torch.testing.assert_close(gw, grad_w)
 
+    def test_a_cnn_with_every_kind_of_pooling_compiles_forward_and_backward(self):
+        # the pooling ops as AOTAutograd's graphs hold them (forward and backward ops), eager's numbers
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(3, 2, 1, ceil_mode=True),
+            torch.nn.AvgPool2d(2, 1, 1, count_include_pad=False),
+            torch.nn.Conv2d(4, 4, 3),
+            torch.nn.AdaptiveMaxPool2d((3, 2)),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+        )
+        x, cotangent = torch.randn(2, 3, 11, 9, requires_grad=True), torch.randn(2, 4)
+        compiled = torch.compile(model, backend=hops_jax, fullgraph=True)
+        for run in (compiled, model):
+            y = run(x)
+            results = (y, *torch.autograd.grad(y, (x, *model.parameters()), cotangent))
+            if run is compiled:
+                got = results
+        for i, (a, e) in enumerate(zip(got, results)):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"output / gradient {i}: {m}")
+
     def test_a_tensor_on_another_device_is_refused_naming_it(self):
         with self.assertRaisesRegex(ValueError, r"hops_jax: input 0 is a meta tensor; this backend runs on CPU tensors"):
             backend._to_jax(torch.empty(2, device="meta"), {"in": 0}, "input 0")

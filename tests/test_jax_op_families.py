@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 jax = pytest.importorskip("jax", reason="target 'jax' needs jax (the 'jax' extra)")
@@ -41,13 +43,14 @@ def with_grads(program):
     return traced
 
 
-def check(test, name, program, *inputs, rtol=1e-4, atol=1e-5):
+def check(test, name, program, *inputs, rtol=1e-4, atol=1e-5, jit=False):
     inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
     graph = make_fx(with_grads(program), tracing_mode="fake")(*inputs)
     graph = make_fx(torch.func.functionalize(graph), tracing_mode="fake")(*inputs)  # as AOTAutograd's graphs
     fresh = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
     expected = pytree.tree_leaves(with_grads(program)(*fresh))
-    got = pytree.tree_leaves(lower_to_jax(graph)(*[t.detach().numpy() for t in inputs]))
+    function = jax.jit(lower_to_jax(graph)) if jit else lower_to_jax(graph)
+    got = pytree.tree_leaves(function(*[t.detach().numpy() for t in inputs]))
     test.assertEqual(len(got), len(expected), f"{name}: number of outputs")
     for i, (a, e) in enumerate(zip(got, expected)):
         if e is None:  # an input the outputs do not depend on differentiably
@@ -117,6 +120,26 @@ FAMILIES = {
         ("conv_transpose1d", lambda x, w, b: F.conv_transpose1d(x, w, b, stride=2, padding=1, output_padding=1), r(2, 3, 5), r(3, 2, 3), r(2)),
         ("conv_transpose2d groups", lambda x, w: F.conv_transpose2d(x, w, stride=2, groups=2), r(1, 4, 3, 3), r(4, 1, 2, 2)),
     ],
+    # pooling: every option torch's pooling ops take; a max pool's indices are outputs (compared
+    # exactly, torch's flat index per plane), its gradient reaches the input through them
+    "pooling": [
+        ("max_pool2d with indices", lambda x: F.max_pool2d(x, 3, 2, 1, return_indices=True), r(2, 3, 7, 7)),
+        ("max_pool2d dilation ceil_mode", lambda x: F.max_pool2d(x, (2, 3), (2, 1), (1, 0), dilation=(2, 1), ceil_mode=True, return_indices=True), r(1, 2, 8, 7)),
+        ("max_pool2d of a plane (no batch)", lambda x: F.max_pool2d(x, 2, ceil_mode=True, return_indices=True), r(3, 5, 5)),
+        ("max_pool2d ties and -inf", lambda x: F.max_pool2d(x.round().clamp(max=0.5).masked_fill(x > 1, float("-inf")), 2, 1, 1, return_indices=True), r(1, 2, 5, 5) * 2),
+        ("max_pool1d ceil_mode", lambda x: F.max_pool1d(x, 3, 2, 1, ceil_mode=True, return_indices=True), r(2, 3, 10)),
+        ("max_pool3d", lambda x: F.max_pool3d(x, 2, (1, 2, 2), (1, 0, 1), ceil_mode=True, return_indices=True), r(1, 2, 3, 5, 4)),
+        ("avg_pool2d count_include_pad", lambda x: F.avg_pool2d(x, 3, 2, 1) + F.avg_pool2d(x, 3, 2, 1, count_include_pad=False), r(2, 3, 7, 6)),
+        ("avg_pool2d ceil_mode both counts", lambda x: F.avg_pool2d(x, (3, 2), 2, (1, 1), ceil_mode=True) * F.avg_pool2d(x, (3, 2), 2, (1, 1), ceil_mode=True, count_include_pad=False), r(1, 2, 8, 7)),
+        ("avg_pool2d divisor_override", lambda x: F.avg_pool2d(x, 2, 1, 1, ceil_mode=True, divisor_override=3), r(2, 6, 5)),
+        ("avg_pool1d avg_pool3d", lambda x, y: (F.avg_pool1d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False), F.avg_pool3d(y, 2, (2, 1, 2), 1, divisor_override=5)), r(2, 3, 9), r(1, 2, 4, 3, 5)),
+        ("adaptive_avg_pool2d uneven windows", lambda x: F.adaptive_avg_pool2d(x, (3, 4)) + F.adaptive_avg_pool2d(x, (5, 1)).sum(), r(2, 3, 7, 5)),
+        ("adaptive_avg_pool1d adaptive_avg_pool3d", lambda x, y: (F.adaptive_avg_pool1d(x, 4), F.adaptive_avg_pool3d(y, (2, 3, 2))), r(2, 3, 7), r(1, 2, 5, 4, 3)),
+        ("adaptive_max_pool2d uneven windows", lambda x: F.adaptive_max_pool2d(x, (3, 4), return_indices=True), r(2, 3, 7, 5)),
+        ("adaptive_max_pool1d ties", lambda x: F.adaptive_max_pool1d(x.round(), 3, return_indices=True), r(2, 3, 8)),
+        ("adaptive_max_pool3d", lambda x: F.adaptive_max_pool3d(x, (2, 3, 2), return_indices=True), r(1, 2, 5, 4, 3)),
+        ("a small CNN", lambda x, w: F.adaptive_avg_pool2d(F.max_pool2d(F.conv2d(x, w, padding=1).relu(), 2), 1).flatten(1), r(2, 3, 8, 8), r(4, 3, 3, 3)),
+    ],
     "shapes": [
         ("constant_pad_nd, negative pads", lambda x: F.pad(x, (1, 2, -1, 0), value=0.5), r(3, 4)),
         ("as_strided", lambda x: x.as_strided((2, 2), (1, 3), 1) * 2, r(3, 4)),
@@ -128,10 +151,10 @@ FAMILIES = {
 
 
 class TestFamilies(TestCase):
-    def run_family(self, family):
+    def run_family(self, family, jit=False):
         for name, program, *inputs in FAMILIES[family]:
             with self.subTest(name):
-                check(self, name, program, *inputs)
+                check(self, name, program, *inputs, jit=jit)
 
     def test_elementwise(self):
         self.run_family("elementwise")
@@ -150,6 +173,97 @@ class TestFamilies(TestCase):
 
     def test_padding_and_strided_views(self):
         self.run_family("shapes")
+
+    def test_pooling_forward_and_backward(self):
+        # jitted, as a backend runs them (one compile per program is cheaper here than running
+        # these rules op by op; and a rule jax can differentiate only with known initial values
+        # fails under jit alone)
+        self.run_family("pooling", jit=True)
+
+
+POOLS = {
+    ("max", 2): (aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default),
+    ("max", 3): (aten.max_pool3d_with_indices.default, aten.max_pool3d_with_indices_backward.default),
+    ("avg", 2): (aten.avg_pool2d.default, aten.avg_pool2d_backward.default),
+    ("avg", 3): (aten.avg_pool3d.default, aten.avg_pool3d_backward.default),
+    ("adaptive_max", 2): (aten.adaptive_max_pool2d.default, aten.adaptive_max_pool2d_backward.default),
+    ("adaptive_max", 3): (aten.adaptive_max_pool3d.default, aten.adaptive_max_pool3d_backward.default),
+    ("adaptive_avg", 2): (aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default),
+    ("adaptive_avg", 3): (aten._adaptive_avg_pool3d.default, aten._adaptive_avg_pool3d_backward.default),
+}
+
+
+@st.composite
+def pools(draw):
+    """A pooling op, its options within torch's limits, and an input of few distinct values
+    (ties in most windows), some NaN or -inf for the max pools."""
+    kind, spatial = draw(st.sampled_from(sorted(POOLS)))
+    lengths, options = [], {}
+    if kind in ("max", "avg"):
+        kernel = [draw(st.integers(1, 3)) for _ in range(spatial)]
+        stride = [draw(st.integers(1, 3)) for _ in range(spatial)]
+        dilation = [draw(st.integers(1, 2)) if kind == "max" else 1 for _ in range(spatial)]
+        extent = [d * (k - 1) + 1 for d, k in zip(dilation, kernel)]
+        padding = [draw(st.integers(0, k // 2)) for k in kernel]  # torch: at most half the kernel
+        lengths = [draw(st.integers(max(1, e - 2 * p), e + 4)) for e, p in zip(extent, padding)]
+        ceil_mode = draw(st.booleans())
+        if kind == "max":
+            options = dict(args=(kernel, stride, padding, dilation, ceil_mode))
+        else:
+            count_include_pad, divisor_override = draw(st.booleans()), draw(st.sampled_from([None, None, 1, 3]))
+            options = dict(args=(kernel, stride, padding, ceil_mode, count_include_pad, divisor_override))
+    else:
+        lengths = [draw(st.integers(1, 7)) for _ in range(spatial)]
+        options = dict(args=([draw(st.integers(1, n)) for n in lengths],))
+    lead = draw(st.sampled_from([(2,), (2, 3)]))
+    seed = draw(st.integers(0, 2**16))
+    x = torch.randn(*lead, *lengths, generator=torch.Generator().manual_seed(seed)).mul(1.5).round()
+    if kind.endswith("max") and draw(st.booleans()):
+        x[(x == 2).nonzero(as_tuple=True)] = float("nan")
+        x[(x == -2).nonzero(as_tuple=True)] = float("-inf")
+    return kind, spatial, x, options["args"]
+
+
+class TestPooling(TestCase):
+    @settings(max_examples=16, deadline=None, derandomize=True)
+    @given(pools())
+    def test_pooling_rules_are_torchs_ops_forward_and_backward(self, case):
+        # values (NaN where torch's is), a max pool's indices exactly, the backward op's gradient
+        # for a random cotangent, and jax.vjp of the forward rule's value equal to that gradient
+        kind, spatial, x, args = case
+        forward, backward = POOLS[(kind, spatial)]
+        self.assertIn(forward.overloadpacket, ATEN, "a rule of its own, not torch's decomposition")
+        self.assertIn(backward.overloadpacket, ATEN, "a rule of its own, not torch's decomposition")
+        expected = forward(x, *args)
+        value = expected[0] if isinstance(expected, tuple) else expected
+        grad = torch.randn(value.shape, generator=torch.Generator().manual_seed(1))
+        if kind in ("max", "avg"):
+            pooled_args = args if kind == "avg" else (*args, expected[1])
+            expected_grad = backward(grad, x, *pooled_args)
+        else:
+            expected_grad = backward(grad, x, *(() if kind == "adaptive_avg" else (expected[1],)))
+
+        def run(x, grad):
+            result = ATEN[forward.overloadpacket](x, *args)
+            if kind == "max":
+                by_op = ATEN[backward.overloadpacket](grad, x, *args, result[1])
+            elif kind == "avg":
+                by_op = ATEN[backward.overloadpacket](grad, x, *args)
+            elif kind == "adaptive_max":
+                by_op = ATEN[backward.overloadpacket](grad, x, result[1])
+            else:
+                by_op = ATEN[backward.overloadpacket](grad, x)
+            by_vjp = jax.vjp(lambda v: (lambda r: r[0] if isinstance(r, tuple) else r)(ATEN[forward.overloadpacket](v, *args)), x)[1](grad)[0]
+            return result, by_op, by_vjp
+
+        result, by_op, by_vjp = jax.jit(run)(x.numpy(), grad.numpy())
+        got = result[0] if isinstance(result, tuple) else result
+        what = f"{forward}{args} on {tuple(x.shape)}"
+        torch.testing.assert_close(torch.from_numpy(np.array(got)), value, equal_nan=True, msg=lambda m: f"{what}: {m}")
+        if isinstance(expected, tuple):
+            torch.testing.assert_close(torch.from_numpy(np.array(result[1])).long(), expected[1], msg=lambda m: f"{what} indices: {m}")
+        torch.testing.assert_close(torch.from_numpy(np.array(by_op)), expected_grad, equal_nan=True, msg=lambda m: f"{what} backward: {m}")
+        torch.testing.assert_close(torch.from_numpy(np.array(by_vjp)), expected_grad, equal_nan=True, msg=lambda m: f"{what} vjp: {m}")
 
 
 # Ops the table has no rule of its own for, which torch decomposes (each op listed is checked

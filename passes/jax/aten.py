@@ -1230,6 +1230,269 @@ def _convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation
     return tuple(g if wanted else None for g, wanted in zip((grad_x, grad_w, grad_b), output_mask))
 
 
+# ---------------------------------------------------------------- pooling
+#
+# The ops torch's pooling modules reach ATen as (``max_pool1d`` / ``avg_pool1d`` /
+# ``adaptive_*_pool1d`` are torch's compositions of the 2-d ops on an unsqueezed input). The
+# pooled dims are the last ``spatial`` ones; any dims before them (batch, channels, or channels
+# alone) are planes pooled alike. A max pool's indices are torch's: the flat index of the chosen
+# element within its input plane, the first of equal maxima in the window's row-major order, the
+# last NaN if the window holds one; the backward ops scatter the gradient to those indices, and
+# ``jax.grad`` of a lowered forward does the same (the value is gathered at the index).
+
+
+def _pool_sizes(value: Any, spatial: int, default: Any = None) -> tuple[int, ...]:
+    """A pooling op's size argument, one int per pooled dim (torch takes one for all; an empty
+    ``stride`` means the kernel's)."""
+    if value is None or (isinstance(value, (list, tuple)) and not value):
+        return default
+    values = (value,) if isinstance(value, int) else tuple(value)
+    return values * spatial if len(values) == 1 else values
+
+
+def _pooled_length(length: int, kernel: int, stride: int, pad: int, dilation: int, ceil_mode: bool) -> int:
+    """torch's output length of a pooled dim: with ``ceil_mode`` the last window may overhang the
+    end, but must start inside the input or its left padding."""
+    extent = dilation * (kernel - 1) + 1
+    span = length + 2 * pad - extent + (stride - 1 if ceil_mode else 0)
+    out = span // stride + 1
+    if ceil_mode and (out - 1) * stride >= length + pad:
+        out -= 1
+    return out
+
+
+def _pool_geometry(x: Any, spatial: int, kernel_size: Any, stride: Any, padding: Any, dilation: Any, ceil_mode: bool) -> tuple:
+    kernel = _pool_sizes(kernel_size, spatial)
+    stride = _pool_sizes(stride, spatial, kernel)
+    padding = _pool_sizes(padding, spatial, (0,) * spatial)
+    dilation = _pool_sizes(dilation, spatial, (1,) * spatial)
+    lengths = tuple(x.shape[x.ndim - spatial :])
+    out = tuple(_pooled_length(n, k, s, p, d, ceil_mode) for n, k, s, p, d in zip(lengths, kernel, stride, padding, dilation))
+    # the padding that makes the last window end where it ends (negative: it cuts)
+    high = tuple((o - 1) * s + d * (k - 1) + 1 - n - p for o, s, d, k, n, p in zip(out, stride, dilation, kernel, lengths, padding))
+    return kernel, stride, padding, dilation, lengths, out, high
+
+
+def _windows(x: Any, spatial: int, init: Any, computation: Callable[..., Any], kernel, stride, dilation, low, high) -> Any:
+    """``lax.reduce_window`` of ``x`` (an array or a tuple of them) over the last ``spatial``
+    dims, padded with ``init`` by ``low`` before and ``high`` after (negative: cut)."""
+    import numpy
+
+    lead = x[0].ndim - spatial if isinstance(x, tuple) else x.ndim - spatial
+    widths = [(0, 0, 0)] * lead + [(lo, hi, 0) for lo, hi in zip(low, high)]
+    # (initial values as numpy's, known when traced: jax differentiates a sum's reduce_window
+    # only when it sees its initial value is 0)
+    if isinstance(x, tuple):
+        init = tuple(numpy.array(i, v.dtype) for v, i in zip(x, init))
+        padded = tuple(lax().pad(v, i, widths) for v, i in zip(x, init))
+    else:
+        init = numpy.array(init, x.dtype)
+        padded = lax().pad(x, init, widths)
+    ones = (1,) * lead
+    return lax().reduce_window(padded, init, computation, ones + tuple(kernel), ones + tuple(stride), "VALID", window_dilation=ones + tuple(dilation))
+
+
+def _lowest(dtype: Any) -> Any:
+    return -jnp().inf if jnp().issubdtype(dtype, jnp().inexact) else jnp().iinfo(dtype).min
+
+
+def _plane_positions(x: Any, spatial: int) -> Any:
+    """Each element's flat index within its plane (the last ``spatial`` dims), in jax's default int."""
+    plane = x.shape[x.ndim - spatial :]
+    return jnp().broadcast_to(jnp().arange(math.prod(plane)).reshape(plane), x.shape)
+
+
+def _better(a: tuple, b: tuple) -> tuple:
+    """The element torch's max pool keeps of two (value, index) pairs: a NaN over any number (of
+    two NaNs, the later), else the larger value (of equals, the earlier). A total order, so the
+    reduction's order does not matter."""
+    (va, ia), (vb, ib) = a, b
+    if jnp().issubdtype(va.dtype, jnp().inexact):
+        nan_a, nan_b = jnp().isnan(va), jnp().isnan(vb)
+        take_a = jnp().where(nan_a | nan_b, nan_a & (~nan_b | (ia > ib)), (va > vb) | ((va == vb) & (ia < ib)))
+    else:
+        take_a = (va > vb) | ((va == vb) & (ia < ib))
+    return jnp().where(take_a, va, vb), jnp().where(take_a, ia, ib)
+
+
+def _gather_planes(x: Any, spatial: int, indices: Any) -> Any:
+    """``x``'s elements at ``indices`` (flat indices within each plane; ``indices`` has ``x``'s
+    leading dims and any pooled shape)."""
+    lead = x.shape[: x.ndim - spatial]
+    flat = x.reshape(*lead, -1)
+    picked = jnp().take_along_axis(flat, indices.reshape(*lead, -1), axis=-1)
+    return picked.reshape(indices.shape)
+
+
+def _scatter_planes(grad: Any, x: Any, spatial: int, indices: Any) -> Any:
+    """The gradient of ``_gather_planes``: ``grad`` added into a zero ``x`` at ``indices``."""
+    lead = x.shape[: x.ndim - spatial]
+    rows = math.prod(lead)
+    flat = jnp().zeros((rows, math.prod(x.shape[x.ndim - spatial :])), grad.dtype)
+    at = indices.reshape(rows, -1)
+    flat = flat.at[jnp().arange(rows)[:, None], at].add(grad.reshape(rows, -1))
+    return flat.reshape(x.shape)
+
+
+def _max_pool_with_indices(spatial: int) -> Callable[..., Any]:
+    def rule(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+        kernel, stride, padding, dilation, lengths, out, high = _pool_geometry(x, spatial, kernel_size, stride, padding, dilation, ceil_mode)
+        import jax
+
+        values = jax.lax.stop_gradient(x)
+        beyond = math.prod(lengths)  # a padded position's index: loses every tie to a real element
+        _, indices = _windows(
+            (values, _plane_positions(x, spatial)), spatial, (_lowest(x.dtype), beyond), _better, kernel, stride, dilation, padding, high
+        )
+        return _gather_planes(x, spatial, indices), indices
+
+    return rule
+
+
+def _max_pool_backward(spatial: int) -> Callable[..., Any]:
+    def rule(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+        return _scatter_planes(grad, x, spatial, indices)
+
+    return rule
+
+
+def _adaptive_max_pool_backward(spatial: int) -> Callable[..., Any]:
+    def rule(grad, x, indices):
+        return _scatter_planes(grad, x, spatial, indices)
+
+    return rule
+
+
+for _spatial, (_forward, _backward) in {
+    2: (aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward),
+    3: (aten.max_pool3d_with_indices, aten.max_pool3d_with_indices_backward),
+}.items():
+    ATEN[_forward] = _max_pool_with_indices(_spatial)
+    ATEN[_backward] = _max_pool_backward(_spatial)
+
+
+def _avg_pool(spatial: int) -> Callable[..., Any]:
+    def rule(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+        import numpy
+
+        kernel, stride, padding, _, lengths, out, high = _pool_geometry(x, spatial, kernel_size, stride, padding, 1, ceil_mode)
+        total = _windows(x, spatial, 0, lax().add, kernel, stride, (1,) * spatial, padding, high)
+        if divisor_override:
+            return (total / divisor_override).astype(x.dtype)
+        # torch's divisor, per window: the window clipped to the padded input (count_include_pad)
+        # or to the input; separable, so one count per pooled dim, multiplied out
+        divisor = numpy.ones((), numpy.float64)
+        for o, k, s, p, n in zip(out, kernel, stride, padding, lengths):
+            start = numpy.arange(o) * s - p
+            end = numpy.minimum(start + k, n + p)
+            count = end - start if count_include_pad else numpy.minimum(end, n) - numpy.maximum(start, 0)
+            divisor = numpy.multiply.outer(divisor, count)
+        return (total / jnp().asarray(divisor, total.dtype)).astype(x.dtype)
+
+    return rule
+
+
+def _avg_pool_backward(spatial: int) -> Callable[..., Any]:
+    def rule(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override=None):
+        import jax
+
+        forward = _avg_pool(spatial)
+        return jax.vjp(lambda v: forward(v, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override), x)[1](grad)[0]
+
+    return rule
+
+
+for _spatial, (_forward, _backward) in {
+    2: (aten.avg_pool2d, aten.avg_pool2d_backward),
+    3: (aten.avg_pool3d, aten.avg_pool3d_backward),
+}.items():
+    ATEN[_forward] = _avg_pool(_spatial)
+    ATEN[_backward] = _avg_pool_backward(_spatial)
+
+
+def _adaptive_windows(length: int, out: int) -> tuple[Any, Any]:
+    """torch's adaptive windows of a dim: output i pools [floor(i n / o), ceil((i + 1) n / o))."""
+    import numpy
+
+    i = numpy.arange(out)
+    return (i * length) // out, -((-(i + 1) * length) // out)
+
+
+def _adaptive_avg_pool(spatial: int) -> Callable[..., Any]:
+    def rule(x, output_size):
+        import numpy
+
+        # one averaging matrix per pooled dim (the windows overlap and differ in size)
+        for d, o in enumerate(_pool_sizes(output_size, spatial)):
+            axis = x.ndim - spatial + d
+            n = x.shape[axis]
+            start, end = _adaptive_windows(n, o)
+            j = numpy.arange(n)
+            weights = ((j >= start[:, None]) & (j < end[:, None])) / (end - start)[:, None]
+            x = jnp().moveaxis(jnp().tensordot(x, jnp().asarray(weights.T, x.dtype), axes=[[axis], [0]]), -1, axis)
+        return x
+
+    return rule
+
+
+def _adaptive_avg_pool_backward(spatial: int) -> Callable[..., Any]:
+    def rule(grad, x):
+        import jax
+
+        return jax.vjp(lambda v: _adaptive_avg_pool(spatial)(v, grad.shape[grad.ndim - spatial :]), x)[1](grad)[0]
+
+    return rule
+
+
+for _spatial, (_forward, _backward) in {
+    2: (aten._adaptive_avg_pool2d, aten._adaptive_avg_pool2d_backward),
+    3: (aten._adaptive_avg_pool3d, aten._adaptive_avg_pool3d_backward),
+}.items():
+    ATEN[_forward] = _adaptive_avg_pool(_spatial)
+    ATEN[_backward] = _adaptive_avg_pool_backward(_spatial)
+
+
+def _adaptive_max_pool(spatial: int) -> Callable[..., Any]:
+    def rule(x, output_size):
+        import jax
+        import numpy
+
+        # Each output's window, padded to the longest by repeating its last element (a repeat
+        # never wins a tie: it comes later), gathered as a trailing window dim per pooled dim.
+        lead = x.ndim - spatial
+        flat_index = numpy.zeros((), numpy.int64)
+        shape_out = []
+        for d, o in enumerate(_pool_sizes(output_size, spatial)):
+            n = x.shape[lead + d]
+            start, end = _adaptive_windows(n, o)
+            positions = numpy.minimum(start[:, None] + numpy.arange((end - start).max()), end[:, None] - 1)
+            # this dim's (output, window) axes next to the earlier dims'
+            flat_index = flat_index[..., None, None] * n + positions.reshape((1,) * flat_index.ndim + positions.shape)
+            shape_out.append(o)
+        # (o0, k0, o1, k1, ...) -> (o0, o1, ..., k0 k1 ...): the window in row-major order
+        order = [2 * d for d in range(spatial)] + [2 * d + 1 for d in range(spatial)]
+        candidates = flat_index.transpose(order).reshape(*shape_out, -1)
+        values = jax.lax.stop_gradient(x).reshape(*x.shape[:lead], -1)[..., candidates]
+        indices = jnp().broadcast_to(jnp().asarray(candidates), values.shape)
+        if jnp().issubdtype(x.dtype, jnp().inexact):
+            nan = jnp().isnan(values)
+            last_nan = jnp().argmax(jnp().where(nan, indices, -1), axis=-1)
+            chosen = jnp().where(nan.any(axis=-1), last_nan, jnp().argmax(jnp().where(nan, _lowest(x.dtype), values), axis=-1))
+        else:
+            chosen = jnp().argmax(values, axis=-1)
+        index = jnp().take_along_axis(indices, chosen[..., None], axis=-1)[..., 0]
+        return _gather_planes(x, spatial, index), index
+
+    return rule
+
+
+for _spatial, (_forward, _backward) in {
+    2: (aten.adaptive_max_pool2d, aten.adaptive_max_pool2d_backward),
+    3: (aten.adaptive_max_pool3d, aten.adaptive_max_pool3d_backward),
+}.items():
+    ATEN[_forward] = _adaptive_max_pool(_spatial)
+    ATEN[_backward] = _adaptive_max_pool_backward(_spatial)
+
 # ---------------------------------------------------------------- checks and storage-less creation
 
 
