@@ -189,6 +189,58 @@ def test_tensor_constants_and_factory_ops_run_as_replicated_dtensors(results):
     assert report["placements"] == [S0, R]
 
 
+def test_checks_without_a_rule_hold_of_the_global_value(results):
+    # torch.export's _assert_tensor_metadata and _assert_async on a row-sharded DTensor: the
+    # global size passes (the local [4, 4] would fail), a wrong size and a false bound raise
+    # (checked on every rank). The one collective is the program's own: its amax's pending
+    # maximum reduced; the checked tensor is never gathered.
+    report = scenario(results, "checks_without_a_rule")
+    assert report["comms"] == {"all_reduce": 1}
+
+
+def aten_checks_without_a_rule() -> list:
+    """Every ATen op that takes tensors, returns nothing, writes nothing and has no DTensor
+    strategy: assertions such as torch.export's ``_assert_tensor_metadata``."""
+    from passes.solver._dtensor import rule_of
+
+    found = []
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        for overload in getattr(packet, "overloads", lambda: [])():
+            op = getattr(packet, overload)
+            schema = op._schema
+            if (
+                not schema.returns
+                and not schema.is_mutable
+                and any("Tensor" in str(a.type) for a in schema.arguments)
+                and rule_of(op) is None
+            ):
+                found.append(op)
+    return found
+
+
+def test_every_aten_check_without_a_rule_is_lowered(fake_mesh):
+    """Generated over the class: each such op in a graph computing on DTensors becomes
+    ``check_on_dtensors`` (DTensor would raise ``NotImplementedError`` for it); ops that answer
+    with metadata DTensor computes itself (``sym_size``) are left to DTensor."""
+    from passes.dtensor.runtime import check_on_dtensors
+
+    checks = aten_checks_without_a_rule()
+    assert torch.ops.aten._assert_tensor_metadata.default in checks
+    for op in checks + [torch.ops.aten.sym_size.int]:
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        node = graph.call_function(op, (x,))
+        graph.output(x)
+        gm = passes.lower_to_dtensor(torch.fx.GraphModule(torch.nn.Module(), graph), fake_mesh)
+        (lowered,) = [n for n in gm.graph.nodes if n.op == "call_function"]
+        if op in checks:
+            assert lowered.target is check_on_dtensors and lowered.args[0] is op, (op, gm.code)
+        else:
+            assert lowered.target is op, gm.code
+        assert lowered.name == node.name
+
+
 @pytest.mark.parametrize("name", ["replicated_attention", "solved_attention"])
 def test_sdpa_attention_runs_replicated_forward_and_backward(results, name):
     # Causal SDPA on CPU, which DTensor has no strategy for; the loss and every gradient equal

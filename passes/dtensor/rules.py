@@ -23,7 +23,10 @@ An ATen op outside region bodies for which DTensor's sharding propagator has no 
 (``passes.solver._dtensor.rule_of``: what the solver prices as run replicated and lists in
 ``stats["unsupported_ops"]``, e.g. CPU flash attention and its backward) becomes
 ``run_replicated``: inputs gathered to ``Replicate``, the op on local tensors, outputs
-replicated DTensors. An in-place op without a strategy is refused (it would update a copy).
+replicated DTensors. One that takes tensors and returns none (an assertion such as
+``torch.export``'s ``_assert_tensor_metadata``) becomes ``check_on_dtensors``: it checks the
+DTensor's global metadata, or its gathered value. An in-place op without a strategy is
+refused (it would update a copy).
 A tensor made there from no tensor (a tensor constant, a factory op such as ``arange``) is
 taken as a replicated DTensor (``replicated``): every rank computes it whole.
 
@@ -34,6 +37,7 @@ Every spec's mesh must be the lowering's DeviceMesh (shape, axis names, ranks): 
 from __future__ import annotations
 
 import contextvars
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -57,6 +61,7 @@ from passes._infra import (
 )
 from passes.dtensor.runtime import (
     annotate_on_dtensors,
+    check_on_dtensors,
     enter_region,
     exit_region,
     register_device_mesh,
@@ -86,18 +91,22 @@ def local_bodies(gm: fx.GraphModule) -> set[int]:
     return local
 
 
-def _runs_replicated(op: torch._ops.OpOverload) -> bool:
-    """Whether ``op`` is one DTensor has no strategy for that computes tensors from tensors
-    (an op returning no tensor, such as ``_local_scalar_dense``, DTensor answers itself)."""
+def _without_rule(op: torch._ops.OpOverload) -> Any:
+    """How ``op`` runs when DTensor has no strategy for it and it takes tensors: ``run_replicated``
+    when it computes tensors, ``check_on_dtensors`` when it returns nothing (an assertion);
+    else ``None`` (DTensor runs it, or answers it itself: ``sym_size``, ``_local_scalar_dense``)."""
     schema = op._schema
-    takes_tensor = any("Tensor" in str(a.type) for a in schema.arguments)
-    returns_tensor = any("Tensor" in str(r.type) for r in schema.returns)
-    return takes_tensor and returns_tensor and rule_of(op) is None
+    if rule_of(op) is not None or not any("Tensor" in str(a.type) for a in schema.arguments):
+        return None
+    if any("Tensor" in str(r.type) for r in schema.returns):
+        return run_replicated
+    return check_on_dtensors if not schema.returns else None
 
 
 def run_ops_without_rules_replicated(gm: fx.GraphModule, local: set[int]) -> bool:
     """Rewrite every ATen op DTensor has no strategy for, in the graphs of ``gm`` that compute
-    on DTensors (not in ``local``), into ``run_replicated(op, ...)``; whether any was."""
+    on DTensors (not in ``local``), into ``run_replicated(op, ...)`` or, for one returning
+    nothing, ``check_on_dtensors(op, ...)`` (``_without_rule``); whether any was."""
     changed = False
     for module in graph_modules(gm):
         if id(module) in local:
@@ -106,7 +115,8 @@ def run_ops_without_rules_replicated(gm: fx.GraphModule, local: set[int]) -> boo
         for node in list(module.graph.nodes):
             if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
                 continue
-            if not _runs_replicated(node.target):
+            runner = _without_rule(node.target)
+            if runner is None:
                 continue
             if node.target._schema.is_mutable:
                 raise PassError(
@@ -114,7 +124,7 @@ def run_ops_without_rules_replicated(gm: fx.GraphModule, local: set[int]) -> boo
                     f"op {node.target}; run on gathered copies it would not update its DTensor inputs"
                 )
             node.args = (node.target, *node.args)
-            node.target = run_replicated  # in place: the node keeps its name, kwargs and users
+            node.target = runner  # in place: the node keeps its name, kwargs and users
             found = True
         if found:
             module.graph.lint()

@@ -18,7 +18,10 @@ graph comes back the same) and takes the node's typed spec as its last argument:
 - ``run_replicated(op, *args, **kwargs)``: an ATen op DTensor has no sharding strategy for (the
   solver prices it so): its DTensor inputs gathered to ``Replicate`` (``redistribute``, which
   autograd differentiates), the op run on their local tensors, its tensor outputs replicated
-  DTensors again.
+  DTensors again;
+- ``check_on_dtensors(op, *args, **kwargs)``: a check returning nothing that DTensor cannot
+  run (``torch.export``'s ``_assert_tensor_metadata``, ``_assert_async``): run on what it
+  reads of each DTensor argument, the global metadata or the gathered value.
 
 DTensor's public ``redistribute`` refuses a ``Partial`` target; ``redistribute_to`` reaches it
 through ``Replicate`` and this package's reference split (``hops._layout``): the first rank
@@ -47,6 +50,7 @@ __all__ = [
     "run_scan_on_dtensors",
     "run_in_profiler_scope",
     "run_replicated",
+    "check_on_dtensors",
     "replicated",
     "redistribute_to",
     "register_device_mesh",
@@ -269,3 +273,29 @@ def run_replicated(op: Any, *args: Any, **kwargs: Any) -> Any:
 
     args, kwargs = pytree.tree_map(local, (args, kwargs))
     return pytree.tree_map(wrap, op(*args, **kwargs))
+
+
+# Checks that read only their tensor arguments' metadata (sizes, strides, dtype, layout), never
+# their values: run on a storage-less stand-in with the DTensor's global metadata (no collective).
+_METADATA_CHECKS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
+
+
+@leaf_call
+def check_on_dtensors(op: Any, *args: Any, **kwargs: Any) -> None:
+    """``op(*args, **kwargs)`` for an op returning no tensor that DTensor has no strategy for
+    (an assertion): what the traced program checked of a global value is checked of the
+    DTensor's global value. A metadata check (``_METADATA_CHECKS``) runs on a ``meta`` tensor
+    of the DTensor's global shape, stride and dtype (no collective; like every meta kernel it
+    does not compare the device); any other op on the gathered value (``run_replicated``)."""
+    from torch.distributed.tensor import DTensor
+
+    if op not in _METADATA_CHECKS:
+        return run_replicated(op, *args, **kwargs)
+
+    def global_stand_in(value: Any) -> Any:
+        if not isinstance(value, DTensor):
+            return value
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+
+    args, kwargs = pytree.tree_map(global_stand_in, (args, kwargs))
+    return op(*args, **kwargs)

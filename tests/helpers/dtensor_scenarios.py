@@ -329,6 +329,34 @@ def op_without_a_rule_under_autograd(device_mesh, report):
 
 
 @scenario
+def checks_without_a_rule(device_mesh, report):
+    # torch.export's metadata check and an asserted value, both without a DTensor strategy, on a
+    # DTensor sharded by rows: what the program states of the global value holds (the metadata
+    # checked without a collective, the value gathered), and a false statement still raises.
+    def program(size, bound):
+        def fn(x):
+            torch.ops.aten._assert_tensor_metadata.default(x, size, None, dtype=torch.float32, layout=torch.strided)
+            torch.ops.aten._assert_async.msg((x.abs().amax() < bound).all(), "x is bounded")
+            return x * 2
+
+        return passes.lower_to_dtensor(make_fx(fn)(torch.zeros(8, 4)), device_mesh)
+
+    x = torch.randn(8, 4)
+    distributed = on_mesh(device_mesh, x, ROWS)
+    with CommDebugMode() as comms:
+        out = program([8, 4], 1e6)(distributed)
+    torch.testing.assert_close(out.full_tensor(), x * 2)
+    report["comms"] = collective_counts(comms)
+    for size, bound, message in [([4, 4], 1e6, "sizes mismatch"), ([8, 4], 1e-6, "x is bounded")]:
+        try:
+            program(size, bound)(distributed)
+        except RuntimeError as error:
+            assert message in str(error), error
+        else:
+            raise AssertionError(f"the check {size}, {bound} did not raise")
+
+
+@scenario
 def constants_and_factory_ops(device_mesh, report):
     # A tensor constant (get_attr) and factory ops' results (arange, full) next to DTensors:
     # every rank makes them whole, the lowering takes them as replicated DTensors.
