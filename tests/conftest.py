@@ -31,8 +31,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Inductor's CPU kernels as scalar C++ loops: g++ compiles at::vec's vectorized templates in about
 # twice the time (measured on a chain of scans: 24 s against 15 s of CPU, g++ 16 s against 8.5 s),
 # and most of the suite's time is inductor compiling tiny programs. The package's rules act on
-# graphs, above the kernels' instruction set; the every-sample subprocess test of
-# test_inductor_pass_chaining.py compiles every HOP sample with inductor's default (vectorized) code.
+# graphs, above the kernels' instruction set. A vectorized PCH in a subprocess cost more than it
+# saved (the every-sample subprocess test took 147 s against 72 s); the scripts in benchmarks/
+# compile with inductor's default (vectorized) code.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest  # noqa: E402

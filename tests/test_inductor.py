@@ -54,10 +54,24 @@ def inductor_table():
     return dict(select_decomp_table())
 
 
+class _GraphsKept(Exception):
+    """Raised after inductor's post-grad passes when the tests need the graphs, not the code."""
+
+
+def _kept_graphs_only(error: BaseException) -> bool:
+    while error is not None:
+        if isinstance(error, _GraphsKept):
+            return True
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    return False
+
+
 @contextlib.contextmanager
-def inductor_graphs():
+def inductor_graphs(codegen: bool = True):
     """Compile with inductor and caches off; yields (received, lowered): the graphs inductor
-    receives (after AOTAutograd) and the graphs it lowers (after its post-grad passes)."""
+    receives (after AOTAutograd) and the graphs it lowers (after its post-grad passes).
+    ``codegen=False`` stops each compile once its graph is lowered (the kernels' code and its
+    C++ compile are most of a compile's time) and runs the graph inductor received instead."""
     from torch._inductor import config
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -69,16 +83,28 @@ def inductor_graphs():
             # was given.
             if any(graph.owning_module is gm for gm in compiled):
                 lowered.append(copy.deepcopy(graph.owning_module))
+                if not codegen:
+                    raise _GraphsKept
 
         def uuid(self):
             return None
 
+    from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner(gm, example_inputs, **kwargs):
         received.append(copy.deepcopy(gm))
         compiled.append(gm)
-        return compile_fx_inner(gm, example_inputs, **kwargs)
+        if codegen:
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+        try:
+            compile_fx_inner(gm, example_inputs, **kwargs)
+        except Exception as error:
+            if not _kept_graphs_only(error):
+                raise
+        else:
+            raise AssertionError("inductor lowered no graph of this compile")
+        return make_boxed_func(copy.deepcopy(received[-1]).forward)
 
     # No FX-graph or AOTAutograd cache: a hit would skip the passes that keep the graphs. The
     # compiled kernels may still be reused: they are what these tests do not look at.
@@ -97,8 +123,9 @@ def inductor_graphs():
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
 def test_inductor_receives_the_hops_and_lowers_them_itself(sample):
+    # The values of inductor's code: the cache test below.
     torch._dynamo.reset()
-    with inductor_graphs() as (backend, received, lowered):
+    with inductor_graphs(codegen=False) as (backend, received, lowered):
         compiled = torch.compile(sample.program, backend=backend, fullgraph=True)
         forward_backward(compiled, fresh(sample.inputs()))
     assert len(received) == len(lowered) == 2  # forward and backward

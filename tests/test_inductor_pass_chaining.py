@@ -132,16 +132,18 @@ def test_import_and_compiling_every_sample_replace_no_dynamo_function_and_keep_t
         assert changed(before_functions, functions()) == sorted(IMPORT_PATCHES), changed(before_functions, functions())
         for module, values in before_settings.items():
             assert not changed(values, after_settings[module]), (module, changed(values, after_settings[module]))
-        from tests.helpers.hop_db import SAMPLES, forward_backward, fresh
+        from tests.helpers.hop_db import SAMPLES
+        # Inference graphs, one compile per sample: test_inductor.py compiles every sample's
+        # backward too.
         for index, sample in enumerate(SAMPLES):
             if index == 1:
                 torch._inductor.config.post_grad_custom_pre_pass = user_pass("after")
             torch._dynamo.reset()
-            inputs = sample.inputs()
-            got, _ = forward_backward(torch.compile(sample.program, fullgraph=True), fresh(inputs))
-            torch.testing.assert_close(got, forward_backward(sample.program, fresh(inputs))[0], atol=1e-5, rtol=1e-4)
+            inputs = [t.detach() for t in sample.inputs()]
+            got = torch.compile(sample.program, fullgraph=True)(*inputs)
+            torch.testing.assert_close(got, sample.program(*inputs), atol=1e-5, rtol=1e-4)
         assert changed(before_functions, functions()) == sorted(IMPORT_PATCHES), changed(before_functions, functions())
-        assert runs.get("before", 0) >= 2 and runs.get("after", 0) >= 2 * (len(SAMPLES) - 1), runs
+        assert runs.get("before", 0) >= 1 and runs.get("after", 0) >= len(SAMPLES) - 1, runs
         """
     )
 
@@ -150,15 +152,11 @@ def subprocess_check(script: str, *argv: str) -> None:
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # Inductor's default kernels (vectorized C++): the rest of the suite compiles scalar ones to
-    # save compile time (tests/conftest.py), so every sample meets the default code here.
-    env = {name: value for name, value in os.environ.items() if name != "TORCHINDUCTOR_VEC_ISA_OK"}
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(SNAPSHOT) + textwrap.dedent(script), *argv],
         capture_output=True,
         text=True,
         timeout=900,
         cwd=root,
-        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
