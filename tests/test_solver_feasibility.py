@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from passes.solver import InfeasiblePlacementError, feasible, solve_problem
+from passes.solver import InfeasiblePlacementError, StrategyProblem, feasible, solve_problem
 from passes.solver.families import contest_like_planted
 from passes.solver.feasible import forbidden_edges, repair_forbidden
 from passes.solver.reduce import Reduced
@@ -128,3 +128,29 @@ def test_the_repair_finds_a_plan_exactly_when_one_exists(case, seed, stall):
         cost, peak = evaluate(problem, search.plan())
         assert math.isfinite(cost) and cost >= best - 1e-9
         assert problem.usage_limit is None or peak <= problem.usage_limit
+
+
+def test_a_forbidden_pair_locked_by_memory_is_repaired_by_making_room():
+    # Nodes 0 and 1 are joined by a forbidden pair that either leaves by taking 5 more units;
+    # node 2, live at the same time, holds the 5 units the limit allows and can give them up
+    # (a dearer strategy, no forbidden pair): the repair must move it first. (The exact
+    # neighbourhood search, which would also find this, is switched off.)
+    problem = StrategyProblem(
+        [[0.0, 1.0], [0.0, 1.0], [0.0, 7.0]],
+        [[0.0, 5.0], [0.0, 5.0], [5.0, 0.0]],
+        [[0, 2], [0, 2], [0, 2]],
+        [[0, 1]],
+        [[[1e18, 0.0], [0.0, 1e18]]],
+        usage_limit=5.0,
+    )
+    reduced = Reduced(problem)
+    reduced.reduce(problem.usage_limit, deadline=0.0)
+    search = Search(reduced, seed=0)
+    local = {int(v): k for k, v in enumerate(search.nodes)}
+    search.assign(np.array([0, 0, 0])[search.nodes])  # within the limit, the pair forbidden
+    assert len(forbidden_edges(search)) == 1 and search.violation() == 0
+    with mock.patch.object(feasible, "_STALL", 0), mock.patch.object(feasible._Repair, "exact", lambda *args: (False, False)):
+        assert repair_forbidden(search, time.perf_counter() + 2.0)
+    cost, peak = evaluate(problem, search.plan())
+    assert math.isfinite(cost) and peak <= 5.0
+    assert search.plan()[2] == 1 and search.s[local[2]] == 1

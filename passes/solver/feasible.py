@@ -14,12 +14,16 @@ limit: a node only takes memory left over its lifetime): a forbidden edge is pic
 and one of its two nodes moves to the strategy that leaves the fewest forbidden pairs around
 it (then the cheapest), a move back to a strategy left recently being taboo unless it leaves
 fewer forbidden pairs than ever; now and then a random walk (a random allowed strategy of a
-random endpoint). Where that stalls, a small exact search: the nodes around a forbidden edge
-are freed (their neighbours outside fixed) and a depth-first search with forward checking
-(each free node's strategies narrowed by the fixed neighbours and the memory left, the node
-with the fewest left first, the cheapest first) looks for strategies that make no forbidden
-choice among them; the neighbourhood grows when it has none. It never proves anything (a
-problem where it fails is not called infeasible: ``NoPlanFoundError``).
+random endpoint). Where that stalls: first a move that would leave fewer forbidden pairs but
+needs memory is made to fit, other nodes live where memory is short moving to smaller
+strategies that add no forbidden pair (on an 8000-node problem at the contest's tightness the
+last forbidden pair sat between two nodes with no memory left for any other strategy); else
+a small exact search: the nodes around a forbidden edge are freed (their neighbours outside
+fixed; on a small problem, every node) and a depth-first search with forward checking (each
+free node's strategies narrowed by the fixed neighbours and the memory left, the node with
+the fewest left first, the cheapest first) looks for strategies that make no forbidden choice
+among them; the neighbourhood grows when it has none. It never proves anything (a problem
+where it fails is not called infeasible: ``NoPlanFoundError``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ _FIRST_FREE = 12
 _GROWTH = 2
 _MOST_FREE = 200
 _DFS_STEPS = 20_000
+# Moves of other nodes that may make room for one move (``_Repair.with_room``).
+_ROOM_MOVES = 64
 
 
 def forbidden_edges(search) -> np.ndarray:
@@ -68,6 +74,7 @@ class _Repair:
             self.incident[lj].append(k)
         self.bad = set(forbidden_edges(search).tolist())
         self.tabu: dict[tuple[int, int], int] = {}
+        self.weight = np.ones(len(search.edges))  # per edge (the breakout method's weights)
         self.moves = 0
 
     def _fits(self, v: int) -> np.ndarray:
@@ -114,22 +121,41 @@ class _Repair:
         for v in (li, lj):
             values = search.values(v)
             current = int(search.s[v])
-            now = float(values[current])
-            options = np.where(self._fits(v), values, np.inf)
-            options[current] = np.inf
-            for a in np.argsort(options, kind="stable").tolist():
-                if not math.isfinite(options[a]):
-                    break
+            weighted = self._weighted(v)
+            cost = values - np.floor(values / search.big) * search.big  # (the finite part)
+            fits = self._fits(v)
+            fits[current] = False
+            for a in np.lexsort((cost, weighted)).tolist():
+                if not fits[a]:
+                    continue
                 # A taboo move only if it leaves fewer forbidden edges than ever (aspiration).
-                after = len(self.bad) + int(options[a] // search.big) - int(now // search.big)
+                after = len(self.bad) + int(values[a] // search.big) - int(values[current] // search.big)
                 if self.tabu.get((v, a), -1) > self.moves and after >= least:
                     continue
-                gain = float(options[a]) - now
+                gain = (float(weighted[a] - weighted[current]), float(cost[a] - cost[current]))
                 if best is None or gain < best[0]:
                     best = (gain, v, a)
                 break
-        if best is not None:
+        if best is not None and best[0][0] <= 0:
             self._move(best[1], best[2])
+            if best[0][0] == 0:
+                self.weight[k] += 1.0  # (a sideways move: the edge it left forbidden weighs more)
+        else:
+            # A local minimum of the weighted count: every forbidden edge weighs more (breakout).
+            for edge in self.bad:
+                self.weight[edge] += 1.0
+            self.moves += 1
+
+    def _weighted(self, v: int) -> np.ndarray:
+        """Per strategy of ``v``, the weights of the edges it would make forbidden (its
+        neighbours as they are)."""
+        search = self.search
+        total = np.zeros(len(search.cost[v]))
+        for k in self.incident[v]:
+            li, lj, m = search.edges[k]
+            line = m[:, search.s[lj]] if li == v else m[search.s[li], :]
+            total += self.weight[k] * ~np.isfinite(line)
+        return total
 
     def _any_bad(self) -> int:
         # (A set's elements in a random order without listing them all each move.)
@@ -137,6 +163,60 @@ class _Repair:
             if self.rng.uniform() < 0.5:
                 return k
         return next(iter(self.bad))
+
+    # ------------------------------------------------------------------ memory
+
+    def with_room(self, k: int, deadline: float) -> bool:
+        """A move at forbidden edge ``k`` that leaves fewer forbidden pairs but does not fit the
+        memory left, made to fit: other nodes live where memory is short move to strategies of
+        smaller usage that leave no more forbidden pairs around them (the cheapest per unit
+        of memory freed first). Whether the move was made (moves that made room are kept)."""
+        search = self.search
+        li, lj, _ = search.edges[k]
+        for v in (li, lj)[:: 1 if self.rng.uniform() < 0.5 else -1]:
+            if not search.memory[v] or search.hi[v] <= search.lo[v]:
+                continue
+            values = search.values(v)
+            current = int(search.s[v])
+            fewer = np.flatnonzero(values // search.big < values[current] // search.big)
+            for a in fewer[np.argsort(values[fewer], kind="stable")].tolist()[:3]:
+                if self._make_room(v, float(search.usage[v][a] - search.usage[v][current]), deadline):
+                    self._move(v, a)
+                    return True
+        return False
+
+    def _make_room(self, v: int, extra: float, deadline: float) -> bool:
+        """Free memory over ``v``'s lifetime until ``extra`` more fits (see ``with_room``)."""
+        search = self.search
+        lo, hi = search.lo[v], search.hi[v]
+        for _ in range(_ROOM_MOVES):
+            if time.perf_counter() >= deadline:
+                return False
+            short = extra - (search.rhs[lo:hi] - search.load[lo:hi])
+            t = int(np.argmax(short))
+            if short[t] <= 0:
+                return True
+            best, move = math.inf, None
+            for count, w in enumerate(search.live_at(lo + t).tolist()):
+                if count % 64 == 63 and time.perf_counter() >= deadline:
+                    return False
+                if w == v:
+                    continue
+                usage = search.usage[w]
+                current = int(search.s[w])
+                freed = usage[current] - usage
+                values = search.values(w)
+                allowed = (freed > 0) & (values // search.big <= values[current] // search.big) & self._fits(w)
+                if not allowed.any():
+                    continue
+                ratio = np.where(allowed, (values - values[current]) / np.where(freed > 0, freed, 1.0), np.inf)
+                b = int(np.argmin(ratio))
+                if ratio[b] < best:
+                    best, move = ratio[b], (w, b)
+            if move is None:
+                return False
+            self._move(*move)
+        return False
 
     # ------------------------------------------------------------------ exact neighbourhoods
 
@@ -279,6 +359,9 @@ def repair_forbidden(search, deadline: float, seed: int = 0) -> bool:
             break
         if stalled >= _STALL:
             k = list(repair.bad)[int(repair.rng.integers(len(repair.bad)))]
+            if repair.with_room(k, deadline):
+                stalled = 0
+                continue
             found, hopeless = repair.exact(k, size, deadline)
             if hopeless:
                 break
