@@ -6,6 +6,9 @@ contract's bound is asserted: the machine is shared."""
 
 import itertools
 import math
+import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -13,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from passes.solver import NoPlanFoundError, StrategyProblem, peak_usage, problem_cost, solve_problem
+from passes.solver import deadline as deadline_module
 from passes.solver.deadline import solve_model_by
 from passes.solver.families import contest_like
 from passes.solver.search import Search, _quick_answer
@@ -117,6 +121,38 @@ def test_a_highs_run_past_its_deadline_is_ended_and_the_next_one_runs():
                  value=np.zeros(0), integer=np.ones(1, dtype=bool))
     again = solve_model_by(small, time.perf_counter() + 5.0)
     assert again is not None and again["status"] == "optimal" and again["x"].tolist() == [0.0]
+
+
+def test_a_worker_that_stops_reading_does_not_hold_the_caller_past_its_deadline(monkeypatch):
+    # A model of megabytes goes down the worker's pipe as fast as the worker reads it: one that
+    # stops reading (a busy machine's, for a while; here stopped outright) held the caller in
+    # that write past any deadline (the deadline was only looked at once the model was sent).
+    rng = np.random.default_rng(0)
+    n = 20000
+    model = dict(
+        col_cost=-rng.integers(1, 1000, size=n).astype(float), col_upper=np.ones(n), row_lower=np.full(40, -np.inf),
+        row_upper=np.full(40, 1e6), start=np.arange(0, 40 * n + 1, 40), index=np.tile(np.arange(40), n),
+        value=rng.integers(1, 1000, size=40 * n).astype(float), integer=np.ones(n, dtype=bool),
+        options=dict(threads=1), x0=None,
+    )
+    worker = deadline_module._spawn()
+    monkeypatch.setattr(deadline_module, "_idle", [worker])
+    try:
+        assert deadline_module._wait_ready(worker, time.perf_counter() + 60.0)
+        os.kill(worker.pid, signal.SIGSTOP)
+        answers = []
+        began = time.perf_counter()
+        thread = threading.Thread(target=lambda: answers.append(solve_model_by(model, began + 1.0)), daemon=True)
+        thread.start()
+        thread.join(6.0)
+        took = time.perf_counter() - began
+    finally:
+        if worker.poll() is None:
+            worker.kill()  # (frees a caller still blocked in its write)
+        thread.join()
+        deadline_module._kill(worker)
+    assert took <= 2.0, took
+    assert answers == [None]
 
 
 def test_a_time_limit_shorter_than_the_preparation_still_gets_a_plan_in_time():

@@ -15,13 +15,15 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import pickle
 import select
+import struct
 import subprocess
 import sys
 import threading
 import time
 
-from passes.solver.highs_worker import _read, _write, solve_model
+from passes.solver.highs_worker import solve_model
 
 __all__ = ["solve_model_by", "start_workers", "wait_for_workers", "CANCEL_GRACE", "OutOfTime", "check"]
 
@@ -120,6 +122,66 @@ def _shutdown() -> None:
         process.wait()
 
 
+# Bytes per write to, or read from, a worker's pipe.
+_CHUNK = 1 << 16
+
+
+def _send(process: subprocess.Popen, model: dict, deadline: float) -> bool:
+    """``model`` written to the worker as ``highs_worker._read`` reads it, by ``deadline``
+    (whether it was). A model is megabytes that the worker reads as it goes: a blocking write
+    waits on the worker, which a busy machine (or a stopped worker) makes wait past any
+    deadline."""
+    data = pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(struct.pack("<Q", len(data)) + data)
+    fd = process.stdin.fileno()
+    sent = 0
+    os.set_blocking(fd, False)
+    try:
+        while sent < len(view):
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return False
+            _, ready, _ = select.select([], [fd], [], left)
+            if not ready:
+                return False
+            try:
+                sent += os.write(fd, view[sent : sent + _CHUNK])
+            except BlockingIOError:
+                continue
+    finally:
+        os.set_blocking(fd, True)
+    return True
+
+
+def _receive(process: subprocess.Popen, deadline: float) -> dict | None:
+    """The worker's answer (``highs_worker._write``'s), read by ``deadline`` (None if not, or if
+    the worker closed its end). (Read from the pipe itself: the only byte read through
+    ``process.stdout``'s buffer is the worker's hello, and nothing follows it before a model.)"""
+    fd = process.stdout.fileno()
+
+    def read(size: int) -> bytes | None:
+        parts, got = [], 0
+        while got < size:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                return None
+            chunk = os.read(fd, min(_CHUNK, size - got))
+            if not chunk:
+                return None
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts)
+
+    head = read(8)
+    if head is None:
+        return None
+    body = read(struct.unpack("<Q", head)[0])
+    return None if body is None else pickle.loads(body)
+
+
 def solve_model_by(model: dict, deadline: float = math.inf, stop: threading.Event | None = None) -> dict | None:
     """``highs_worker.solve_model(model)`` ended by ``deadline`` (a ``time.perf_counter()``
     value; ``inf``: in this process, no limit): HiGHS gets the time left as its own limit and
@@ -139,7 +201,9 @@ def solve_model_by(model: dict, deadline: float = math.inf, stop: threading.Even
         if not _wait_ready(process, deadline):
             _kill(process)
             return None
-        _write(process.stdin, model)
+        if not _send(process, model, deadline):
+            _kill(process)
+            return None
         while True:
             wait = max(0.0, deadline - time.perf_counter())
             ready, _, _ = select.select([process.stdout], [], [], wait if stop is None else min(wait, _STOP_POLL))
@@ -148,8 +212,8 @@ def solve_model_by(model: dict, deadline: float = math.inf, stop: threading.Even
             if time.perf_counter() >= deadline or (stop is not None and stop.is_set()):
                 _kill(process)
                 return None
-        result = _read(process.stdout)
-    except (OSError, EOFError, ValueError):  # the worker died (or was killed at exit)
+        result = _receive(process, deadline)
+    except (OSError, EOFError, ValueError, pickle.UnpicklingError):  # the worker died (or was killed at exit)
         _kill(process)
         return None
     if result is None:
