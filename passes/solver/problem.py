@@ -14,6 +14,7 @@ a node's strategy sets, beyond the node's own, as a node of its own tied to it b
 
 The solver: ``passes.solver.reduce`` (exact reductions), ``passes.solver.milp`` (the integer
 program of a neighbourhood), ``passes.solver.wcsp`` (toulbar2 on the reduced problem),
+``passes.solver.feasible`` (a plan with no forbidden choice within the memory limit),
 ``passes.solver.search`` (``solve_problem``).
 """
 

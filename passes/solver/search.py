@@ -9,7 +9,10 @@ neighbourhoods of it, with pluggable neighbourhood policies; ``solve_problem``.
    strategy that leaves every unassigned neighbour a strategy of finite cost and fits the
    memory left, the unassigned counted at their smallest usage, which fits whenever anything
    does), each improved by coordinate descent that keeps to the memory left over a node's
-   lifetime; the best is the incumbent;
+   lifetime; the first construction is repaired before any descent, and each later one
+   that still makes a forbidden choice too, into a plan that makes none (the feasibility
+   phase, ``passes.solver.feasible``: with all the time left while there is no plan yet);
+   the best is the incumbent;
 2. HiGHS (``passes.solver.milp``) on the whole reduced problem when it is small (or without a
    time limit), and otherwise on neighbourhoods of the incumbent, each started from it, which
    is never made worse. Policies: large neighbourhoods (a connected set of nodes around a
