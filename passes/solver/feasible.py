@@ -234,7 +234,9 @@ class _Repair:
             if head == len(free):
                 # (The component is free: other nodes next, a random one first, for the memory
                 # they hold. On a small problem every node is freed: the search is complete.)
-                rest = np.flatnonzero(~np.isin(np.arange(len(search.nodes)), free))
+                taken = np.zeros(len(search.nodes), dtype=bool)
+                taken[free] = True
+                rest = np.flatnonzero(~taken)
                 if not len(rest):
                     break
                 w = int(rest[int(self.rng.integers(len(rest)))])
