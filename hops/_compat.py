@@ -637,6 +637,16 @@ DYNAMO_SPECULATES_FUNCTIONAL_CALL = TORCH_VERSION >= (2, 13)
 DTENSOR_SELECT_ALIASES_INPUT_SPEC = TORCH_VERSION < (2, 13)
 DTENSOR_FLATTENS_SHARDED_DIMS = TORCH_VERSION >= (2, 13)
 DTENSOR_RUNS_FILL_SCALAR = TORCH_VERSION >= (2, 13)
+# DTensor 2.9 caches an op's output layout and global shape keyed by its tensor arguments only
+# when the op's rule declares no schema info: two calls differing in a size argument share one
+# entry, and the second DTensor gets the first's global shape (the local tensor is right). These
+# ops' output shape depends on such an argument (2.13 declares it);
+# ``passes.dtensor.runtime.declare_size_arguments`` declares it on 2.9.
+DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF = (
+    frozenset({"aten.embedding_dense_backward.default"})
+    if TORCH_VERSION < (2, 13)
+    else frozenset()
+)
 DTENSOR_ADDS_REPLICATE_TO_PARTIAL_LOCALLY = TORCH_VERSION >= (2, 13)
 
 # Private torch symbols the package (hops/, passes/) names that some supported torch lacks,

@@ -198,6 +198,14 @@ def test_checks_without_a_rule_hold_of_the_global_value(results):
     assert report["comms"] == {"all_reduce": 1}
 
 
+def test_ops_dtensor_mistakes_run_right(results):
+    # fill.Scalar, and embedding backwards differing only in the vocabulary's size: loss and
+    # gradients equal eager on every rank (DTensor 2.9 raises for the first and gives the second
+    # backward the first's global shape: the lowering runs the first by fill_'s rule and
+    # declares the size part of DTensor's cache key there).
+    scenario(results, "ops_dtensor_runs_only_by_the_lowering")
+
+
 def aten_checks_without_a_rule() -> list:
     """Every ATen op that takes tensors, returns nothing, writes nothing and has no DTensor
     strategy: assertions such as torch.export's ``_assert_tensor_metadata``."""

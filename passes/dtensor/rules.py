@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from hops import _compat
 from hops.einsum import einsum_kernel, einsum_linear_kernel
 from hops.kernel import Kernel
 from hops.local_map import local_map_hop
@@ -66,6 +67,7 @@ from passes.dtensor.runtime import (
     exit_region,
     register_device_mesh,
     replicated,
+    run_by_inplace_rule,
     run_in_profiler_scope,
     run_replicated,
     run_scan_on_dtensors,
@@ -92,11 +94,17 @@ def local_bodies(gm: fx.GraphModule) -> set[int]:
 
 
 def _without_rule(op: torch._ops.OpOverload) -> Any:
-    """How ``op`` runs when DTensor has no strategy for it and it takes tensors: ``run_replicated``
+    """How ``op`` runs when DTensor cannot run it as is and it takes tensors: ``run_replicated``
     when it computes tensors, ``check_on_dtensors`` when it returns nothing (an assertion);
-    else ``None`` (DTensor runs it, or answers it itself: ``sym_size``, ``_local_scalar_dense``)."""
+    else ``None`` (DTensor runs it, or answers it itself: ``sym_size``, ``_local_scalar_dense``).
+    DTensor cannot run as is: an op without a strategy; a functional op the solver places by
+    its in-place variant's rule (``rule_of``) where DTensor does not run it so (torch 2.9:
+    ``fill.Scalar``), run as that variant on a copy (``run_by_inplace_rule``)."""
     schema = op._schema
-    if rule_of(op) is not None or not any("Tensor" in str(a.type) for a in schema.arguments):
+    rule = rule_of(op)
+    if rule is not None and rule is not op and not _compat.DTENSOR_RUNS_FILL_SCALAR:
+        return run_by_inplace_rule
+    if rule is not None or not any("Tensor" in str(a.type) for a in schema.arguments):
         return None
     if any("Tensor" in str(r.type) for r in schema.returns):
         return run_replicated
@@ -123,7 +131,7 @@ def run_ops_without_rules_replicated(gm: fx.GraphModule, local: set[int]) -> boo
                     f"lower_to_dtensor: {node.format_node()}: DTensor has no sharding strategy for the in-place "
                     f"op {node.target}; run on gathered copies it would not update its DTensor inputs"
                 )
-            node.args = (node.target, *node.args)
+            node.args = (rule_of(node.target) if runner is run_by_inplace_rule else node.target, *node.args)
             node.target = runner  # in place: the node keeps its name, kwargs and users
             found = True
         if found:

@@ -21,7 +21,10 @@ graph comes back the same) and takes the node's typed spec as its last argument:
   DTensors again;
 - ``check_on_dtensors(op, *args, **kwargs)``: a check returning nothing that DTensor cannot
   run (``torch.export``'s ``_assert_tensor_metadata``, ``_assert_async``): run on what it
-  reads of each DTensor argument, the global metadata or the gathered value.
+  reads of each DTensor argument, the global metadata or the gathered value;
+- ``run_by_inplace_rule(inplace, x, *args, **kwargs)``: a functional op DTensor places by its
+  in-place variant's rule but does not run (torch 2.9: ``fill.Scalar``), run as that variant
+  on a copy of ``x``.
 
 DTensor's public ``redistribute`` refuses a ``Partial`` target; ``redistribute_to`` reaches it
 through ``Replicate`` and this package's reference split (``hops._layout``): the first rank
@@ -37,6 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from hops import _compat
 from hops.lowering import run_scan_steps
 from hops.named_scope import ScopeSpec
 from hops.scan import ScanSpec
@@ -51,6 +55,7 @@ __all__ = [
     "run_in_profiler_scope",
     "run_replicated",
     "check_on_dtensors",
+    "run_by_inplace_rule",
     "replicated",
     "redistribute_to",
     "register_device_mesh",
@@ -65,6 +70,28 @@ _DEVICE_MESHES: dict[Mesh, Any] = {}
 def register_device_mesh(mesh: Mesh, device_mesh: Any) -> None:
     """Run graphs lowered for ``mesh`` on ``device_mesh`` (``lower_to_dtensor`` does this)."""
     _DEVICE_MESHES[mesh] = device_mesh
+    declare_size_arguments()
+
+
+def declare_size_arguments() -> None:
+    """Where DTensor keys its cache of an op's output layout and global shape by the op's
+    tensor arguments only (``_compat.DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF``: torch 2.9's
+    ``embedding_dense_backward``), declare the op's other arguments part of the key, as later
+    torch does: else a second call differing only in a size (the gradient of an embedding of
+    another vocabulary, GPT-2's and OPT's positions) gets the first's global shape. Whether the op is in
+    the lowered graph or comes from autograd of it at run time."""
+    if not _compat.DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF:
+        return
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+
+    declared = DTensor._op_dispatcher.sharding_propagator.op_to_schema_info
+    for name in _compat.DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF:
+        packet, overload = name.removeprefix("aten.").rsplit(".", 1)
+        op = getattr(getattr(torch.ops.aten, packet), overload)
+        if op not in declared:
+            first = next(i for i, a in enumerate(op._schema.arguments) if "Tensor" not in str(a.type))
+            declared[op] = RuntimeSchemaInfo(static_argnum=first)
 
 
 def device_mesh_for(mesh: Mesh, what: str) -> Any:
@@ -299,3 +326,10 @@ def check_on_dtensors(op: Any, *args: Any, **kwargs: Any) -> None:
 
     args, kwargs = pytree.tree_map(global_stand_in, (args, kwargs))
     return op(*args, **kwargs)
+
+
+@leaf_call
+def run_by_inplace_rule(inplace: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """The functional op of ``inplace`` (``fill.Scalar`` of ``fill_.Scalar``): ``inplace`` on a
+    copy of ``x`` (DTensor runs ``clone`` and ``inplace``; the copy keeps ``x``'s layout)."""
+    return inplace(x.clone(), *args, **kwargs)

@@ -357,6 +357,30 @@ def checks_without_a_rule(device_mesh, report):
 
 
 @scenario
+def ops_dtensor_runs_only_by_the_lowering(device_mesh, report):
+    # Ops DTensor 2.9 cannot run as they are: fill.Scalar (placed by fill_'s rule), and two
+    # embedding backwards (autograd's, at run time) that differ only in the vocabulary's size
+    # (its cache gave the second the first's global shape). Loss and gradients against eager,
+    # rows sharded.
+    def fn(ids, x, big, small):
+        ones = torch.ops.aten.fill.Scalar(x, 1.0)
+        return (torch.nn.functional.embedding(ids, big) + torch.nn.functional.embedding(ids, small)).sum() * (ones * x).sum()
+
+    ids = torch.randint(0, 6, (8, 3))
+    args = (torch.randn(8, 4), torch.randn(12, 4), torch.randn(6, 4))
+    leaves = [a.clone().requires_grad_() for a in args]
+    expected = fn(ids, *leaves)
+    expected.backward()
+    gm = passes.lower_to_dtensor(make_fx(fn)(ids, *args), device_mesh)
+    distributed = [on_mesh(device_mesh, a, p).requires_grad_() for a, p in zip(args, (ROWS, WHOLE, WHOLE))]
+    out = gm(on_mesh(device_mesh, ids, ROWS), *distributed)
+    out.backward()
+    torch.testing.assert_close(out.full_tensor(), expected.detach())
+    for i, (d, leaf) in enumerate(zip(distributed, leaves)):
+        torch.testing.assert_close(d.grad.full_tensor(), leaf.grad, msg=lambda m: f"gradient {i}: {m}")
+
+
+@scenario
 def constants_and_factory_ops(device_mesh, report):
     # A tensor constant (get_attr) and factory ops' results (arange, full) next to DTensors:
     # every rank makes them whole, the lowering takes them as replicated DTensors.
