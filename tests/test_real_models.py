@@ -13,6 +13,10 @@ initialised (``tests/helpers/real_models.py``), used as a user would:
 - the attention core as a ``hops.local_map`` region (batch and heads sharded on a 2x2 mesh);
 - the sharding solver's plan applied and run on one device, and lowered to DTensor and run on
   4 gloo processes;
+- HF Qwen3, Mistral (sliding window) and OPT (learned positions, tied head), also with a
+  left-padded attention mask and in bfloat16: their layers scanned, traced by ``make_fx`` or
+  ``torch.export``, the solver's or the replicated plan, lowered to DTensor and run on the same
+  4 gloo processes;
 - ``hops.assume_pure`` on one layer.
 
 A library that does not import here (the ``test`` extra installs both; torchtitan needs
@@ -411,6 +415,16 @@ def test_scanned_layers_with_a_region_compile_with_hops_xla(name):
 
 # The solver's plans on 4 gloo processes: one spawn for every model (spawning is the cost).
 DTENSOR_MODELS = some("hf_llama_sdpa", "torchtitan_llama3")
+# More HF decoders, their layers scanned, through the DTensor target in the same spawn: a case
+# is "<model>-<tracer>-<plan>[-<dtype>]" (tracer make_fx of the training step, or torch.export of
+# the loss run with loss.backward(); plan the solver's or every input replicated). Each model,
+# each tracer, both plans, left padding and bfloat16 at least once, within CI's budget.
+SCANNED_DTENSOR_CASES = [
+    "hf_qwen3_sdpa_padded-make_fx-solved",
+    "hf_opt_eager_padded-make_fx-replicated-bfloat16",
+    "hf_mistral_sdpa_padded-export-replicated",  # a sliding window
+    "hf_opt_eager-export-replicated",  # a tied head: torch.export.load unties it
+]
 DTENSOR_TIMEOUT_SECONDS = 300
 
 
@@ -434,7 +448,7 @@ def dtensor_runs(tmp_path_factory):
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
-    names = [name for name in DTENSOR_MODELS if importable(name)]
+    names = [name for name in DTENSOR_MODELS + SCANNED_DTENSOR_CASES if importable(name.split("-")[0])]
     if not names:
         pytest.skip("neither transformers nor torchtitan imports here; the 'test' extra installs them")
     outdir = tmp_path_factory.mktemp("real_models_dtensor")
@@ -443,6 +457,8 @@ def dtensor_runs(tmp_path_factory):
         for name in names:
 
             def make_plan(name=name):
+                if name in SCANNED_DTENSOR_CASES:
+                    return scanned_dtensor_plan(*name.split("-"))
                 _, (loss, grads) = reference(build(name))
                 plan = dict(solved_plan(name))
                 return dict(plan, loss=loss, grads=[grads[n] for n in plan["names"]])
@@ -461,6 +477,85 @@ def test_solver_plan_runs_on_four_gloo_processes(dtensor_runs, name):
     for rank, run in enumerate(dtensor_runs):
         assert name in run["results"], f"rank {rank} did not finish {name} (exit code {run['code']}):\n{run['log']}"
         assert run["results"][name] is None, f"rank {rank}, {name}:\n{run['results'][name]}"
+
+
+def stacked_grads(real: rm.RealModel, scanned: rm.ScannedDecoder, grads: dict) -> dict:
+    """The plain model's gradients ``grads`` under ``scanned``'s parameter names (a stacked
+    parameter's gradient is the layers' gradients stacked)."""
+    out = {}
+    for name, _ in scanned.named_parameters():
+        if name.startswith("stacked_params."):
+            key = name.removeprefix("stacked_params.").replace("__", ".")
+            out[name] = torch.stack([grads[f"{real.layers_path}.{i}.{key}"] for i in range(rm.LAYERS)])
+        else:
+            out[name] = grads[name.removeprefix("model.")]
+    return out
+
+
+def scanned_dtensor_plan(name: str, tracer: str, plan: str, dtype: str = "float32") -> dict:
+    """What a rank runs of a case of ``SCANNED_DTENSOR_CASES``: the model ``name``'s layers
+    scanned (``rm.ScannedDecoder``) in ``dtype``; with ``tracer="make_fx"`` its training step
+    (loss and every parameter's gradient) traced into a graph of flat inputs, one scan each way,
+    and ``plan="solved"`` the solver's plan on the 2x2 mesh applied (else every input
+    replicated); with ``tracer="export"`` the loss exported (``torch.export.save``'s bytes). With
+    the plain model's loss and gradients in ``dtype`` to compare with."""
+    import io
+
+    real = build(name)
+    ids, targets = rm.example_ids()
+    if dtype == "float32":
+        _, (loss, grads) = reference(real)
+    else:  # the plain model in dtype, its layer inputs (rotary tables) recorded again in it
+        real = rm.record_layer_inputs(dataclasses.replace(real, model=real.model.to(getattr(torch, dtype))), ids)
+        loss, grads = rm.plain_grads(real, ids, targets)
+    tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
+    scanned = rm.ScannedDecoder(real)
+    expected = stacked_grads(real, scanned, grads)
+    tensors = [t.detach() for t in rm.layer_tensors(real)]
+    if tracer == "export":
+        program = torch.export.export(LossOf(scanned), (ids, targets, *tensors))
+        assert len(hop_nodes(program.graph_module, hops.scan_hop)) == 1, program.graph_module.code
+        buffer = io.BytesIO()
+        torch.export.save(program, buffer)
+        ties: dict[str, list[str]] = {}
+        first: dict[int, str] = {}
+        for n, p in program.module().named_parameters(remove_duplicate=False):
+            ties.setdefault(first.setdefault(id(p), n), []).append(n)
+        return dict(program=buffer.getvalue(), inputs=[ids, targets, *tensors], loss=loss, tolerance=tolerance,
+                    grads={f"model.{n}": g for n, g in expected.items()}, ties=ties)
+    params, buffers = dict(scanned.named_parameters()), dict(scanned.named_buffers())
+    step, num_params, num_buffers = scanned_train_step(scanned), len(params), len(buffers)
+
+    def flat_step(*flat):
+        named = dict(zip(params, flat[:num_params]))
+        return step(named, dict(zip(buffers, flat[num_params : num_params + num_buffers])), *flat[num_params + num_buffers :])
+
+    inputs = [*params.values(), *buffers.values(), ids, targets, *tensors]
+    gm = make_fx(flat_step, tracing_mode="fake")(*inputs)
+    assert len(hop_nodes(gm, hops.scan_hop)) == 2, gm.code
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if plan == "solved":
+        solution = passes.solve_placements(gm, rm.MESH, cost_model=passes.CostModel.preset("tpu-v5e"))
+        passes.apply_placements(gm, solution)
+        passes.check_placements(gm)
+        assert hop_nodes(gm, hops.sharding_annotation_hop), "the plan states no layout"
+        placements = [solution.placements[node.name] for node in placeholders]
+    else:
+        placements = [(hops.Replicate(),) * len(rm.MESH.shape)] * len(placeholders)
+    return dict(gm=gm, inputs=[t.detach() for t in inputs], placements=placements, names=list(params),
+                loss=loss, grads=list(expected.values()), tolerance=tolerance)
+
+
+@pytest.mark.parametrize("case", SCANNED_DTENSOR_CASES)
+def test_scanned_layers_run_on_four_gloo_processes(dtensor_runs, case):
+    """``SCANNED_DTENSOR_CASES`` (``scanned_dtensor_plan``): Qwen3, Mistral and OPT, their layers
+    scanned, traced (``make_fx`` / ``torch.export``), planned (solver / replicated), lowered by
+    ``passes.lower_to_dtensor`` and run on 4 gloo processes: on every rank the loss and every
+    parameter's gradient equal the plain model's."""
+    build(case.split("-")[0])  # skips, saying why, where the model's library does not import
+    for rank, run in enumerate(dtensor_runs):
+        assert case in run["results"], f"rank {rank} did not finish {case} (exit code {run['code']}):\n{run['log']}"
+        assert run["results"][case] is None, f"rank {rank}, {case}:\n{run['results'][case]}"
 
 
 @pytest.mark.parametrize("name", some("hf_gpt2_eager"))

@@ -1,6 +1,7 @@
 """Real model code nobody here wrote, built tiny and randomly initialised (no download):
-HF ``transformers``' ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` (eager and SDPA attention)
-and ``torchtitan``'s Llama 3 (SDPA), for ``tests/test_real_models.py``.
+HF ``transformers``' ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` (eager and SDPA attention),
+its Qwen3, Mistral and OPT (also with a left-padded attention mask) and ``torchtitan``'s
+Llama 3 (SDPA), for ``tests/test_real_models.py``.
 
 A ``RealModel`` is the plain model with what a user needs to restructure it: its decoder
 layers, the code before and after them (``embed``, ``head``), and what the model passes each
@@ -158,6 +159,61 @@ def hf_gpt2(attention: str, seed: int = 0) -> RealModel:
     )
 
 
+def left_padding_mask() -> torch.Tensor:
+    """A batch's ``attention_mask`` with left padding: the second row's first 5 tokens are pads."""
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, :5] = 0
+    return mask
+
+
+def _hf_decoder(family: str, attention: str, padded: bool, seed: int) -> RealModel:
+    """HF ``transformers``' Qwen3 (query/key norms), Mistral (a sliding window of half the
+    sequence) or OPT (learned positions from the attention mask, biases, LayerNorm, a tied
+    head), tiny. ``padded``: the model is called with a left-padded ``attention_mask`` (a
+    non-persistent buffer ``attention_mask``, so tracers see it as the model's input)."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  max_position_embeddings=2 * SEQ, use_cache=False, attn_implementation=attention)
+    if family == "qwen3":
+        config = transformers.Qwen3Config(intermediate_size=2 * DIM, num_key_value_heads=KV_HEADS, head_dim=DIM // HEADS, **common)
+        model_class, layers_path = transformers.Qwen3ForCausalLM, "model.layers"
+    elif family == "mistral":
+        config = transformers.MistralConfig(intermediate_size=2 * DIM, num_key_value_heads=KV_HEADS, sliding_window=SEQ // 2, **common)
+        model_class, layers_path = transformers.MistralForCausalLM, "model.layers"
+    else:
+        config = transformers.OPTConfig(ffn_dim=2 * DIM, dropout=0.0, attention_dropout=0.0, **common)
+        model_class, layers_path = transformers.OPTForCausalLM, "model.decoder.layers"
+    torch.manual_seed(seed)
+    model = model_class(config).train()
+    if padded:
+        model.register_buffer("attention_mask", left_padding_mask(), persistent=False)
+
+    def mask_of(m):
+        return getattr(m, "attention_mask", None)
+
+    if family == "opt":
+
+        def embed(m, ids):
+            decoder = m.model.decoder
+            mask = mask_of(m)
+            mask = torch.ones(ids.shape, dtype=torch.long, device=ids.device) if mask is None else mask
+            return decoder.embed_tokens(ids) + decoder.embed_positions(mask, 0)
+
+        head = lambda m, h: m.lm_head(m.model.decoder.final_layer_norm(h))  # noqa: E731
+    else:
+        embed = lambda m, ids: m.model.embed_tokens(ids)  # noqa: E731
+        head = lambda m, h: m.lm_head(m.model.norm(h))  # noqa: E731
+    return RealModel(
+        f"hf_{family}_{attention}" + "_padded" * padded,
+        model,
+        layers_path,
+        embed=embed,
+        head=head,
+        forward=lambda m, ids: m(ids, attention_mask=mask_of(m)).logits,
+    )
+
+
 def torchtitan_llama3(seed: int = 0) -> RealModel:
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
@@ -186,12 +242,16 @@ def torchtitan_llama3(seed: int = 0) -> RealModel:
 
 def build(name: str, seed: int = 0) -> RealModel:
     """The model ``name`` (``hf_llama_eager``, ``hf_llama_sdpa``, ``hf_gpt2_eager``,
-    ``hf_gpt2_sdpa``, ``torchtitan_llama3``), its layer inputs recorded."""
+    ``hf_gpt2_sdpa``, ``torchtitan_llama3``; ``hf_{qwen3,mistral,opt}_{eager,sdpa}``, with
+    ``_padded`` for a left-padded attention mask), its layer inputs recorded."""
     if name == "torchtitan_llama3":
         real = torchtitan_llama3(seed)
     else:
-        family, attention = name.removeprefix("hf_").split("_")
-        real = {"llama": hf_llama, "gpt2": hf_gpt2}[family](attention, seed)
+        family, attention, *padded = name.removeprefix("hf_").split("_")
+        if family in ("qwen3", "mistral", "opt"):
+            real = _hf_decoder(family, attention, padded == ["padded"], seed)
+        else:
+            real = {"llama": hf_llama, "gpt2": hf_gpt2}[family](attention, seed)
     return record_layer_inputs(real, example_ids()[0])
 
 

@@ -9,7 +9,8 @@ each model ``NAME`` the test's process writes ``OUTDIR/NAME.pkl``: the training 
 applied as annotations), its inputs with their solved placements, and the plain model's loss and
 gradients. This rank lowers the graph, lays the inputs out (``distribute_tensor``), runs it and
 compares the loss and every gradient (``full_tensor()``) with the plain model's; it writes
-``OUTDIR/rank<r>.json``: per model ``None`` or the error's traceback.
+``OUTDIR/rank<r>.json``: per model ``None`` or the error's traceback. A plan may instead hold
+a ``torch.export`` program of the loss (``run_program``), run with ``loss.backward()``.
 """
 
 from __future__ import annotations
@@ -67,17 +68,49 @@ def load_plan(outdir: str, name: str) -> dict:
 def run_plan(plan: dict, device_mesh) -> None:
     from torch.distributed.tensor import distribute_tensor
 
+    if "program" in plan:
+        return run_program(plan, device_mesh)
     gm = passes.lower_to_dtensor(plan["gm"], device_mesh)
     inputs = [
         distribute_tensor(t, device_mesh, [p.to_dtensor() for p in placements])
         for t, placements in zip(plan["inputs"], plan["placements"])
     ]
     loss, grads = gm(*inputs)
-    tolerance = dict(rtol=1e-4, atol=1e-5)
+    tolerance = plan.get("tolerance", dict(rtol=1e-4, atol=1e-5))
     torch.testing.assert_close(loss.full_tensor(), plan["loss"], **tolerance)
     assert len(grads) == len(plan["grads"]), (len(grads), len(plan["grads"]))
     for name, grad, expected in zip(plan["names"], grads, plan["grads"]):
         torch.testing.assert_close(grad.full_tensor(), expected, msg=lambda m: f"gradient of {name}: {m}", **tolerance)
+
+
+def run_program(plan: dict, device_mesh) -> None:
+    """A ``torch.export`` program (``torch.export.save``'s bytes) of the loss, as a user runs
+    one: its module lowered, its parameters replicated DTensors (tied ones still one: loading
+    unties them, so the gradient of a tied parameter is the sum over its names ``ties``), its
+    inputs replicated; ``loss.backward()``; the loss and every gradient against the plain model's."""
+    import io
+
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    module = passes.lower_to_dtensor(torch.export.load(io.BytesIO(plan["program"])).module(), device_mesh)
+    whole = [Replicate()] * device_mesh.ndim
+    distributed = {}
+    for owner in list(module.modules()):
+        for attr, p in list(owner._parameters.items()):
+            if p is not None:
+                distributed.setdefault(id(p), torch.nn.Parameter(distribute_tensor(p.detach(), device_mesh, whole)))
+                setattr(owner, attr, distributed[id(p)])
+    loss = module(*[distribute_tensor(t, device_mesh, whole) for t in plan["inputs"]])
+    loss.backward()
+    tolerance = plan.get("tolerance", dict(rtol=1e-4, atol=1e-5))
+    torch.testing.assert_close(loss.full_tensor(), plan["loss"], **tolerance)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for name, expected in plan["grads"].items():
+        tied = {id(params[n]): params[n] for n in plan["ties"][name] if n in params}  # each parameter once
+        found = [p.grad for p in tied.values() if p.grad is not None]
+        assert found, f"no gradient for {name}"
+        grad = sum(g.full_tensor() if isinstance(g, DTensor) else g for g in found)
+        torch.testing.assert_close(grad, expected, msg=lambda m: f"gradient of {name}: {m}", **tolerance)
 
 
 def main(outdir: str, names: list[str]) -> None:
