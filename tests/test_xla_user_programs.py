@@ -112,6 +112,55 @@ def test_a_scan_body_with_an_op_torch_xla_runs_on_the_host_lowers_and_runs(op):
         torch.testing.assert_close(value.cpu(), reference.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+# Ops torch_xla runs only on the host that torch's table cannot decompose either: a staged
+# computation cannot run them at all (each is asserted to be in that class, so the list tracks
+# torch_xla's kernels).
+HOST_ONLY_STEPS = {
+    "median": (lambda c, x: c + torch.median(x), "aten.median.default"),
+    "searchsorted": (lambda c, x: c + torch.searchsorted(torch.arange(4.0, device=x.device), x).sum(), "aten.searchsorted.Tensor"),
+    "rfft": (lambda c, x: c + torch.view_as_real(torch.fft.rfft(x)).sum(), "aten._fft_r2c.default"),
+}
+
+
+def _causes(error):
+    while error is not None:
+        yield error
+        error = error.__cause__ or getattr(error, "inner_exception", None)
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("name", sorted(HOST_ONLY_STEPS))
+def test_an_op_only_the_host_runs_in_a_staged_computation_is_a_typed_error_naming_it(name):
+    """``torch.median`` (and any op torch_xla has no kernel for and torch no decomposition of) in
+    a scan body lowered to XLA, or in a ``hops_xla`` graph: torch_xla would copy the staged
+    placeholders to the host and abort the process. Refused before staging, naming the op;
+    outside a staged computation (the lowered graph's top level) the op still runs."""
+    import torch_xla
+
+    from passes.xla import portable
+
+    fn, op = HOST_ONLY_STEPS[name]
+    assert portable.falls_back_to_host(eval(f"torch.ops.{op}")) and not portable.device_decomposition(eval(f"torch.ops.{op}"))
+    device = torch_xla.device()
+    c, xs = torch.zeros(()), torch.randn(3, 5)
+
+    def scanned(c, xs):
+        return hops.scan(lambda c, x: (fn(c, x), c), c, xs)
+
+    gm = passes.lower_to_xla(make_fx(scanned)(c, xs))
+    with pytest.raises(portable.HostOnlyOpError, match=rf"scan body .*: {op} has no XLA kernel"):
+        gm(c.to(device), xs.to(device))
+
+    compiled = torch.compile(lambda c, x: fn(c, x) * 2, backend="hops_xla")
+    with pytest.raises(Exception) as raised:
+        compiled(c.to(device), xs[0].to(device))
+    typed = [e for e in _causes(raised.value) if isinstance(e, portable.HostOnlyOpError)]
+    assert typed and op in str(typed[0]), repr(raised.value)
+
+    lazy = passes.lower_to_xla(make_fx(lambda c, x: fn(c, x) * 2)(c, xs[0]))
+    torch.testing.assert_close(lazy(c.to(device), xs[0].to(device)).cpu(), fn(c, xs[0]) * 2)
+
+
 class Normed(torch.nn.Module):
     """A linear layer then a normalisation whose forward saves statistics for its backward."""
 

@@ -138,8 +138,11 @@ def lowered_and_staged(gm: fx.GraphModule, example_inputs: list[Any]) -> Callabl
 
     from passes.check import check_placements
     from passes.xla import lower_to_xla
+    from passes.xla.portable import refuse_host_only_ops
 
-    return make_boxed_func(StagedGraph(lower_to_xla(check_placements(gm))))
+    lowered = lower_to_xla(check_placements(gm))
+    refuse_host_only_ops(lowered, "hops_xla: the staged graph")
+    return make_boxed_func(StagedGraph(lowered))
 
 
 def hops_xla(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:

@@ -187,6 +187,28 @@ def device_decomposition(op: Any) -> Callable[..., Any] | None:
     return decomposed
 
 
+class HostOnlyOpError(NotImplementedError):
+    """An op torch_xla runs only by copying its inputs to the host, with no decomposition in
+    torch's table, in a computation staged once (a scan's ``While`` body, a ``hops_xla``
+    graph), where its inputs have no data: refused before staging (the copy aborts the process)."""
+
+
+def refuse_host_only_ops(gm: fx.GraphModule, where: str) -> None:
+    """Raise ``HostOnlyOpError`` naming the first op of ``gm`` (or of a subgraph) that torch_xla
+    would run on the host; ``where`` names the staged computation for the message."""
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op == "call_function" and falls_back_to_host(node.target):
+                raise HostOnlyOpError(
+                    f"{where}: {node.target} has no XLA kernel and no decomposition in torch's table. "
+                    "torch_xla runs such an op by copying its inputs to the host, which a computation "
+                    "staged as one XLA program cannot do. Compute it outside the staged computation "
+                    "(before or after the scan, or outside the compiled function)."
+                )
+
+
 def _portable_target(node: fx.Node) -> Callable[..., Any] | None:
     if node.op != "call_function":
         return None

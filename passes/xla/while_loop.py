@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hops.lowering import body_name
+from passes.xla.portable import refuse_host_only_ops
 from passes.xla.staging import Metadata, metadata, stage
 
 
@@ -76,6 +77,8 @@ def xla_while(
             "lower the forward and backward graphs AOTAutograd produces (torch.compile(backend='hops_xla') "
             "does), or run the lowered graph under torch.no_grad()"
         )
+    if isinstance(body, torch.fx.GraphModule):
+        refuse_host_only_ops(body, f"xla_while: the scan body {body_name(body)!r}")
     unroll = min(unroll, max(length, 1))
     key = (metadata(carry), metadata(xs), metadata(additional), length, reverse, unroll)
     try:
