@@ -626,7 +626,7 @@ def install_export_serializer(name_of: Any, flatten: Any, regroup: Any) -> None:
 #   so a second ``select`` of the same DTensor sees a wrong shape (``select_step`` avoids it);
 # - its view rules cannot flatten dims sharded on different mesh axes (``(Shard(0), Shard(1))``
 #   of ``[4, 8, 16]`` viewed as ``[32, 16]``): 2.13 lays the result out with ``_StridedShard``;
-# - it has no rule for ``aten.fill.Scalar`` (2.13 runs it);
+# - it has no rule for ``aten.fill.Scalar`` (2.13 runs it; ``lower_to_dtensor`` runs it by ``fill_``'s rule);
 # - ``Replicate + Partial`` (the replicated operand first) all-reduces the ``Partial`` one, and
 #   ``zeros_like`` of a ``Partial`` value is ``Replicate``, where 2.13 takes the replicated operand
 #   as ``Partial`` locally: a gradient summed over a loop's steps is reduced at every step.

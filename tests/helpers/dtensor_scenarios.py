@@ -489,10 +489,6 @@ if not _compat.DTENSOR_FLATTENS_SHARDED_DIMS:
         "DTensor before torch 2.13 cannot view [4, 8, 16] laid out (Shard(0), Shard(1)) as [32, 16] "
         "(flattening dims sharded on different mesh axes needs _StridedShard)"
     )
-if not _compat.DTENSOR_RUNS_FILL_SCALAR:
-    UNSUPPORTED["example_auto_shard"] = (
-        "DTensor before torch 2.13 has no sharding rule for aten.fill.Scalar, which the decoder's backward calls"
-    )
 
 
 def plan_path(outdir: str, name: str) -> str:
