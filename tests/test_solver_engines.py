@@ -131,6 +131,34 @@ class TestToulbar2Engine:
             assert len(result.chosen) == len(search.nodes)
 
 
+    def test_a_run_started_near_its_deadline_returns_by_it(self, monkeypatch):
+        # Writing toulbar2's input is not cut at the deadline (0.7 s for 8000 nodes with the
+        # machine busy, started 0.6 s before it, the arrays before it 0.2 s, while the answer
+        # waited on that thread): a run is not started unless the time left allows it. (Here
+        # the arrays made slow, 0.3 s, the write 1 s, and the run given 0.6 s.)
+        problem = contest_like(0, 200)
+        reduced = Reduced(problem)
+        reduced.reduce(problem.usage_limit, math.inf)
+        search = search_module.Search(reduced, seed=0)
+        data, write = wcsp._data, wcsp._write_input
+
+        def slow_data(*args):
+            time.sleep(0.3)
+            return data(*args)
+
+        def slow_write(arrays):
+            time.sleep(1.0)
+            return write(arrays)
+
+        monkeypatch.setattr(wcsp, "_data", slow_data)
+        monkeypatch.setattr(wcsp, "_write_input", slow_write)
+        began = time.perf_counter()
+        result = wcsp.solve_wcsp(search, began + 0.6)
+        took = time.perf_counter() - began
+        assert took < 0.6 + 0.1, took
+        assert result.status == "stopped" and result.chosen is None
+
+
 class TestPortfolio:
     def test_time_limit_kept_by_the_wall_clock(self):
         # A problem toulbar2 cannot prove in the limit (it is killed at the deadline).
