@@ -637,6 +637,14 @@ DYNAMO_SPECULATES_FUNCTIONAL_CALL = TORCH_VERSION >= (2, 13)
 DTENSOR_SELECT_ALIASES_INPUT_SPEC = TORCH_VERSION < (2, 13)
 DTENSOR_FLATTENS_SHARDED_DIMS = TORCH_VERSION >= (2, 13)
 DTENSOR_RUNS_FILL_SCALAR = TORCH_VERSION >= (2, 13)
+# DTensor 2.9's LayerNorm backward strategy takes the weight and bias as they arrive ("they
+# should be replicated in forward pass"): a plan that keeps them sharded hands the local kernel
+# a shard of the normalized shape ("Expected bias to be of same shape as normalized_shape").
+# 2.13 asks for them replicated. ``passes.dtensor.runtime.run_with_replicated_parameters``
+# replicates them first on 2.9. The op -> the positions of its weight and bias.
+DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT = (
+    {"aten.native_layer_norm_backward.default": (5, 6)} if TORCH_VERSION < (2, 13) else {}
+)
 # DTensor 2.9 caches an op's output layout and global shape keyed by its tensor arguments only
 # when the op's rule declares no schema info: two calls differing in a size argument share one
 # entry, and the second DTensor gets the first's global shape (the local tensor is right). These

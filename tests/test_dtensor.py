@@ -202,7 +202,9 @@ def test_ops_dtensor_mistakes_run_right(results):
     # fill.Scalar, and embedding backwards differing only in the vocabulary's size: loss and
     # gradients equal eager on every rank (DTensor 2.9 raises for the first and gives the second
     # backward the first's global shape: the lowering runs the first by fill_'s rule and
-    # declares the size part of DTensor's cache key there).
+    # declares the size part of DTensor's cache key there); and a traced LayerNorm backward
+    # with its weight and bias sharded (DTensor 2.9 runs its kernel on their shards: the
+    # lowering replicates them first).
     scenario(results, "ops_dtensor_runs_only_by_the_lowering")
 
 

@@ -71,6 +71,7 @@ from passes.dtensor.runtime import (
     run_in_profiler_scope,
     run_replicated,
     run_scan_on_dtensors,
+    run_with_replicated_parameters,
 )
 from passes.inline import call_kernel_op, einsum_linear_to_aten, einsum_to_aten, region_operands
 from passes.solver._dtensor import rule_of
@@ -99,11 +100,15 @@ def _without_rule(op: torch._ops.OpOverload) -> Any:
     else ``None`` (DTensor runs it, or answers it itself: ``sym_size``, ``_local_scalar_dense``).
     DTensor cannot run as is: an op without a strategy; a functional op the solver places by
     its in-place variant's rule (``rule_of``) where DTensor does not run it so (torch 2.9:
-    ``fill.Scalar``), run as that variant on a copy (``run_by_inplace_rule``)."""
+    ``fill.Scalar``), run as that variant on a copy (``run_by_inplace_rule``); a norm's backward
+    DTensor runs on its parameters as they arrive (torch 2.9), run with them replicated
+    (``run_with_replicated_parameters``)."""
     schema = op._schema
     rule = rule_of(op)
     if rule is not None and rule is not op and not _compat.DTENSOR_RUNS_FILL_SCALAR:
         return run_by_inplace_rule
+    if str(op) in _compat.DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT:
+        return run_with_replicated_parameters
     if rule is not None or not any("Tensor" in str(a.type) for a in schema.arguments):
         return None
     if any("Tensor" in str(r.type) for r in schema.returns):

@@ -24,7 +24,9 @@ graph comes back the same) and takes the node's typed spec as its last argument:
   reads of each DTensor argument, the global metadata or the gathered value;
 - ``run_by_inplace_rule(inplace, x, *args, **kwargs)``: a functional op DTensor places by its
   in-place variant's rule but does not run (torch 2.9: ``fill.Scalar``), run as that variant
-  on a copy of ``x``.
+  on a copy of ``x``;
+- ``run_with_replicated_parameters(op, *args, **kwargs)``: a norm's backward whose weight and
+  bias DTensor takes as they arrive (torch 2.9), run with them replicated.
 
 DTensor's public ``redistribute`` refuses a ``Partial`` target; ``redistribute_to`` reaches it
 through ``Replicate`` and this package's reference split (``hops._layout``): the first rank
@@ -333,3 +335,19 @@ def run_by_inplace_rule(inplace: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     """The functional op of ``inplace`` (``fill.Scalar`` of ``fill_.Scalar``): ``inplace`` on a
     copy of ``x`` (DTensor runs ``clone`` and ``inplace``; the copy keeps ``x``'s layout)."""
     return inplace(x.clone(), *args, **kwargs)
+
+
+@leaf_call
+def run_with_replicated_parameters(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``op`` (a norm's backward, ``_compat.DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT``) with
+    its weight and bias DTensors replicated first: DTensor 2.9 runs the local kernel on them as
+    they arrive, and a shard of a normalized-shape parameter is refused. Their gradients' layouts
+    follow the input's, as DTensor's rule says."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    args = list(args)
+    for position in _compat.DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT[str(op)]:
+        value = args[position] if position < len(args) else None
+        if isinstance(value, DTensor):
+            args[position] = value.redistribute(value.device_mesh, [Replicate()] * value.device_mesh.ndim)
+    return op(*args, **kwargs)

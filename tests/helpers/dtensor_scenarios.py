@@ -358,10 +358,10 @@ def checks_without_a_rule(device_mesh, report):
 
 @scenario
 def ops_dtensor_runs_only_by_the_lowering(device_mesh, report):
-    # Ops DTensor 2.9 cannot run as they are: fill.Scalar (placed by fill_'s rule), and two
+    # Ops DTensor 2.9 cannot run as they are: fill.Scalar (placed by fill_'s rule), two
     # embedding backwards (autograd's, at run time) that differ only in the vocabulary's size
-    # (its cache gave the second the first's global shape). Loss and gradients against eager,
-    # rows sharded.
+    # (its cache gave the second the first's global shape), and a LayerNorm backward in the
+    # graph whose weight and bias are sharded. Loss and gradients against eager, rows sharded.
     def fn(ids, x, big, small):
         ones = torch.ops.aten.fill.Scalar(x, 1.0)
         return (torch.nn.functional.embedding(ids, big) + torch.nn.functional.embedding(ids, small)).sum() * (ones * x).sum()
@@ -378,6 +378,19 @@ def ops_dtensor_runs_only_by_the_lowering(device_mesh, report):
     torch.testing.assert_close(out.full_tensor(), expected.detach())
     for i, (d, leaf) in enumerate(zip(distributed, leaves)):
         torch.testing.assert_close(d.grad.full_tensor(), leaf.grad, msg=lambda m: f"gradient {i}: {m}")
+
+    # A traced training step's LayerNorm backward with the weight and bias sharded (as a
+    # solver's plan may keep them): DTensor 2.9 handed its kernel their shards.
+    def step(x, w, b):
+        loss = torch.nn.functional.layer_norm(x, (4,), w, b).square().sum()
+        return (loss, *torch.autograd.grad(loss, (x, w, b)))
+
+    x, w, b = torch.randn(8, 4), torch.randn(4), torch.randn(4)
+    expected = step(*(t.clone().requires_grad_() for t in (x, w, b)))
+    gm = passes.lower_to_dtensor(make_fx(step)(*(t.clone().requires_grad_() for t in (x, w, b))), device_mesh)
+    got = gm(*(on_mesh(device_mesh, t, ROWS) for t in (x, w, b)))
+    for name, value, reference in zip(("loss", "grad x", "grad w", "grad b"), got, expected):
+        torch.testing.assert_close(value.full_tensor(), reference.detach(), msg=lambda m: f"layer_norm {name}: {m}")
 
 
 @scenario
