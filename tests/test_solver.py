@@ -408,3 +408,26 @@ def stated_layouts(gm):
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+def test_a_solve_in_the_callers_process_prints_nothing():
+    # HiGHS prints its banner to fd 1 when a process makes its first solver object, before any
+    # option can be set; a solve without a time limit runs in the caller's process (a fresh
+    # one here: the banner comes once per process), whose stdout is the user's.
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        from passes.solver import solve_problem
+        from passes.solver.families import contest_like
+        solve_problem(contest_like(0, nodes=40, forbidden=0.0))
+        print("solved")
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "solved\n", done.stdout

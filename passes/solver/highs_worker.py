@@ -17,15 +17,45 @@ import os
 import pickle
 import struct
 import sys
+import threading
 import time
+
+_banner_shown = False
+_banner_lock = threading.Lock()
+
+
+def _new_highs() -> object:
+    """A silent ``highspy.Highs``. HiGHS prints its banner to fd 1 when the process makes its
+    first one, before any option can be set: in the caller's process (a solve without a
+    deadline) that first one is made with fd 1 pointed at the null device (the worker points
+    fd 1 at its stderr itself)."""
+    global _banner_shown
+    import highspy
+
+    with _banner_lock:
+        if _banner_shown:
+            highs = highspy.Highs()
+        else:
+            sys.stdout.flush()
+            saved = os.dup(1)
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, 1)
+                highs = highspy.Highs()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+                os.close(null)
+            _banner_shown = True
+    highs.setOptionValue("output_flag", False)
+    return highs
 
 
 def solve_model(model: dict) -> dict:
     import highspy
     import numpy as np
 
-    highs = highspy.Highs()
-    highs.setOptionValue("output_flag", False)
+    highs = _new_highs()
     for name, value in model["options"].items():
         highs.setOptionValue(name, value)
     if model.get("wall_deadline") is not None:
