@@ -45,6 +45,10 @@ runs graphs traced for that device's tensors; see ``hops._targets``).
 
 Autograd: ``caller_saved_tensors_hooks()``: whether the caller has saved-tensor hooks active
 (offloading, checkpointing), which may read or replace what a compiled forward saves.
+
+Torch versions (facts kept in ``hops._compat``, with the version each holds for and why) a
+target works around: ``DTENSOR_RUNS_FILL_SCALAR``, ``DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF``,
+``DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT``.
 """
 
 from __future__ import annotations
@@ -53,7 +57,12 @@ from hops._body_hop.body import at_boundary, distinct_tensors
 from hops._body_hop.body_record import across_calls_key, plan_body_key, traced_graph
 from hops._body_hop.flat_body import flat_body
 from hops._body_hop.subgraph import body_name, clone_aliased_outputs, is_view
-from hops._compat import caller_saved_tensors_hooks
+from hops._compat import (
+    DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF,
+    DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT,
+    DTENSOR_RUNS_FILL_SCALAR,
+    caller_saved_tensors_hooks,
+)
 from hops._errors import hop_prefix, leaf_name
 from hops._inductor import inductor_rule
 from hops._layout import device_coordinates, global_shape, local_shape, replicated
@@ -61,6 +70,9 @@ from hops._targets import register_graph_compiler
 from hops.scan import run_scan_steps, scan_length, scan_step_examples, split_scan_operands
 
 __all__ = [
+    "DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF",
+    "DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT",
+    "DTENSOR_RUNS_FILL_SCALAR",
     "across_calls_key",
     "at_boundary",
     "body_name",

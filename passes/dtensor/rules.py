@@ -42,10 +42,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from hops import _compat
 from hops.einsum import einsum_kernel, einsum_linear_kernel
 from hops.kernel import Kernel
 from hops.local_map import local_map_hop
+from hops.lowering import DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT, DTENSOR_RUNS_FILL_SCALAR
 from hops.named_scope import ScopeSpec, named_scope_hop
 from hops.scan import ScanSpec, scan_hop
 from hops.sharding_annotation import sharding_annotation_hop
@@ -105,9 +105,9 @@ def _without_rule(op: torch._ops.OpOverload) -> Any:
     (``run_with_replicated_parameters``)."""
     schema = op._schema
     rule = rule_of(op)
-    if rule is not None and rule is not op and not _compat.DTENSOR_RUNS_FILL_SCALAR:
+    if rule is not None and rule is not op and not DTENSOR_RUNS_FILL_SCALAR:
         return run_by_inplace_rule
-    if str(op) in _compat.DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT:
+    if str(op) in DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT:
         return run_with_replicated_parameters
     if rule is not None or not any("Tensor" in str(a.type) for a in schema.arguments):
         return None

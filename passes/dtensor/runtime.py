@@ -42,8 +42,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from hops import _compat
-from hops.lowering import run_scan_steps
+from hops.lowering import DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF, DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT, run_scan_steps
 from hops.named_scope import ScopeSpec
 from hops.scan import ScanSpec
 from hops.specs import LocalMapSpec, Mesh, Placement, ShardingSpec
@@ -77,18 +76,18 @@ def register_device_mesh(mesh: Mesh, device_mesh: Any) -> None:
 
 def declare_size_arguments() -> None:
     """Where DTensor keys its cache of an op's output layout and global shape by the op's
-    tensor arguments only (``_compat.DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF``: torch 2.9's
+    tensor arguments only (``DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF``: torch 2.9's
     ``embedding_dense_backward``), declare the op's other arguments part of the key, as later
     torch does: else a second call differing only in a size (the gradient of an embedding of
     another vocabulary, GPT-2's and OPT's positions) gets the first's global shape. Whether the op is in
     the lowered graph or comes from autograd of it at run time."""
-    if not _compat.DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF:
+    if not DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF:
         return
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 
     declared = DTensor._op_dispatcher.sharding_propagator.op_to_schema_info
-    for name in _compat.DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF:
+    for name in DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF:
         packet, overload = name.removeprefix("aten.").rsplit(".", 1)
         op = getattr(getattr(torch.ops.aten, packet), overload)
         if op not in declared:
@@ -339,14 +338,14 @@ def run_by_inplace_rule(inplace: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
 
 @leaf_call
 def run_with_replicated_parameters(op: Any, *args: Any, **kwargs: Any) -> Any:
-    """``op`` (a norm's backward, ``_compat.DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT``) with
+    """``op`` (a norm's backward, ``DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT``) with
     its weight and bias DTensors replicated first: DTensor 2.9 runs the local kernel on them as
     they arrive, and a shard of a normalized-shape parameter is refused. Their gradients' layouts
     follow the input's, as DTensor's rule says."""
     from torch.distributed.tensor import DTensor, Replicate
 
     args = list(args)
-    for position in _compat.DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT[str(op)]:
+    for position in DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT[str(op)]:
         value = args[position] if position < len(args) else None
         if isinstance(value, DTensor):
             args[position] = value.redistribute(value.device_mesh, [Replicate()] * value.device_mesh.ndim)
