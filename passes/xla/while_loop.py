@@ -77,8 +77,6 @@ def xla_while(
             "lower the forward and backward graphs AOTAutograd produces (torch.compile(backend='hops_xla') "
             "does), or run the lowered graph under torch.no_grad()"
         )
-    if isinstance(body, torch.fx.GraphModule):
-        refuse_host_only_ops(body, f"xla_while: the scan body {body_name(body)!r}")
     unroll = min(unroll, max(length, 1))
     key = (metadata(carry), metadata(xs), metadata(additional), length, reverse, unroll)
     try:
@@ -89,6 +87,8 @@ def xla_while(
     code = getattr(body, "code", None)
     loop = loops.get((key, code))
     if loop is None:
+        if isinstance(body, torch.fx.GraphModule):  # checked once per loop built, not per run
+            refuse_host_only_ops(body, f"xla_while: the scan body {body_name(body)!r}")
         loop = loops[(key, code)] = _build(body, carry, xs, additional, length, reverse, unroll)
     given = [*carry, *xs, *additional]
     device = given[0].device if given else torch_xla.device()
