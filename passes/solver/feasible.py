@@ -28,7 +28,6 @@ where it fails is not called infeasible: ``NoPlanFoundError``).
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -196,23 +195,13 @@ class _Repair:
             t = int(np.argmax(short))
             if short[t] <= 0:
                 return True
-            best, move = math.inf, None
-            for count, w in enumerate(search.live_at(lo + t).tolist()):
-                if count % 64 == 63 and time.perf_counter() >= deadline:
-                    return False
-                if w == v:
-                    continue
-                usage = search.usage[w]
-                current = int(search.s[w])
-                freed = usage[current] - usage
-                values = search.values(w)
-                allowed = (freed > 0) & (values // search.big <= values[current] // search.big) & self._fits(w)
-                if not allowed.any():
-                    continue
-                ratio = np.where(allowed, (values - values[current]) / np.where(freed > 0, freed, 1.0), np.inf)
-                b = int(np.argmin(ratio))
-                if ratio[b] < best:
-                    best, move = ratio[b], (w, b)
+            # No move adds a forbidden pair (values count them in units of ``big``).
+            move = search.cheapest_freeing_move(
+                lo + t,
+                lambda w, values: (values // search.big <= values[search.s[w]] // search.big) & self._fits(w),
+                skip=v,
+                deadline=deadline,
+            )
             if move is None:
                 return False
             self._move(*move)

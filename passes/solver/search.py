@@ -53,7 +53,7 @@ import math
 import os
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -410,23 +410,38 @@ class Search:
             k = int(np.argmax(over))
             if over[k] <= 0:
                 return True
-            best, move = math.inf, None
-            for v in self.live_at(k).tolist():
-                u = self.usage[v]
-                freed = u[self.s[v]] - u
-                values = self.values(v)
-                allowed = (freed > 0) & (values < self.big)
-                if not allowed.any():
-                    continue
-                ratio = np.full(len(u), np.inf)
-                ratio[allowed] = (values[allowed] - values[self.s[v]]) / freed[allowed]
-                a = int(np.argmin(ratio))
-                if ratio[a] < best:
-                    best, move = ratio[a], (v, a)
+            move = self.cheapest_freeing_move(k, lambda v, values: values < self.big)
             if move is None:
                 return False
             self.move(*move)
         return False
+
+    def cheapest_freeing_move(
+        self, step: int, admissible: Callable[[int, np.ndarray], np.ndarray], *, skip: int = -1, deadline: float = math.inf
+    ) -> tuple[int, int] | None:
+        """The move, among the nodes live at ``step`` (but ``skip``), to a smaller strategy that
+        costs least per unit of memory it frees: ``(node, strategy)``, or None. ``admissible(v,
+        values)``: which of ``v``'s strategies may be taken, given their values with the
+        neighbours as they are. None too when ``deadline`` passes (checked every 64 nodes)."""
+        best, move = math.inf, None
+        for count, v in enumerate(self.live_at(step).tolist()):
+            if count % 64 == 63 and time.perf_counter() >= deadline:
+                return None
+            if v == skip:
+                continue
+            u = self.usage[v]
+            current = int(self.s[v])
+            freed = u[current] - u
+            values = self.values(v)
+            allowed = (freed > 0) & admissible(v, values)
+            if not allowed.any():
+                continue
+            ratio = np.full(len(u), np.inf)
+            ratio[allowed] = (values[allowed] - values[current]) / freed[allowed]
+            a = int(np.argmin(ratio))
+            if ratio[a] < best:
+                best, move = ratio[a], (v, a)
+        return move
 
     # ------------------------------------------------------------------ MILP
 
