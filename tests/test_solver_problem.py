@@ -482,6 +482,26 @@ class TestInfeasibleOnlyWithAProof:
         assert main.violation() >= 0  # (it returned: no infeasibility claimed)
 
 
+    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(case=forbidden_problems)
+    def test_the_diffusion_bound_is_below_every_plan(self, case):
+        # Forbidden pairs as ``inf`` too: a strategy forbidden with every one of a neighbour's
+        # once turned a table into NaN (inf - inf) and the bound into the node minima's.
+        # (Memory ignored by the bound: it is below the plans within the limit too.)
+        # Reductions cut short by their deadline (a loaded machine) leave such strategies in.
+        problem, raw = case
+        reduced = reduce_module.Reduced(problem)
+        try:
+            reduced.reduce(problem.usage_limit, deadline=0.0)
+        except InfeasiblePlacementError:
+            assert math.isinf(brute_force_1e18(raw))
+            return
+        search = search_module.Search(reduced, seed=0)
+        with np.errstate(invalid="raise"):
+            bound = search.diffusion_bound(math.inf, sweeps=20)
+        assert search.lower_bound() <= bound <= brute_force_1e18(raw) + 1e-9 * max(1.0, abs(bound))
+
+
 def test_a_cost_of_1e18_is_forbidden_and_lower_costs_are_costs():
     problem = StrategyProblem([[1e18, 9.9e17], [1.0, 2.0]], [[0, 0], [0, 0]], [[0, 1], [0, 1]], [[0, 1]], [[[0, 0], [1e18, 3.0]]])
     assert problem.node_costs[0].tolist() == [math.inf, 9.9e17]

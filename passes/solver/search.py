@@ -67,6 +67,7 @@ from passes.solver.problem import (
     ProblemSolution,
     StrategyProblem,
     _check_strategies,
+    _FlatEdges,
     _TimeSteps,
     peak_usage,
     problem_cost,
@@ -113,6 +114,7 @@ class Search:
         sizes = np.array([len(c) for c in self.cost], dtype=np.int64)
         self.cost_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         flat_cost = np.concatenate([np.zeros(0), *self.cost])
+        self.least_cost = np.minimum.reduceat(flat_cost, self.cost_start[:-1]) if len(sizes) else np.zeros(0)
         self.edge_cols = np.array([m.shape[1] for _, _, m in self.edges], dtype=np.int64)
         edge_sizes = np.array([m.size for _, _, m in self.edges], dtype=np.int64)
         self.edge_start = np.concatenate([[0], np.cumsum(edge_sizes)]).astype(np.int64)
@@ -296,7 +298,7 @@ class Search:
 
     def lower_bound(self) -> float:
         """Node minima: every remaining edge is >= 0 after the reductions."""
-        return self.reduced.constant + math.fsum(float(c.min()) for c in self.cost)
+        return self.reduced.constant + math.fsum(self.least_cost.tolist())
 
     def diffusion_bound(self, deadline: float, sweeps: int = 50) -> float:
         """A lower bound by min-sum diffusion (memory ignored, which only relaxes): the costs are
@@ -324,12 +326,12 @@ class Search:
                 total = node[v]
                 for k, rows in incident[v]:
                     m = edge[k]
-                    if rows:
-                        phi = m.min(axis=1)
-                        m -= phi[:, None]
-                    else:
-                        phi = m.min(axis=0)
-                        m -= phi[None, :]
+                    phi = m.min(axis=1 if rows else 0)
+                    with np.errstate(invalid="ignore"):
+                        m -= phi[:, None] if rows else phi[None, :]
+                    # A strategy forbidden with every one of a neighbour's (a row of inf, which
+                    # the reductions need not remove) stays forbidden: inf - inf is inf here.
+                    np.nan_to_num(m, copy=False, nan=math.inf, posinf=math.inf, neginf=-math.inf)
                     total = total + phi
                 share = total / (len(incident[v]) + 1)
                 node[v] = share
@@ -339,7 +341,7 @@ class Search:
                     else:
                         edge[k] += share[None, :]
             value = bound()
-            if not math.isfinite(value):  # pragma: no cover - the reductions leave every cost finite
+            if not math.isfinite(value):  # every strategy of a node forbidden: the plain bound stands
                 return self.lower_bound()
             best = max(best, value)
         return best
@@ -863,10 +865,12 @@ def _quick_answer(problem: StrategyProblem, begin: float, time_limit: float | No
         plans = [_first_least(costs, first, sizes), _first_least(np.where(least, costs, np.inf), first, sizes)]
     else:
         plans = [np.zeros(0, np.int64)]
+    edges = _FlatEdges(problem)
+    steps = _TimeSteps(problem) if problem.usage_limit is not None else None
     found = []
     for plan in plans:
-        cost = _plan_cost(problem, plan, costs[first + plan])
-        if math.isfinite(cost) and (problem.usage_limit is None or peak_usage(problem, plan) <= problem.usage_limit):
+        cost = _plan_cost(problem, edges, plan, costs[first + plan])
+        if math.isfinite(cost) and (steps is None or _peak(steps, usages[first + plan]) <= problem.usage_limit):
             found.append((cost, plan.tolist()))
     if not found:
         raise NoPlanFoundError(
@@ -875,7 +879,8 @@ def _quick_answer(problem: StrategyProblem, begin: float, time_limit: float | No
             "(a forbidden choice, or above the usage limit); the problem is not proven infeasible"
         )
     cost, strategies = min(found, key=lambda f: f[0])
-    lower = _least_cost(problem, math.inf if time_limit is None else begin + float(time_limit))
+    least_nodes = np.minimum.reduceat(costs, first) if len(sizes) else np.zeros(0)
+    lower = problem.constant + math.fsum(least_nodes.tolist()) + math.fsum(edges.least().tolist())
     seconds = time.perf_counter() - begin
     stats = dict(
         nodes=problem.num_nodes, edges=len(problem.edges), nodes_left=problem.num_nodes, edges_left=len(problem.edges),
@@ -1104,16 +1109,6 @@ def _answer_reserve(problem: StrategyProblem, time_limit: float) -> float:
 _KILL_SECONDS = 0.1
 
 
-def _least_cost(problem: StrategyProblem, until: float) -> float:
-    """A lower bound: every node's and every edge's least cost (``-inf`` if not summed by ``until``)."""
-    parts = [float(c.min()) for c in problem.node_costs]
-    for k, m in enumerate(problem.edge_costs):
-        if k % 1024 == 0 and time.perf_counter() >= until:
-            return -math.inf
-        parts.append(float(m.min()))
-    return problem.constant + math.fsum(parts)
-
-
 def _first_least(values: np.ndarray, first: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """Per segment ``values[first[k]:first[k] + sizes[k]]`` (none empty, no NaN), the index in
     it of its first least value (every segment holds its least: ``inf == inf`` too)."""
@@ -1121,18 +1116,17 @@ def _first_least(values: np.ndarray, first: np.ndarray, sizes: np.ndarray) -> np
     return hits[np.searchsorted(hits, first)] - first
 
 
-def _plan_cost(problem: StrategyProblem, plan: np.ndarray, node_costs: np.ndarray) -> float:
-    """``problem_cost`` of ``plan`` (its nodes' costs given), ``inf`` as soon as a choice is
-    forbidden (a heuristic plan of a problem with many forbidden pairs makes one early)."""
-    if not np.isfinite(node_costs).all():
+def _plan_cost(problem: StrategyProblem, edges: _FlatEdges, plan: np.ndarray, node_costs: np.ndarray) -> float:
+    """``problem_cost`` of ``plan`` (its nodes' costs given; ``inf`` if a choice is forbidden)."""
+    values = edges.costs(plan)
+    if not (np.isfinite(node_costs).all() and np.isfinite(values).all()):
         return math.inf
-    values = []
-    for k, (a, b) in enumerate(zip(plan[problem.edges[:, 0]].tolist(), plan[problem.edges[:, 1]].tolist())):
-        value = problem.edge_cost(k, a, b)
-        if value == math.inf:
-            return math.inf
-        values.append(value)
-    return math.fsum(node_costs.tolist()) + math.fsum(values) + problem.constant
+    return math.fsum(node_costs.tolist()) + math.fsum(values.tolist()) + problem.constant
+
+
+def _peak(steps: _TimeSteps, used: np.ndarray) -> float:
+    """The most memory live at one step when each node uses ``used``."""
+    return float(steps.loads_of(used).max()) if steps.any_live else 0.0
 
 
 def _integral(problem: StrategyProblem, until: float = math.inf) -> bool:
