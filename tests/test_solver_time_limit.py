@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from passes.solver import NoPlanFoundError, StrategyProblem, peak_usage, problem_cost, solve_problem
 from passes.solver import deadline as deadline_module
+from passes.solver import search as search_module
 from passes.solver.deadline import solve_model_by
 from passes.solver.families import contest_like
 from passes.solver.search import Search, _quick_answer
@@ -171,6 +172,32 @@ def test_a_time_limit_shorter_than_the_preparation_still_gets_a_plan_in_time():
         assert problem_cost(candidate, solution.strategies) == solution.cost < math.inf
         assert solution.lower_bound <= solution.cost
 
+
+
+def test_the_quick_answer_is_read_before_the_steps_it_replaces(monkeypatch):
+    # A loaded machine, simulated: the search's arrays are not built by the deadline, and
+    # reading the quick answer takes 1.5 s. Read after them (as it was), it ended past the
+    # contract (1 s + 1.5 s at a 1 s limit).
+    quick = search_module._quick_answer
+
+    def slow_quick_answer(*args):
+        time.sleep(1.5)
+        return quick(*args)
+
+    class SlowSearch:
+        def __init__(self, reduced, seed, deadline):
+            time.sleep(max(0.0, deadline - time.perf_counter()))
+            raise deadline_module.OutOfTime
+
+    monkeypatch.setattr(search_module, "_quick_answer", slow_quick_answer)
+    monkeypatch.setattr(search_module, "Search", SlowSearch)
+    problem = contest_like(0, 8000, forbidden=0.0)
+    began = time.perf_counter()
+    solution = solve_problem(problem, time_limit=1.0)
+    took = time.perf_counter() - began
+    assert within_contract(took, 1.0), took
+    assert solution.stats["method"] == "quick"
+    assert problem_cost(problem, solution.strategies) == solution.cost < math.inf
 
 
 @settings(max_examples=60, deadline=None)
