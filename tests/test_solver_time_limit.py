@@ -233,3 +233,21 @@ def test_the_quick_answer_is_the_better_heuristic_plan_and_a_true_bound(seed, no
     assert answer.cost == expected == problem_cost(problem, answer.strategies) < math.inf
     assert fits(answer.strategies)
     assert answer.lower_bound <= optimum
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([0.0, 0.3]), st.booleans())
+def test_a_plan_priced_as_one_gather_costs_the_sum_of_its_choices(seed, forbidden, as_classes):
+    # problem_cost and the quick answer price a plan of a large problem with one gather over
+    # the tables laid end to end (with the FX front's class maps): the same sum as pricing
+    # each node's and each edge's choice.
+    plain = contest_like(seed % 1000, 300, forbidden=forbidden)
+    problem = fx_problem(plain) if as_classes else plain
+    assert len(problem.edges) >= 64 and (problem.edge_classes is not None) == as_classes
+    rng = np.random.default_rng(seed)
+    for _ in range(5):
+        plan = [int(rng.integers(len(c))) for c in problem.node_costs]
+        terms = [float(c[a]) for c, a in zip(problem.node_costs, plan)]
+        terms += [problem.edge_cost(k, plan[i], plan[j]) for k, (i, j) in enumerate(problem.edges.tolist())]
+        expected = math.fsum(terms) + problem.constant if all(map(math.isfinite, terms)) else math.inf
+        assert problem_cost(problem, plan) == expected
