@@ -200,6 +200,38 @@ def test_the_quick_answer_is_read_before_the_steps_it_replaces(monkeypatch):
     assert problem_cost(problem, solution.strategies) == solution.cost < math.inf
 
 
+def test_on_a_shared_machine_the_answer_gets_the_time_it_will_take(monkeypatch):
+    # Cores shared with other work, simulated: each step before the search and the answer's
+    # steps after it take 3x their CPU time (sleeping). The answer then needs 3x its reserve:
+    # the search must end that much earlier (it ended 0.5 s past the contract before).
+    answer = search_module._Run.answer
+
+    def slow(step):
+        def run(*args, **kwargs):
+            began = time.process_time()
+            result = step(*args, **kwargs)
+            time.sleep(2 * (time.process_time() - began))
+            return result
+
+        return run
+
+    def slow_answer(self):
+        time.sleep(3 * search_module._answer_reserve(self.problem, self.time_limit))
+        return answer(self)
+
+    for owner, name in ((search_module.Reduced, "__init__"), (search_module.Reduced, "reduce"), (search_module.Search, "__init__")):
+        monkeypatch.setattr(owner, name, slow(getattr(owner, name)))
+    monkeypatch.setattr(search_module._Run, "answer", slow_answer)
+    problem = contest_like(0, 3000, forbidden=0.0)
+    began = time.perf_counter()
+    solution = solve_problem(problem, time_limit=3.0, search="exact")
+    took = time.perf_counter() - began
+    assert within_contract(took, 3.0), took
+    reserve = search_module._answer_reserve(problem, 3.0)
+    assert solution.stats["search_seconds_allowed"] < 3.0 - 2 * reserve
+    assert problem_cost(problem, solution.strategies) == solution.cost < math.inf
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(1, 5), st.booleans())
 def test_the_quick_answer_is_the_better_heuristic_plan_and_a_true_bound(seed, nodes, memory):
