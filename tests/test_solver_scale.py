@@ -369,11 +369,14 @@ def test_the_axis_search_returns_a_valid_plan_no_better_than_the_optimum_and_wit
             np.fill_diagonal(table, 0.0)  # equal layouts: nothing to move
             factors.append(Factor(a, b, np.arange(8), np.arange(8), table))
         problem, _ = choice_problem(costs, factors, terms, None, [layouts] * 4)
-        plans = list(itertools.product(range(8), repeat=4))
-        budget = float(np.median([peak_usage(problem, p) for p in plans])) if budgeted else None
+        # Every plan's cost and peak from the raw arrays, at once (all four live together).
+        plans = np.array(list(itertools.product(range(8), repeat=4)))
+        totals = sum(costs[i][plans[:, i]] for i in range(4))
+        totals = totals + sum(f.table[plans[:, f.a], plans[:, f.b]] for f in factors)
+        peaks = sum(t.usage[plans[:, t.choice]] for t in terms)
+        budget = float(np.median(peaks)) if budgeted else None
         problem = problem.with_usage_limit(budget)
-        feasible = [p for p in plans if budget is None or peak_usage(problem, p) <= budget + 1e-9]
-        optimum = min(problem_cost(problem, p) for p in feasible)
+        optimum = float(totals[peaks <= budget + 1e-9].min() if budget is not None else totals.min())
         exact = solve_problem(problem, search="exact", dominance="equal")
         assert exact.cost == pytest.approx(optimum, rel=1e-9)
         searched = solve_problem(problem, search="axes", dominance="equal")
