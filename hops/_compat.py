@@ -72,11 +72,12 @@ def dynamo_hop_variable_base() -> type:
 def dynamo_graph_break(gb_type: str, context: str, explanation: str, from_exc: BaseException | None = None) -> None:
     """Stop Dynamo tracing here with a structured reason (an error under ``fullgraph=True``).
 
-    2.9 names the structured form ``unimplemented_v2``; 2.13 renamed it ``unimplemented``.
+    2.9 names the structured form ``unimplemented_v2`` (its ``unimplemented`` takes a message);
+    2.13 renamed it ``unimplemented`` (``PRIVATE_SYMBOLS_UNTIL``).
     """
     from torch._dynamo import exc
 
-    graph_break = getattr(exc, "unimplemented_v2", None) or exc.unimplemented
+    graph_break = exc.unimplemented_v2 if TORCH_VERSION < (2, 13) else exc.unimplemented
     extra = {} if from_exc is None else {"from_exc": from_exc}
     graph_break(gb_type=gb_type, context=context, explanation=explanation, hints=[], **extra)
 
@@ -664,6 +665,11 @@ DTENSOR_ADDS_REPLICATE_TO_PARTIAL_LOCALLY = TORCH_VERSION >= (2, 13)
 PRIVATE_SYMBOLS_SINCE: dict[str, tuple[int, int]] = {
     # DTensor's single-mesh-dim strategies (passes/solver/_dtensor.py), absent in 2.9.
     "torch.distributed.tensor._ops.single_dim_strategy._expand_single_dim_strategy_to_mesh": (2, 13),
+}
+# Private torch symbols the package names only before the version given (the code reaching
+# each is guarded by that version): torch may drop them from then on.
+PRIVATE_SYMBOLS_UNTIL: dict[str, tuple[int, int]] = {
+    "torch._dynamo.exc.unimplemented_v2": (2, 13),  # ``dynamo_graph_break``
 }
 
 
