@@ -438,6 +438,13 @@ def inductor_tracing(fake_mode: Any) -> Iterator[None]:
         yield
 
 
+# What compiling a program holding a HOP changes in torch's functions, by version (the first
+# compile whose graph the lowering pass changed installs it, once): before 2.15, the wrap of
+# ``SubgraphLowering.__init__`` by ``undonated_subgraph_inputs``; nothing from 2.15 on. Tested by
+# tests/test_inductor_pass_chaining.py against a snapshot taken after compiling every sample.
+COMPILE_PATCHES: tuple[str, ...] = (
+    ("torch._inductor.graph.SubgraphLowering.__init__",) if TORCH_VERSION < (2, 15) else ()
+)
 _UNDONATED_WRAPPERS: set = set()  # the wrappers installed (no attribute of our own on torch's)
 
 
@@ -454,8 +461,8 @@ def undonated_subgraph_inputs() -> None:
     the first iteration, so later steps read that result (wrong gradients, the parameter
     itself overwritten). ``SubgraphLowering.__init__`` is wrapped, once, to clear the
     subgraph's list, as 2.15's does; the top-level backward keeps its donations. Called by
-    the lowering pass before inductor lowers the graph it changed."""
-    if TORCH_VERSION >= (2, 15):
+    the lowering pass before inductor lowers the graph it changed. Listed in ``COMPILE_PATCHES``."""
+    if not COMPILE_PATCHES:
         return
     import functools
 

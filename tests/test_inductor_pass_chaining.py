@@ -74,12 +74,12 @@ import inspect, sys, torch
 import torch._dynamo.convert_frame, torch._dynamo.symbolic_convert, torch._dynamo.eval_frame
 import torch._dynamo.variables.functions, torch._dynamo.variables.higher_order_ops
 import torch._inductor.config, torch._functorch.config, torch._dynamo.config
-import torch._export.serde.serialize
+import torch._export.serde.serialize, torch._inductor.graph
 
 MODULES = [
     torch._dynamo.convert_frame, torch._dynamo.symbolic_convert, torch._dynamo.eval_frame,
     torch._dynamo.variables.functions, torch._dynamo.variables.higher_order_ops,
-    torch._export.serde.serialize,
+    torch._export.serde.serialize, torch._inductor.graph,
 ]
 
 def functions():
@@ -111,12 +111,14 @@ def changed(before, after):
 
 def test_import_and_compiling_every_sample_replace_no_dynamo_function_and_keep_the_users_pass():
     # Importing the package: the Dynamo HOP-variable table gains this package's entries (a
-    # registration), but no function of Dynamo's frame compiler, tracer or variables, nor of
-    # torch.export's serializer (it gains a namespace, a registration), is replaced (on torch 2.9, one method its Dynamo lacks is added: _compat.IMPORT_PATCHES
-    # says so), and no setting of Dynamo, AOTAutograd or inductor is written (the user's pass
-    # is theirs). After a program holding each HOP compiled, Dynamo's functions are still
-    # torch's and a user's post-grad pass, set before the import and replaced after it, ran
-    # in each compile.
+    # registration), but no function of Dynamo's frame compiler, tracer or variables, of
+    # torch.export's serializer (it gains a namespace, a registration) or of inductor's graph
+    # lowering is replaced (on torch 2.9, one method its Dynamo lacks is added:
+    # _compat.IMPORT_PATCHES says so), and no setting of Dynamo, AOTAutograd or inductor is
+    # written (the user's pass is theirs). After a program holding each HOP compiled, the only
+    # functions that differ are the ones _compat.COMPILE_PATCHES declares (before torch 2.15,
+    # SubgraphLowering.__init__, wrapped at the first compile), and a user's post-grad pass,
+    # set before the import and replaced after it, ran in each compile.
     subprocess_check(
         """
         runs = {}
@@ -128,7 +130,7 @@ def test_import_and_compiling_every_sample_replace_no_dynamo_function_and_keep_t
         before_functions, before_settings = functions(), settings()
         import hops
         after_settings = settings()
-        from hops._compat import IMPORT_PATCHES  # nothing from torch 2.13 on
+        from hops._compat import COMPILE_PATCHES, IMPORT_PATCHES  # nothing from torch 2.13 / 2.15 on
         assert changed(before_functions, functions()) == sorted(IMPORT_PATCHES), changed(before_functions, functions())
         for module, values in before_settings.items():
             assert not changed(values, after_settings[module]), (module, changed(values, after_settings[module]))
@@ -142,7 +144,8 @@ def test_import_and_compiling_every_sample_replace_no_dynamo_function_and_keep_t
             inputs = [t.detach() for t in sample.inputs()]
             got = torch.compile(sample.program, fullgraph=True)(*inputs)
             torch.testing.assert_close(got, sample.program(*inputs), atol=1e-5, rtol=1e-4)
-        assert changed(before_functions, functions()) == sorted(IMPORT_PATCHES), changed(before_functions, functions())
+        after_compiles = changed(before_functions, functions())
+        assert after_compiles == sorted(IMPORT_PATCHES + COMPILE_PATCHES), after_compiles
         assert runs.get("before", 0) >= 1 and runs.get("after", 0) >= len(SAMPLES) - 1, runs
         """
     )
