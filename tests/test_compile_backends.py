@@ -12,7 +12,7 @@ import torch
 
 import hops
 from hops import Mesh, Replicate, Shard, ShardingSpec
-from tests.helpers.hop_db import SAMPLES, forward_backward, fresh
+from tests.helpers.samples_together import assert_close_apart, forward_backward_apart, together, together_inputs
 
 MESH = Mesh((2, 2), ("data", "model"))
 ROWS = ShardingSpec(MESH, (Shard(0), Replicate()))
@@ -49,14 +49,13 @@ def test_the_backends_earlier_import_path_still_works():
     assert (dynamo.hops_xla, dynamo.hops_inductor, dynamo.lowered_and_staged) == (hops_xla, hops_inductor, lowered_and_staged)
 
 
-@pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
-def test_hops_inductor_matches_eager(sample):
+def test_hops_inductor_matches_eager():
+    # Every sample in one program (one forward and one backward graph), its values and
+    # gradients read sample by sample.
     torch._dynamo.reset()
-    inputs = sample.inputs(seed=5)
-    got, got_grads = forward_backward(torch.compile(sample.program, backend="hops_inductor", fullgraph=True), fresh(inputs))
-    expected, expected_grads = forward_backward(sample.program, fresh(inputs))
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4)
+    inputs = together_inputs(seed=5)
+    got = forward_backward_apart(torch.compile(together(), backend="hops_inductor", fullgraph=True), inputs)
+    assert_close_apart(got, forward_backward_apart(together(), inputs), atol=1e-5, rtol=1e-4)
 
 
 class MLP(torch.nn.Module):
