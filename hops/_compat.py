@@ -5,14 +5,40 @@ torch release means editing one file. Private torch APIs whose shape differs bet
 versions, or that reach into Dynamo's and autograd's internals, are wrapped here, each with
 the reason it is needed.
 
-What is imported directly where it is used: the private APIs every HOP in torch itself is
-built on, the same in 2.9 .. 2.15 (``torch._ops.HigherOrderOperator``, ``torch._C``'s
-dispatch keys and guards, ``torch._subclasses`` fake and functional tensors,
-``torch.fx.experimental.proxy_tensor``, ``torch._higher_order_ops.utils``,
-``torch.utils._pytree``, ``torch._guards.detect_fake_mode``); Dynamo's variable trackers in
-``hops/_dynamo.py``; torch_xla's ``_XLAC`` bindings in ``passes/xla/`` (torch_xla has one
-supported version); DTensor's sharding-strategy registry in ``passes/solver/_dtensor.py``
-(listed there, with how it differs between versions; ``hops/`` never needs it).
+What is imported directly where it is used, the same in 2.9 .. 2.15 unless noted
+(tests/test_private_torch_symbols.py has a canary for each symbol and checks that this list
+names the module of each one used outside this file):
+
+- what every HOP in torch itself is built on: ``torch._ops`` (``HigherOrderOperator``,
+  ``OpOverload``), ``torch._C``'s dispatch keys and guards, fake and functional tensors
+  (``torch._subclasses.fake_tensor``, ``torch._subclasses.functional_tensor``, and torch's
+  ``torch._to_functional_tensor``, ``torch._from_functional_tensor``,
+  ``torch._is_functional_tensor``, ``torch._sync``), ``torch._higher_order_ops.utils``,
+  ``torch.utils._pytree``, ``torch.fx.experimental.proxy_tensor``, ``torch._guards``
+  (``detect_fake_mode``; ``TracingContext`` in ``passes/jax/backend.py``);
+- dispatch modes (``torch.utils._python_dispatch``): ``hops/_eager_graph.py``,
+  ``hops/_body_hop/body.py``, ``hops/_body_hop/joint.py``, ``passes/xla/staging.py``;
+- AOTAutograd's joint export and partitioner, for a graph function's backward
+  (``torch._functorch.aot_autograd.aot_export_joint_simple``,
+  ``torch._functorch.partitioners.default_partition``: ``hops/_graph_function.py``);
+- Dynamo's guards, sources, exceptions and variable trackers in ``hops/_dynamo.py``
+  (``torch._dynamo.guards``, ``torch._dynamo.source``, ``torch._dynamo.exc``,
+  ``torch._dynamo.variables.builder``, ``torch._dynamo.variables.higher_order_ops``,
+  ``torch._dynamo.variables.lazy``, ``torch._dynamo.variables.lists``,
+  ``torch._dynamo.variables.tensor``);
+- in ``passes/``: inductor's compiler (``torch._inductor.compile_fx``, ``passes/backends.py``),
+  Dynamo's AOTAutograd backend helper (``torch._dynamo.backends.common``, ``passes/xla/`` and
+  ``passes/jax/``), ATen's decompositions (``torch._decomp``), torch_xla's ``_XLAC`` bindings
+  in ``passes/xla/`` (torch_xla has one supported version);
+- DTensor's sharding propagator (``torch.distributed.tensor.DTensor._op_dispatcher``: its rule
+  tables in ``passes/solver/_dtensor.py``, its cache's schema info in
+  ``passes/dtensor/runtime.py``), and the strategy types and helpers its rules use
+  (``torch.distributed.tensor._op_schema``, ``torch.distributed.tensor._dtensor_spec``,
+  ``torch.distributed.tensor._ops._einsum_strategy``,
+  ``torch.distributed.tensor._ops.single_dim_strategy`` (absent in 2.9),
+  ``torch.distributed.tensor._ops.utils``) with ``torch.testing._internal.distributed.fake_pg``'s
+  fake store: listed in ``passes/solver/_dtensor.py`` with how they differ between versions
+  (``hops/`` never needs them).
 """
 
 from __future__ import annotations

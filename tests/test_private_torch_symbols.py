@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import re
 import textwrap
 from pathlib import Path
 
@@ -248,6 +249,30 @@ def test_the_scan_follows_aliases_in_their_scope_only():
         "torch._export.serde.serialize.register_extension",
         "torch.utils._pytree.tree_map",
     ], sorted(found)
+
+
+def module_of(symbol: str) -> str:
+    """The module ``symbol`` lives in (its longest importable prefix), down to its first private
+    part when that module is public (``torch._sync``, ``torch.distributed.tensor.DTensor._op_dispatcher``)."""
+    parts = symbol.split(".")
+    end = len(parts)
+    while end > 1:
+        try:
+            importlib.import_module(".".join(parts[:end]))
+            break
+        except ImportError:
+            end -= 1
+    while not is_private(".".join(parts[:end])):
+        end += 1
+    return ".".join(parts[:end])
+
+
+def test_compat_docstring_names_the_module_of_each_private_symbol_used_elsewhere():
+    # hops/_compat.py's docstring is where a reader finds every private torch API the package
+    # relies on: one named outside _compat (where its wrapper documents it) must be listed there.
+    elsewhere = {module_of(s) for s, files in SYMBOLS.items() if set(files) - {"hops/_compat.py"}}
+    missing = sorted(m for m in elsewhere if not re.search(f"``{re.escape(m)}(\\.\\w+)*``", _compat.__doc__))
+    assert not missing, f"hops/_compat.py's docstring does not list {missing}"
 
 
 def check(symbol: str) -> None:
