@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import hops
 from hops import Mesh, Replicate, Shard
 from tests.helpers.hop_db import SAMPLES, forward_backward, fresh
+from tests.helpers.samples_together import assert_close_apart, forward_backward_apart, together, together_inputs
 
 
 def hop_targets(graphs):
@@ -150,7 +153,7 @@ def scan_program(length, unroll=1, width=4, reverse=False):
         return hops.scan(layer, h, ws, unroll=unroll, reverse=reverse)
 
     g = torch.Generator().manual_seed(length)
-    h = torch.randn(3 if width == 4 else 32, width, generator=g, requires_grad=True)
+    h = torch.randn(3, width, generator=g, requires_grad=True)
     ws = (torch.randn(length, width, width, generator=g) / width).requires_grad_()
     return program, (h, ws)
 
@@ -187,30 +190,103 @@ def test_a_scan_is_one_loop_whatever_its_length():
     # values of inductor's loops: the next test.)
     short, long = lowered_graphs(2, unroll=None, codegen=False), lowered_graphs(9, unroll=None, codegen=False)
     assert [graph_size(gm) for gm in short] == [graph_size(gm) for gm in long]
-    assert steps_per_iteration(long[0]) == 1
+    assert steps_per_iteration(long[0]) == {9: 1}
 
 
 def steps_per_iteration(gm):
-    """How many steps of ``scan_program``'s layer the while_loop body of ``gm`` runs (its
-    ``mm`` nodes; the layer has one)."""
-    (loop,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.while_loop]
-    body = getattr(gm, str(loop.args[1].target))
-    return sum(1 for n in body.graph.nodes if n.target is torch.ops.aten.mm.default)
+    """How many steps of ``scan_program``'s layer each while_loop body of ``gm`` runs (its
+    ``mm`` nodes; the layer has one), by the scan's length (the first dim of the stacked
+    weights the body reads; bodies without an ``mm`` left out)."""
+    steps = {}
+    for loop in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.while_loop):
+        body = getattr(gm, str(loop.args[1].target))
+        mms = [n for n in body.graph.nodes if n.target is torch.ops.aten.mm.default]
+        if mms:
+            width = mms[0].meta["val"].shape[-1]
+            (length,) = {
+                p.meta["val"].shape[0]
+                for p in body.graph.find_nodes(op="placeholder")
+                if isinstance(p.meta.get("val"), torch.Tensor) and p.meta["val"].shape[1:] == (width, width)
+            }
+            assert length not in steps, (length, steps)
+            steps[length] = len(mms)
+    return steps
 
 
-@pytest.mark.parametrize(
-    "length, unroll, reverse",
-    [(0, None, False), (5, 2, True), (7, 3, False), (3, 5, True)],
-    ids=["empty", "remainder-reverse", "remainder", "unroll-past-the-end-reverse"],
-)
-def test_any_length_unroll_and_direction_gives_eager_values(length, unroll, reverse):
-    # Values and gradients equal eager (checked by lowered_graphs) whether the steps divide
-    # into iterations or leave a remainder after the loop, forward or reverse; an iteration
-    # runs the steps asked for where the length has them, each step with its own mm (the
-    # steps are in the body, the body is one graph).
-    forward = lowered_graphs(length, unroll, reverse=reverse)[0]
+# (length, unroll, reverse), each length its own.
+LENGTHS = {
+    "empty": (0, None, False),
+    "remainder-reverse": (5, 2, True),
+    "remainder": (7, 3, False),
+    "unroll-past-the-end-reverse": (3, 5, True),
+}
+
+
+def several_carries_program():
+    """A reverse scan of two carries and two xs whose ys are a dict, and its inputs."""
+
+    def step(carry, x):
+        a, b = carry
+        u, v = x
+        a = torch.tanh(a * u + b)
+        b = b + v.sum()
+        return (a, b), {"a": a * 2, "v": v}
+
+    def program(a, b, us, vs):
+        return hops.scan(step, (a, b), (us, vs), reverse=True)
+
+    g = torch.Generator().manual_seed(1)
+    shapes = [(3,), (3,), (5, 3), (5, 2)]
+    return program, tuple(torch.randn(shape, generator=g, requires_grad=True) for shape in shapes)
+
+
+@functools.cache
+def scans_compiled_together():
+    """The scans of ``LENGTHS`` and ``several_carries_program`` in one program, compiled by
+    inductor (its code run, forward and backward): for each, the compiled and the eager
+    (outputs, inputs' gradients); and the forward graph inductor lowers. One compile for the
+    tests of this section: inductor lowers each scan node by itself."""
+    cases = {case: scan_program(length, unroll, reverse=reverse) for case, (length, unroll, reverse) in LENGTHS.items()}
+    cases["several-carries"] = several_carries_program()
+    counts = [len(inputs) for _, inputs in cases.values()]
+
+    def program(*inputs):
+        results, start = [], 0
+        for (one, _), count in zip(cases.values(), counts):
+            results.append(one(*inputs[start : start + count]))
+            start += count
+        return tuple(results)
+
+    def apart(fn):
+        inputs = fresh([t for _, case_inputs in cases.values() for t in case_inputs])
+        per_case = [pytree.tree_leaves(result) for result in fn(*inputs)]
+        outputs = [o for leaves in per_case for o in leaves]
+        sum((o * (i + 1)).sum() for i, o in enumerate(outputs) if o.is_floating_point()).backward()
+        grads = iter([t.grad for t in inputs])
+        return {case: (leaves, [next(grads) for _ in range(count)]) for case, leaves, count in zip(cases, per_case, counts)}
+
+    torch._dynamo.reset()
+    with inductor_graphs() as (backend, received, lowered):
+        got = apart(torch.compile(program, backend=backend, fullgraph=True))
+    assert len(lowered) == 2  # forward and backward
+    return got, apart(program), lowered[0]
+
+
+def assert_case_matches_eager(case, **tolerances):
+    got, expected, _ = scans_compiled_together()
+    torch.testing.assert_close(got[case], expected[case], **tolerances)
+
+
+@pytest.mark.parametrize("case", LENGTHS)
+def test_any_length_unroll_and_direction_gives_eager_values(case):
+    # Values and gradients equal eager whether the steps divide into iterations or leave a
+    # remainder after the loop, forward or reverse; an iteration runs the steps asked for
+    # where the length has them, each step with its own mm (the steps are in the body, the
+    # body is one graph).
+    length, unroll, _ = LENGTHS[case]
+    assert_case_matches_eager(case, atol=1e-5, rtol=1e-4)
     if length >= (unroll or 1) and length > 0:
-        assert steps_per_iteration(forward) == (unroll or 1)
+        assert steps_per_iteration(scans_compiled_together()[2])[length] == (unroll or 1)
 
 
 def test_one_compile_serves_every_length_with_dynamic_shapes():
@@ -236,22 +312,8 @@ def test_one_compile_serves_every_length_with_dynamic_shapes():
 
 
 def test_compiled_reverse_scan_with_several_carries_and_xs():
-    def step(carry, x):
-        a, b = carry
-        u, v = x
-        a = torch.tanh(a * u + b)
-        b = b + v.sum()
-        return (a, b), {"a": a * 2, "v": v}
-
-    def program(a, b, us, vs):
-        return hops.scan(step, (a, b), (us, vs), reverse=True)
-
-    inputs = [torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True), torch.randn(5, 3, requires_grad=True), torch.randn(5, 2, requires_grad=True)]
-    torch._dynamo.reset()
-    got, got_grads = forward_backward(torch.compile(program, fullgraph=True), fresh(inputs))
-    expected, expected_grads = forward_backward(program, fresh(inputs))
-    torch.testing.assert_close(got, expected)
-    torch.testing.assert_close(got_grads, expected_grads)
+    # Compiled in one program with the scans above (inductor, its code run).
+    assert_case_matches_eager("several-carries")
 
 
 def test_a_named_scope_names_the_nodes_inductor_lowers():
@@ -259,8 +321,9 @@ def test_a_named_scope_names_the_nodes_inductor_lowers():
     def scores(q, k):
         return torch.softmax(q @ k.t(), -1)
 
+    # The names of the graphs inductor lowers: no code needed.
     torch._dynamo.reset()
-    with inductor_graphs() as (backend, received, lowered):
+    with inductor_graphs(codegen=False) as (backend, received, lowered):
         compiled = torch.compile(scores, backend=backend, fullgraph=True)
         forward_backward(compiled, [torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)])
     names = [node.name for gm in lowered for node in gm.graph.nodes if node.op == "call_function"]
@@ -428,15 +491,19 @@ def test_compiled_step_inside_eager_scan():
 # --------------------------------------------------------------------------- caches
 
 
-def compile_counting(program, inputs, backward=True):
+def compile_counting(program, inputs, backward=True, apart=False):
     """Compile ``program`` (default backend) in a fresh Dynamo state, run forward (and
-    backward); AOTAutograd's and inductor's cache counters of that compile, and the results."""
+    backward); AOTAutograd's and inductor's cache counters of that compile, and the results
+    (``apart``: ``program`` is every sample's, its results read per sample)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(program, fullgraph=True)
-    results = forward_backward(compiled, fresh(inputs)) if backward else compiled(*fresh(inputs))
+    if apart:
+        results = forward_backward_apart(compiled, inputs)
+    else:
+        results = forward_backward(compiled, fresh(inputs)) if backward else compiled(*fresh(inputs))
     aot, inductor = dict(counters["aot_autograd"]), dict(counters["inductor"])
     return (
         {
@@ -457,22 +524,22 @@ def fresh_caches():
             yield
 
 
-@pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
-def test_default_backend_matches_eager_and_a_second_identical_compile_hits_both_caches(sample, fresh_caches):
-    # The first compile (the default backend, both caches missing) and the second (both
-    # hitting: the cached code) give eager's and the plain-torch reference's values and
-    # gradients.
-    inputs = sample.inputs(seed=3)
-    first, compiled_first = compile_counting(sample.program, inputs)
-    second, compiled_second = compile_counting(sample.program, inputs)
+def test_default_backend_matches_eager_and_a_second_identical_compile_hits_both_caches(fresh_caches):
+    # Every sample in one program (one forward and one backward graph: a sample's HOP that
+    # made the graph uncacheable or its key unstable would make it bypass or miss). The first
+    # compile (the default backend, both caches missing) and the second (both hitting: the
+    # cached code) give eager's and the plain-torch reference's values and gradients, sample
+    # by sample.
+    inputs = together_inputs(seed=3)
+    first, compiled_first = compile_counting(together(), inputs, apart=True)
+    second, compiled_second = compile_counting(together(), inputs, apart=True)
     assert first == {"aot": "miss", "fx": "miss"}, first
     assert second == {"aot": "hit", "fx": "hit"}, second
-    eager = forward_backward(sample.program, fresh(inputs))
-    reference = forward_backward(sample.reference, fresh(inputs))
-    for got, got_grads in (compiled_first, compiled_second):
-        for expected, expected_grads in (eager, reference):
-            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(got_grads, expected_grads, atol=1e-5, rtol=1e-4)
+    eager = forward_backward_apart(together(), inputs)
+    reference = forward_backward_apart(together(attribute="reference"), inputs)
+    for got in (compiled_first, compiled_second):
+        for expected in (eager, reference):
+            assert_close_apart(got, expected, atol=1e-5, rtol=1e-4)
 
 
 MESH = Mesh((2, 2), ("data", "model"))
