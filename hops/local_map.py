@@ -20,6 +20,32 @@ Rules:
   each laid out per device (a device's residual is its block of dim 0, ``Shard(0)`` on every
   mesh axis), and the backward is another ``local_map_hop`` from the primals it reads, the
   residuals and the output cotangents to the input gradients.
+
+``hops.local_map`` in detail (its docstring is the contract):
+
+- ``out_placements`` is for the *flattened* outputs, a tuple with one entry per output
+  (placements, or ``None`` for a non-tensor output); a function returning one tensor may give
+  its placements alone (``[Shard(0)]`` or ``(Shard(0), Replicate())``). A tree mirroring the
+  output (a dict) works too. ``None`` (torch's default) is one output, replicated on every
+  mesh axis.
+- ``in_placements`` has one entry per flattened input (``None`` for a non-tensor), or one per
+  positional argument applied to every tensor in it; ``None`` (or a ``None`` entry for a
+  tensor) means the tensor is whole on every device (``Replicate``).
+- ``in_grad_placements`` takes the same forms; by default a replicated input's gradient is a
+  pending sum (``Partial``: each device contributes) and a sharded input's keeps its shard.
+- ``redistribute_inputs`` reshards DTensor inputs to ``in_placements`` instead of refusing a
+  mismatch (global tensors need no redistribution).
+- ``alternatives`` are more placement options for the region, for a sharding solver to choose
+  from (``passes.solve_placements``): each a ``hops.RegionPlacements`` or a dict with its
+  fields (``in_placements``, ``out_placements``, ``in_grad_placements``, ``cost_hint``), given
+  in the forms above. The main placements are option 0, what eager and the lowerings run until
+  one is chosen (``LocalMapSpec.choose``). Options may give the body other local shapes (row-
+  vs column-parallel): a traced region holds one body per option, each traced on its own
+  shapes (by make_fx, torch.export and torch.compile alike); every option must give the same
+  global outputs.
+- Keyword arguments of the call are passed to ``func`` (tensors whole on every device). Plain
+  tensors are global values; DTensor inputs run torch's own ``local_map`` on their shards.
+  Without a mesh and without DTensor inputs, ``func`` runs as is (as torch's does).
 """
 
 from __future__ import annotations
@@ -560,38 +586,27 @@ def local_map(
 ) -> Callable:
     """Wrap ``func`` so that it runs on each device's local shards of global tensors.
 
-    The calling convention is torch's ``local_map`` (``torch.distributed.tensor.experimental``),
-    also as a decorator ``@local_map(out_placements=..., in_placements=..., device_mesh=...)``:
+    torch's ``local_map`` calling convention (``torch.distributed.tensor.experimental``), also
+    as a decorator ``@local_map(out_placements=..., in_placements=..., device_mesh=...)``:
 
-    - ``out_placements``: for the *flattened* outputs, a tuple with one entry per output
-      (placements, or ``None`` for a non-tensor output); a function returning one tensor may
-      give its placements alone (``[Shard(0)]`` or ``(Shard(0), Replicate())``). A tree
-      mirroring the output (a dict) works too. ``None`` (torch's default) is one output,
-      replicated on every mesh axis.
-    - ``in_placements``: one entry per flattened input (``None`` for a non-tensor), or one
-      per positional argument applied to every tensor in it; ``None`` (or a ``None`` entry
-      for a tensor) means the tensor is whole on every device (``Replicate``).
-    - ``in_grad_placements``: the layout of each input's gradient, same forms; by default a
-      replicated input's gradient is a pending sum (``Partial``: each device contributes)
-      and a sharded input's keeps its shard.
-    - ``device_mesh``: a ``DeviceMesh`` or a ``hops.Mesh`` (``mesh=`` is the same).
-    - ``redistribute_inputs``: for DTensor inputs, reshard them to ``in_placements`` instead
-      of refusing a mismatch (global tensors need no redistribution).
-    - ``alternatives``: more placement options for the region, for a sharding solver to
-      choose from (``passes.solve_placements``): each a ``hops.RegionPlacements`` or a dict
-      with its fields (``in_placements``, ``out_placements``, ``in_grad_placements``,
-      ``cost_hint``), given in the forms above. The main placements are option 0, what
-      eager and the lowerings run until one is chosen (``LocalMapSpec.choose``). Options
-      may give the body other local shapes (row- vs column-parallel): a traced region holds
-      one body per option, each traced on its own shapes (by make_fx, torch.export and
-      torch.compile alike); every option must give the same global outputs.
+    - ``out_placements``: one entry per *flattened* output (placements, ``None`` for a
+      non-tensor), a tree mirroring the output, or one output's placements alone; ``None``
+      (the default): one output, replicated on every mesh axis.
+    - ``in_placements``: one entry per flattened input, or per positional argument; ``None``
+      means whole on every device (``Replicate``).
+    - ``in_grad_placements``: each input's gradient layout, same forms; by default ``Partial``
+      for a replicated input, the input's shard for a sharded one.
+    - ``device_mesh`` (or ``mesh=``): a ``DeviceMesh`` or a ``hops.Mesh``.
+    - ``redistribute_inputs``: reshard DTensor inputs to ``in_placements`` instead of refusing.
+    - ``alternatives``: more placement options for a sharding solver (``hops.RegionPlacements``
+      or dicts of its fields); the main placements are option 0.
 
-    Keyword arguments of the call are passed to ``func`` (tensors whole on every device).
-    Plain tensors are global values; DTensor inputs run torch's own ``local_map`` on their
-    shards. Without a mesh and without DTensor inputs, ``func`` runs as is (as torch's does).
-    Placements that do not fit raise errors naming ``func`` and the argument (torch's error
-    classes: ``AssertionError`` where it raises that, also catchable as ``ValueError`` /
-    ``TypeError``).
+    Returns a callable taking global tensors (keyword arguments reach ``func`` whole) and
+    returning global outputs. Placements that do not fit raise errors naming ``func`` and the
+    argument (torch's classes: ``AssertionError`` where it raises that, also catchable as
+    ``ValueError`` / ``TypeError``). Details: the module docstring.
+
+    >>> double = local_map(lambda x: 2 * x, out_placements=[Shard(0)], in_placements=([Shard(0)],), mesh=mesh)
     """
     if func is None:
         return lambda f: local_map(

@@ -21,6 +21,42 @@ Rules:
   also stacks each step's residuals (with ``remat``, only the carries entering each step and
   the random values), the backward is a reverse ``scan_hop`` over them, so HOPs in the body
   (annotations, local_map regions, kernels, scopes) appear in forward and backward bodies.
+
+``hops.scan`` in detail (its docstring is the contract):
+
+- ys are stacked along dim 0 in slice order, also when ``reverse``. ``dim`` (torch's scan)
+  scans xs along ``dim`` instead (negative counts from the first xs leaf's last dim; every xs
+  leaf needs it) and stacks each y leaf along ``dim`` where the stacked leaf has it (along
+  dim 0 otherwise, as torch's scan does). ``y=None`` gives no ys.
+- xs with no tensor leaves: ``xs=None`` needs ``length`` and gives ``x=None`` (JAX and torch
+  agree). An empty container (``()``, ``[]``, ``{}``) without ``length`` returns ``(init, [])``
+  without calling ``fn``, as torch's scan does (JAX refuses it); with ``length`` the step gets
+  ``x=None``, as in torch (``jax.lax.scan`` would pass the empty container itself; a JAX step
+  ignoring ``x`` is unaffected).
+- A scan of length 0 returns its init and empty ys shaped as one step would give them (the
+  step runs on fake tensors only); backward gives zero gradients (xs's shape for xs) to what
+  one step's outputs depend on. ``length`` may be a symbolic size (``torch.compile`` with
+  ``dynamic=True`` of a function taking it as an int): one graph serves every length.
+- Python numbers in ``init`` or returned as carry or y become 0-d tensors. A number in
+  ``init`` takes the dtype one step gives it when the step sees the number itself (as JAX's
+  weak types do: ``scan(f, 0, int8_xs)`` with ``c + x`` carries int8); a number returned as
+  carry keeps its init's dtype, one returned as y gets torch's default dtype.
+- ``unroll`` runs that many steps per loop iteration where the scan lowers to a loop
+  (``True``: all of them), with the same values; by default (``None``) the lowering chooses
+  (XLA and inductor run one step per iteration). ``remat`` recomputes each step in the
+  backward instead of saving its activations.
+- torch_xla's ``scan(fn, init, xs, partition_fn, is_fn_pure)`` works too:
+  ``functorch.compile.min_cut_rematerialization_partition`` as ``partition_fn`` means
+  ``remat=True``, ``default_partition`` means saving activations.
+- Called eagerly on XLA tensors, the step is traced, split and lowered once and reused by
+  later calls whose step has the same code and reads the same Python state (closure,
+  defaults, globals: keyed by value, tensors by identity; see ``hops/_body_hop/code_key.py``),
+  with inputs of the same shapes, dtypes and ``requires_grad``; a step reading state with no
+  key (an object's attributes) is traced on every call, and so is every step with
+  ``is_fn_pure=False``.
+- Errors name the leaf by its key path in the argument (``xs['a']``, ``init[1]``; tensors on
+  different devices raise ``hops.DeviceMismatchError``); a carry changing shape, dtype or
+  structure raises ``TypeError``, as in JAX.
 """
 
 from __future__ import annotations
@@ -287,48 +323,17 @@ def scan(
 ) -> tuple[Any, Any]:
     """``jax.lax.scan``: ``fn(carry, x, *additional_inputs) -> (new_carry, y)`` over dim 0 of ``xs``.
 
-    Returns ``(final_carry, ys)`` with ys stacked along dim 0 in slice order (also when
-    ``reverse``). ``dim`` (torch's scan) scans xs along ``dim`` instead (negative counts
-    from the first xs leaf's last dim; every xs leaf needs it) and stacks each y leaf along
-    ``dim`` where the stacked leaf has it (along dim 0 otherwise, as torch's scan does).
-    ``y=None`` gives no ys.
+    ``init``, ``xs``: pytrees of tensors (numbers become 0-d tensors); ``length``: the number
+    of steps when xs has no tensor leaf; ``reverse``; ``unroll``: steps per loop iteration
+    (``True``: all); ``dim``: scan xs along it (torch's scan); ``remat``: recompute each step in
+    the backward; ``partition_fn`` / ``is_fn_pure``: torch_xla's scan's. Returns ``(final_carry,
+    ys)``, ys stacked along dim 0 (``dim`` where a y has it) in slice order; ``None`` if
+    ``y=None``. Errors start with ``scan(<fn's name>): `` and name the leaf by key path
+    (``xs['a']``): a carry changing shape, dtype or structure (``TypeError``), xs of
+    different lengths, a ``dim`` an xs leaf lacks, non-tensor outputs, a step writing into
+    its inputs or closure; ``hops.DeviceMismatchError`` for devices. Details: module docstring.
 
-    xs with no tensor leaves: ``xs=None`` needs ``length`` and gives ``x=None`` (JAX and
-    torch agree). An empty container (``()``, ``[]``, ``{}``) without ``length`` returns
-    ``(init, [])`` without calling ``fn``, as torch's scan does (JAX refuses it); with
-    ``length`` the step gets ``x=None``, as in torch (``jax.lax.scan`` would pass the empty
-    container itself; a JAX step ignoring ``x`` is unaffected).
-
-    A scan of length 0 returns its init and empty ys shaped as one step would give them (the
-    step runs on fake tensors only); backward gives zero gradients (xs's shape for xs) to
-    what one step's outputs depend on. ``length`` may be a symbolic size (``torch.compile``
-    with ``dynamic=True`` of a function taking it as an int): one graph serves every length.
-
-    Python numbers in ``init`` or returned as carry or y become 0-d tensors. A number in
-    ``init`` takes the dtype one step gives it when the step sees the number itself (as JAX's
-    weak types do: ``scan(f, 0, int8_xs)`` with ``c + x`` carries int8); a number returned as
-    carry keeps its init's dtype, one returned as y gets torch's default dtype.
-    ``unroll`` runs that many steps per loop iteration where the scan lowers to a loop
-    (``True``: all of them), with the same values; by default (``None``) the lowering
-    chooses (XLA and inductor run one step per iteration). ``remat`` recomputes each step
-    in the backward instead of saving its activations.
-
-    torch_xla's ``scan(fn, init, xs, partition_fn, is_fn_pure)`` works too:
-    ``functorch.compile.min_cut_rematerialization_partition`` as ``partition_fn`` means
-    ``remat=True``, ``default_partition`` means saving activations.
-
-    Called eagerly on XLA tensors, the step is traced, split and lowered once and reused by
-    later calls whose step has the same code and reads the same Python state (closure,
-    defaults, globals: keyed by value, tensors by identity; see ``hops/_body_hop/code_key.py``), with
-    inputs of the same shapes, dtypes and ``requires_grad``; a step reading state with no key
-    (an object's attributes) is traced on every call, and so is every step with
-    ``is_fn_pure=False``.
-
-    Errors start with ``scan(<fn's name>): `` and name the leaf by its key path in the
-    argument (``xs['a']``, ``init[1]``; tensors on different devices raise
-    ``hops.DeviceMismatchError``): a carry changing shape, dtype or structure (``TypeError``,
-    as in JAX), xs of different lengths, a ``dim`` an xs leaf does not have, non-tensor
-    outputs, a step writing into its inputs or a tensor it closes over.
+    >>> last, ys = hops.scan(lambda c, x: (c + x, c * x), torch.zeros(3), torch.ones(4, 3))
     """
     fn = _compat.compiled_function_inside(fn)  # a torch.compile'd step, in compiled code
     name = body_name(fn)
