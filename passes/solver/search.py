@@ -547,45 +547,18 @@ def solve_problem(
     the memory limit if it breaks it (by default, where memory binds, the problem's optimum
     without the limit).
 
-    Every step before the search (the problem's copy, the memory rows, the search's arrays)
-    looks at the deadline too: when it comes first (a 20k-node problem and a limit under a
-    second or two), the answer is the cheaper of two plans read off the problem alone, every
-    node on its cheapest strategy or on its smallest usage (``stats["method"] == "quick"``).
+    When the time limit comes before the search's arrays are built, the answer is read off the
+    problem alone (``stats["method"] == "quick"``; ``_prepared``).
 
     Raises ``InfeasiblePlacementError`` (a ``ValueError``) only with a proof that no choice fits
     the memory limit with finite cost (the reductions' or the MILP's), and ``NoPlanFoundError``
     (a ``TimeoutError``) when the time limit ran out before a plan was found."""
     start = _checked_arguments(problem, time_limit, search, start)
-    begin, cpu_begin = time.perf_counter(), time.process_time()
-    # The search (every engine call in it) ends by ``deadline``; the time after it, up to the
-    # time limit, is kept for expanding and checking the plan (``_answer_reserve``).
-    deadline = math.inf if time_limit is None else begin + float(time_limit) - _answer_reserve(problem, float(time_limit))
-    limit = None if problem.usage_limit is None else float(problem.usage_limit)
-    # Where the steps before the search may not finish in time, the answer of last resort is
-    # read off the problem first (a few percent of the limit): read after the deadline, it took
-    # 0.3-0.7 s of an 8000-node problem's 0.5 s limit on a loaded machine.
-    fallback = None
-    if time_limit is not None and time_limit < _FALLBACK_SECONDS_PER_ENTRY * (problem.num_nodes + len(problem.edges)):
-        fallback = _fallback(problem, begin, time_limit)
-    try:
-        # (Each step looks at the deadline: a 20k-node problem's copy, memory rows and arrays
-        # take 1-2 s before any plan exists.)
-        reduced = Reduced(problem, dominance, deadline)
-        reduced.reduce(limit, begin + 0.25 * (deadline - begin), eliminate=reduce, stop_by=deadline)
-        reduce_seconds = time.perf_counter() - begin
-        searched = Search(reduced, seed, deadline)
-    except OutOfTime:
-        fallback = fallback or _fallback(problem, begin, time_limit)
-        if isinstance(fallback, NoPlanFoundError):
-            raise fallback from None
-        fallback.stats["seconds"] = time.perf_counter() - begin
-        return fallback
-    if time_limit is not None:
-        deadline = _deadline_for_this_machine(problem, float(time_limit), begin, cpu_begin, deadline)
-        # HiGHS's runs end at the deadline in worker processes, started now: they import HiGHS
-        # while the heuristics run (started before the reductions, their imports took the CPU
-        # a quick answer needed: 0.2 s of it became 0.5 s on a loaded machine).
-        start_workers(_LNS_WORKERS)
+    begin = time.perf_counter()
+    prepared = _prepared(problem, time_limit, begin, seed, reduce, dominance)
+    if isinstance(prepared, ProblemSolution):
+        return prepared
+    searched, deadline, reduce_seconds = prepared
     searched.presolve = presolve
     by_axes = search in ("auto", "axes") and _axis_count(searched) >= 3
     pairs_left = searched.pair_count(begin + 0.3 * (deadline - begin))
@@ -614,6 +587,47 @@ def solve_problem(
     if run.runner is not None:
         run.portfolio_answer()
     return run.answer()
+
+
+def _prepared(
+    problem: StrategyProblem, time_limit: float | None, begin: float, seed: int, reduce: bool, dominance: str
+) -> ProblemSolution | tuple[Search, float, float]:
+    """The steps before the search: the reductions and the search's arrays, the search's
+    deadline and the seconds the reductions took. Each step (the problem's copy, the memory
+    rows, the search's arrays) looks at the deadline: when it comes first (a 20k-node problem
+    and a limit under a second or two), the quick answer (``_quick_answer``): the cheaper of
+    two plans read off the problem alone, every node on its cheapest or its smallest strategy."""
+    cpu_begin = time.process_time()
+    # The search (every engine call in it) ends by ``deadline``; the time after it, up to the
+    # time limit, is kept for expanding and checking the plan (``_answer_reserve``).
+    deadline = math.inf if time_limit is None else begin + float(time_limit) - _answer_reserve(problem, float(time_limit))
+    # Where the steps before the search may not finish in time, the answer of last resort is
+    # read off the problem first (a few percent of the limit): read after the deadline, it took
+    # 0.3-0.7 s of an 8000-node problem's 0.5 s limit on a loaded machine.
+    fallback = None
+    if time_limit is not None and time_limit < _FALLBACK_SECONDS_PER_ENTRY * (problem.num_nodes + len(problem.edges)):
+        fallback = _fallback(problem, begin, time_limit)
+    try:
+        # (Each step looks at the deadline: a 20k-node problem's copy, memory rows and arrays
+        # take 1-2 s before any plan exists.)
+        reduced = Reduced(problem, dominance, deadline)
+        limit = None if problem.usage_limit is None else float(problem.usage_limit)
+        reduced.reduce(limit, begin + 0.25 * (deadline - begin), eliminate=reduce, stop_by=deadline)
+        reduce_seconds = time.perf_counter() - begin
+        searched = Search(reduced, seed, deadline)
+    except OutOfTime:
+        fallback = fallback or _fallback(problem, begin, time_limit)
+        if isinstance(fallback, NoPlanFoundError):
+            raise fallback from None
+        fallback.stats["seconds"] = time.perf_counter() - begin
+        return fallback
+    if time_limit is not None:
+        deadline = _deadline_for_this_machine(problem, float(time_limit), begin, cpu_begin, deadline)
+        # HiGHS's runs end at the deadline in worker processes, started now: they import HiGHS
+        # while the heuristics run (started before the reductions, their imports took the CPU
+        # a quick answer needed: 0.2 s of it became 0.5 s on a loaded machine).
+        start_workers(_LNS_WORKERS)
+    return searched, deadline, reduce_seconds
 
 
 def _checked_arguments(problem: StrategyProblem, time_limit, search: str, start) -> list[int] | None:
