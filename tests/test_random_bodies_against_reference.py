@@ -83,6 +83,9 @@ OPS.update(VIEW_AND_WRITE_OPS)
 
 chains = st.lists(st.sampled_from(sorted(OPS)), min_size=1, max_size=4)
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# An example tracing each HOP's program with AOTAutograd costs about a second and a half; a new
+# draw each run.
+TRACED_SETTINGS = settings(SETTINGS, max_examples=6)
 
 
 def make_body(chain, w):
@@ -108,6 +111,26 @@ def gradients(fn, x, w, w_requires_grad=True):
     wanted = (x, w) if w_requires_grad else (x,)
     grads = torch.autograd.grad(sum(o.sum() for o in leaves), wanted, allow_unused=True)
     return out, tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, wanted))
+
+
+def together(programs):
+    """One program running each of ``programs`` (each ``program(x, w)``) on its own ``x`` and
+    ``w``: ``together(programs)(x0, w0, x1, w1, ...)`` is the tuple of their outputs. A compiler
+    compiles it once (Dynamo and AOTAutograd cost about as much per compiled program as per op)."""
+
+    def run(*flat):
+        return tuple(program(flat[2 * i], flat[2 * i + 1]) for i, program in enumerate(programs))
+
+    return run
+
+
+def leaves_for(programs, x, w, w_requires_grad=True):
+    """Fresh leaves ``(x0, w0, x1, w1, ...)``, one pair per program."""
+    return [t for _ in programs for t in (x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_(w_requires_grad))]
+
+
+def gradient_of(t):
+    return torch.zeros_like(t) if t.grad is None else t.grad
 
 
 def programs(chain):
@@ -136,7 +159,7 @@ def programs(chain):
     return [("scan", scan_program, scan_reference), ("local_map", region_program, plain), ("named_scope", scope_program, plain)]
 
 
-@SETTINGS
+@TRACED_SETTINGS
 @given(chain=chains, seed=st.integers(0, 2**16))
 def test_random_bodies_match_their_reference_eager_and_traced(chain, seed):
     x, w = inputs(seed)
@@ -156,8 +179,8 @@ def _with_a_write_or_view(chain):
     return chain if any(name in VIEW_AND_WRITE_OPS for name in chain) else [*chain, "write_into_clone"]
 
 
-# Each example compiles three programs, forward and backward (~14 s with inductor): few
-# examples per run, a new draw each run.
+# Each example compiles the three HOPs' programs, forward and backward, as one program (with
+# inductor, seconds of g++ per kernel): few examples per run, a new draw each run.
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     chain=chains.map(_with_a_write_or_view),
@@ -170,18 +193,22 @@ def test_bodies_with_writes_and_views_compile_to_the_python_loop(chain, seed, w_
     # needs grad once compiled to wrong values: the traced joint dropped the write. Every body
     # HOP, under torch.compile's AOTAutograd backends, against the plain-torch loop, values and
     # gradients, with the closed-over weight requiring grad or not.
+    # Every HOP's program in one compiled function, each on its own inputs.
     x, w = inputs(seed)
-    for name, program, reference in programs(chain):
+    cases = programs(chain)
+    leaves = leaves_for(cases, x, w, w_requires_grad)
+    torch._dynamo.reset()
+    outputs = torch.compile(together([program for _, program, _ in cases]), backend=backend, fullgraph=True)(*leaves)
+    sum(o.sum() for o in torch.utils._pytree.tree_leaves(outputs)).backward()
+    for i, ((name, _, reference), got) in enumerate(zip(cases, outputs)):
         what = f"{name} {backend} w_requires_grad={w_requires_grad} {chain}"
         expected, expected_grads = gradients(reference, x, w, w_requires_grad)
-        torch._dynamo.reset()
-        compiled = torch.compile(program, backend=backend, fullgraph=True)
-        got, got_grads = gradients(compiled, x, w, w_requires_grad)
+        got_grads = tuple(gradient_of(t) for t in leaves[2 * i : 2 * i + 2] if t.requires_grad)
         torch.testing.assert_close(got, expected, msg=f"values {what}")
         torch.testing.assert_close(got_grads, expected_grads, msg=f"gradients {what}")
 
 
-@SETTINGS
+@TRACED_SETTINGS
 @given(chain=chains, seed=st.integers(0, 2**16), p=st.sampled_from([0.2, 0.5]))
 def test_random_bodies_with_dropout_differentiate_their_own_draws(chain, seed, p):
     # The body keeps its dropout mask as an output: whatever the draws, the gradient of the
@@ -304,9 +331,11 @@ def test_one_tensor_in_several_roles_is_several_inputs_on_every_frontend(chain, 
     from torch.fx.experimental.proxy_tensor import make_fx
 
     x, w = inputs(seed)
-    for name, program, reference in aliasing_programs(chain, sorted(roles)):
+    cases, expectations = aliasing_programs(chain, sorted(roles)), []
+    for name, program, reference in cases:
         what = f"{name} {sorted(roles)} {chain}"
         expected, expected_grads = gradients(reference, x, w)
+        expectations.append((what, expected, expected_grads))
         # A chain of squares over a scan's steps can overflow: NaN compares unequal to itself.
         assume(all(torch.isfinite(t).all() for t in torch.utils._pytree.tree_leaves((expected, expected_grads))))
         got, got_grads = gradients(program, x, w)
@@ -315,15 +344,19 @@ def test_one_tensor_in_several_roles_is_several_inputs_on_every_frontend(chain, 
         for mode in ("real", "fake"):
             traced = make_fx(program, tracing_mode=mode)(x, w)
             torch.testing.assert_close(traced(x, w), expected, msg=f"make_fx {mode} {what}")
-        for frontend in ("aot", "dynamo"):
-            traced_x, traced_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-            if frontend == "aot":
-                *_, outputs = aot_trace(program, traced_x, traced_w)
-            else:
-                torch._dynamo.reset()
-                _, outputs = compile_trace(program, traced_x, traced_w)
-            torch.testing.assert_close(outputs, expected, msg=f"{frontend} {what}")
-            grads = tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in (traced_x, traced_w))
+    # AOTAutograd and Dynamo trace every HOP's program at once, each on its own inputs (``x``
+    # in several roles within each).
+    for frontend in ("aot", "dynamo"):
+        leaves = leaves_for(cases, x, w)
+        everything = together([program for _, program, _ in cases])
+        if frontend == "aot":
+            *_, outputs = aot_trace(everything, *leaves)
+        else:
+            torch._dynamo.reset()
+            _, outputs = compile_trace(everything, *leaves)
+        for i, (what, expected, expected_grads) in enumerate(expectations):
+            torch.testing.assert_close(outputs[i], expected, msg=f"{frontend} {what}")
+            grads = tuple(gradient_of(t) for t in leaves[2 * i : 2 * i + 2])
             torch.testing.assert_close(grads, expected_grads, msg=f"{frontend} gradients {what}")
 
 
@@ -355,7 +388,7 @@ def _unused_programs(used):
     return {"local_map": (region, body), "named_scope": (scope, body), "scan": (scanned, scanned_reference)}
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(
     used=st.lists(st.booleans(), min_size=1, max_size=4),
     hop=st.sampled_from(["local_map", "named_scope", "scan"]),
