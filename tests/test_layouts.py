@@ -225,7 +225,9 @@ def check(frontend, loss_fn, program, args):
 layouts_st = st.fixed_dictionaries({k: st.sampled_from(LAYOUTS) for k in ("h", "xs", "w")})
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), phases=(Phase.explicit, Phase.generate))
+# An example traces one program (up to seconds with ``make_fx``'s symbolic tracing): each
+# frontend and step meets a few draws of layouts a run, a new draw each run.
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), phases=(Phase.explicit, Phase.generate))
 @given(
     step=st.sampled_from(sorted(STEPS)),
     frontend=st.sampled_from(sorted(CHEAP_FRONTENDS)),
@@ -242,7 +244,10 @@ def test_scan_any_layout_any_tracer_matches_python_loop(step, frontend, layouts,
     )
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), phases=(Phase.explicit, Phase.generate))
+# A region example traces two body HOPs (a named scope, a local_map run per device), seconds
+# with ``make_fx``'s symbolic tracing: fewer examples than the scan's, a new draw each run (the
+# compiled tests below hold fixed region layouts).
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), phases=(Phase.explicit, Phase.generate))
 @given(
     step=st.sampled_from(sorted(STEPS)),
     frontend=st.sampled_from(sorted(CHEAP_FRONTENDS)),
