@@ -405,18 +405,22 @@ import torch
 import torch._export.serde.serialize as serialize
 before = functions()
 import hops
-from hops._compat import EXPORT_PATCHES, IMPORT_PATCHES
+from hops._compat import COMPILE_PATCHES, EXPORT_PATCHES, IMPORT_PATCHES
+assert changed(before, functions()) == sorted(IMPORT_PATCHES), changed(before, functions())
 def program(x):
     return hops.annotate_sharding(x * 2, hops.ShardingSpec(hops.Mesh.of(data=2), "S(0)"))
 x = torch.randn(4, 3)
+# Inductor lowers the graph (not read from a warm cache), so the compile's own patches
+# (COMPILE_PATCHES, installed when inductor first lowers a graph) are there on every run.
+torch._inductor.config.force_disable_caches = True
 torch.compile(program, fullgraph=True)(x)
 torch.func.grad(lambda x: program(x).sum())(x)
-assert changed(before, functions()) == sorted(IMPORT_PATCHES), changed(before, functions())
+assert changed(before, functions()) == sorted(IMPORT_PATCHES + COMPILE_PATCHES), changed(before, functions())
 class M(torch.nn.Module):
     def forward(self, x):
         return program(x)
 torch.export.export(M(), (x,))
-assert changed(before, functions()) == sorted(IMPORT_PATCHES + EXPORT_PATCHES), changed(before, functions())
+assert changed(before, functions()) == sorted(IMPORT_PATCHES + COMPILE_PATCHES + EXPORT_PATCHES), changed(before, functions())
 """
 
 
