@@ -263,8 +263,7 @@ class _FlatEdges:
 def peak_usage(problem: StrategyProblem, strategies: Sequence[int]) -> float:
     """The most memory live at one time step under ``strategies``."""
     s = _check_strategies(problem, strategies)
-    steps = _TimeSteps(problem)
-    return float(steps.loads(s).max()) if steps.any_live else 0.0
+    return _TimeSteps(problem).peak_of(np.array([u[a] for u, a in zip(problem.node_usages, s.tolist())]))
 
 
 class _TimeSteps:
@@ -283,6 +282,10 @@ class _TimeSteps:
     def loads(self, strategies: Sequence[int]) -> np.ndarray:
         """The memory live at each step under ``strategies``."""
         return self.loads_of(np.array([u[a] for u, a in zip(self.problem.node_usages, np.asarray(strategies).tolist())]))
+
+    def peak_of(self, used: np.ndarray) -> float:
+        """The most memory live at one step when node i uses ``used[i]``."""
+        return float(self.loads_of(used).max()) if self.any_live else 0.0
 
     def loads_of(self, used: np.ndarray) -> np.ndarray:
         """The memory live at each step when node i uses ``used[i]``."""

@@ -911,7 +911,7 @@ def _quick_answer(problem: StrategyProblem, begin: float, time_limit: float | No
     found = []
     for plan in plans:
         cost = _plan_cost(problem, edges, plan, costs[first + plan])
-        if math.isfinite(cost) and (steps is None or _peak(steps, usages[first + plan]) <= problem.usage_limit):
+        if math.isfinite(cost) and (steps is None or steps.peak_of(usages[first + plan]) <= problem.usage_limit):
             found.append((cost, plan.tolist()))
     if not found:
         raise NoPlanFoundError(
@@ -1182,11 +1182,6 @@ def _plan_cost(problem: StrategyProblem, edges: _FlatEdges, plan: np.ndarray, no
     if not (np.isfinite(node_costs).all() and np.isfinite(values).all()):
         return math.inf
     return math.fsum(node_costs.tolist()) + math.fsum(values.tolist()) + problem.constant
-
-
-def _peak(steps: _TimeSteps, used: np.ndarray) -> float:
-    """The most memory live at one step when each node uses ``used``."""
-    return float(steps.loads_of(used).max()) if steps.any_live else 0.0
 
 
 def _integral(problem: StrategyProblem, until: float = math.inf) -> bool:
