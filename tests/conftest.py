@@ -58,11 +58,11 @@ if torch_xla_available():
 # order as it frees up, so the two workers end together instead of one finishing a long module
 # alone. The order changes no result.
 LONGEST_FIRST = [
-    "test_inductor", "test_random_bodies_against_reference", "test_inductor_chains",
-    "test_real_models", "test_layouts", "test_examples", "test_solver_scale",
-    "test_solver_scan_quality", "test_inductor_pass_chaining", "test_jax_real_models",
-    "test_jax_op_families", "test_solver_example", "test_xla_user_programs", "test_numbers_in_bodies", "test_dynamo_errors", "test_dtensor",
-    "test_export_serialization", "test_device_targets",
+    "test_real_models", "test_inductor", "test_layouts", "test_examples", "test_solver_scale",
+    "test_random_bodies_against_reference", "test_export_serialization", "test_dynamo_errors",
+    "test_inductor_chains", "test_solver_example", "test_jax_op_families", "test_inductor_pass_chaining",
+    "test_solver_scan_quality", "test_dtensor", "test_numbers_in_bodies", "test_jax_real_models", "test_scan",
+    "test_jax_backend", "test_backward_regions_in_scan", "test_xla_user_programs", "test_device_targets",
 ]
 
 
