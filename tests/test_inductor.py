@@ -18,12 +18,18 @@ import functools
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 
 import hops
 from hops import Mesh, Replicate, Shard
 from tests.helpers.hop_db import SAMPLES, forward_backward, fresh
-from tests.helpers.samples_together import assert_close_apart, forward_backward_apart, together, together_inputs
+from tests.helpers.samples_together import (
+    assert_close_apart,
+    combined,
+    forward_backward_apart,
+    outputs_and_grads_apart,
+    together,
+    together_inputs,
+)
 
 
 def hop_targets(graphs):
@@ -249,21 +255,11 @@ def scans_compiled_together():
     cases = {case: scan_program(length, unroll, reverse=reverse) for case, (length, unroll, reverse) in LENGTHS.items()}
     cases["several-carries"] = several_carries_program()
     counts = [len(inputs) for _, inputs in cases.values()]
-
-    def program(*inputs):
-        results, start = [], 0
-        for (one, _), count in zip(cases.values(), counts):
-            results.append(one(*inputs[start : start + count]))
-            start += count
-        return tuple(results)
+    program = combined([one for one, _ in cases.values()], counts)
+    inputs = [t for _, case_inputs in cases.values() for t in case_inputs]
 
     def apart(fn):
-        inputs = fresh([t for _, case_inputs in cases.values() for t in case_inputs])
-        per_case = [pytree.tree_leaves(result) for result in fn(*inputs)]
-        outputs = [o for leaves in per_case for o in leaves]
-        sum((o * (i + 1)).sum() for i, o in enumerate(outputs) if o.is_floating_point()).backward()
-        grads = iter([t.grad for t in inputs])
-        return {case: (leaves, [next(grads) for _ in range(count)]) for case, leaves, count in zip(cases, per_case, counts)}
+        return outputs_and_grads_apart(fn, inputs, list(cases), counts)
 
     torch._dynamo.reset()
     with inductor_graphs() as (backend, received, lowered):

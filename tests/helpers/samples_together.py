@@ -14,19 +14,24 @@ import torch.utils._pytree as pytree
 from tests.helpers.hop_db import SAMPLES, fresh
 
 
-def together(samples=SAMPLES, attribute="program"):
-    """``(program, inputs)``: ``program(*inputs)`` returns a tuple with each sample's
-    ``attribute`` (``"program"`` or ``"reference"``) applied to its own inputs (seeded)."""
-    counts = [len(sample.inputs()) for sample in samples]
+def combined(programs, counts):
+    """One program running ``programs[i]`` on its own ``counts[i]`` inputs (laid end to end):
+    the tuple of their results."""
 
     def program(*inputs):
         results, start = [], 0
-        for sample, count in zip(samples, counts):
-            results.append(getattr(sample, attribute)(*inputs[start : start + count]))
+        for one, count in zip(programs, counts):
+            results.append(one(*inputs[start : start + count]))
             start += count
         return tuple(results)
 
     return program
+
+
+def together(samples=SAMPLES, attribute="program"):
+    """``(program, inputs)``: ``program(*inputs)`` returns a tuple with each sample's
+    ``attribute`` (``"program"`` or ``"reference"``) applied to its own inputs (seeded)."""
+    return combined([getattr(sample, attribute) for sample in samples], [len(sample.inputs()) for sample in samples])
 
 
 def together_inputs(samples=SAMPLES, seed=0):
@@ -34,17 +39,22 @@ def together_inputs(samples=SAMPLES, seed=0):
 
 
 def forward_backward_apart(fn, inputs, samples=SAMPLES):
-    """``hop_db.forward_backward`` of ``fn`` (a program of ``together``), read apart: for each
-    sample's name, its outputs (flattened) and its inputs' gradients. One backward of all
-    outputs weighted by their position, so every output's cotangent differs."""
+    """``hop_db.forward_backward`` of ``fn`` (a program of ``together``), read apart by sample
+    name (``outputs_and_grads_apart``)."""
+    return outputs_and_grads_apart(fn, inputs, [sample.name for sample in samples], [len(sample.inputs()) for sample in samples])
+
+
+def outputs_and_grads_apart(fn, inputs, names, counts):
+    """For a program of ``combined`` with parts ``names`` of ``counts`` inputs: by name, the
+    part's outputs (flattened) and its inputs' gradients. One backward of all outputs weighted
+    by their position, so every output's cotangent differs."""
     inputs = fresh(inputs)
-    per_sample = [pytree.tree_leaves(result) for result in fn(*inputs)]
-    outputs = [o for leaves in per_sample for o in leaves]
+    per_part = [pytree.tree_leaves(result) for result in fn(*inputs)]
+    outputs = [o for leaves in per_part for o in leaves]
     sum((o * (i + 1)).sum() for i, o in enumerate(outputs) if o.is_floating_point()).backward()
     apart, start = {}, 0
-    for sample, leaves in zip(samples, per_sample):
-        count = len(sample.inputs())
-        apart[sample.name] = (leaves, [t.grad for t in inputs[start : start + count]])
+    for name, leaves, count in zip(names, per_part, counts):
+        apart[name] = (leaves, [t.grad for t in inputs[start : start + count]])
         start += count
     return apart
 
