@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import hops
 from hops import Mesh, Replicate, Shard
+from tests.helpers.samples_together import combined
 from tests.helpers.snapshot import aot_trace, compile_trace
 
 WIDTH = 4
@@ -117,11 +118,7 @@ def together(programs):
     """One program running each of ``programs`` (each ``program(x, w)``) on its own ``x`` and
     ``w``: ``together(programs)(x0, w0, x1, w1, ...)`` is the tuple of their outputs. A compiler
     compiles it once (Dynamo and AOTAutograd cost about as much per compiled program as per op)."""
-
-    def run(*flat):
-        return tuple(program(flat[2 * i], flat[2 * i + 1]) for i, program in enumerate(programs))
-
-    return run
+    return combined(programs, [2] * len(programs))
 
 
 def leaves_for(programs, x, w, w_requires_grad=True):
