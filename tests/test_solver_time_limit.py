@@ -4,10 +4,12 @@ too hard to finish in T (measured before the deadlines: 6-9 s for the plain fron
 for the FX front at T = 3 s, inside HiGHS runs that do not keep their own time limit). Only the
 contract's bound is asserted: the machine is shared."""
 
+import gc
 import itertools
 import math
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -172,6 +174,63 @@ def test_a_time_limit_shorter_than_the_preparation_still_gets_a_plan_in_time():
         assert problem_cost(candidate, solution.strategies) == solution.cost < math.inf
         assert solution.lower_bound <= solution.cost
 
+
+
+def test_the_callers_heap_does_not_spend_the_time_limit():
+    # A full cyclic collection walks every object of the process: in a test process holding
+    # torch's compiled programs, one inside a solve took 1.2-1.5 s of a 0.3 s limit (CI, every
+    # leg). Simulated: every collection takes 20 ms, and one is due every 100 allocations; none
+    # may run while the solver works (its frames on the stack).
+    problem = contest_like(0, 8000, forbidden=0.0)
+    fx = fx_problem(problem, problem.usage_limit)
+    solver = os.path.dirname(solve_problem.__code__.co_filename)
+    inside = []
+
+    def slow_collection(phase, info):
+        if phase == "start":
+            stack = []
+            frame = sys._getframe(1)
+            while frame is not None:
+                if frame.f_code.co_filename.startswith(solver):
+                    stack.append(f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})")
+                frame = frame.f_back
+            # (Entering and leaving the pause allocates: only deeper frames are the solver's work.)
+            if stack and stack[-1].startswith("solve_problem") and len(stack) > 2:
+                inside.append(" < ".join(stack))
+            time.sleep(0.02)
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(100, 1, 1)
+    gc.callbacks.append(slow_collection)
+    took = {}
+
+    def solve(name, candidate, options):
+        began = time.perf_counter()
+        solution = solve_problem(candidate, time_limit=0.3, **options)
+        took[name] = time.perf_counter() - began
+        assert problem_cost(candidate, solution.strategies) == solution.cost < math.inf
+
+    try:
+        # Two calls at once: the collector stays paused until the last one ends.
+        threads = [
+            threading.Thread(target=solve, args=("plain", problem, {})),
+            threading.Thread(target=solve, args=("fx", fx, dict(dominance="equal", presolve=False))),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert gc.isenabled()
+        gc.disable()  # a caller's own choice is kept
+        solve("disabled", problem, {})
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.callbacks.remove(slow_collection)
+        gc.set_threshold(*thresholds)
+    assert sorted(took) == ["disabled", "fx", "plain"], took
+    assert inside == [], inside[:5]
+    assert all(within_contract(seconds, 0.3) for seconds in took.values()), took
 
 
 def test_the_quick_answer_is_read_before_the_steps_it_replaces(monkeypatch):

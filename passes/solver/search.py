@@ -58,7 +58,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from passes.solver import wcsp
-from passes.solver.deadline import OutOfTime, check, start_workers, wait_for_workers
+from passes.solver.deadline import OutOfTime, check, collector_paused, start_workers, wait_for_workers
 from passes.solver.feasible import repair_forbidden
 from passes.solver.milp import MIP_GAP, solve_neighbourhood
 from passes.solver.problem import (
@@ -554,39 +554,41 @@ def solve_problem(
     the memory limit with finite cost (the reductions' or the MILP's), and ``NoPlanFoundError``
     (a ``TimeoutError``) when the time limit ran out before a plan was found."""
     start = _checked_arguments(problem, time_limit, search, start)
-    begin = time.perf_counter()
-    prepared = _prepared(problem, time_limit, begin, seed, reduce, dominance)
-    if isinstance(prepared, ProblemSolution):
-        return prepared
-    searched, deadline, reduce_seconds = prepared
-    searched.presolve = presolve
-    by_axes = search in ("auto", "axes") and _axis_count(searched) >= 3
-    pairs_left = searched.pair_count(begin + 0.3 * (deadline - begin))
-    if by_axes and search == "auto":
-        by_axes = pairs_left > _EXACT_PAIRS
-    if by_axes:
-        return _solved_by_axes(problem, searched, deadline, begin, reduce_seconds, pairs_left)
-    stats = dict(
-        nodes=problem.num_nodes,
-        edges=len(problem.edges),
-        nodes_left=len(searched.nodes),
-        edges_left=len(searched.edges),
-        memory_nodes=int(searched.memory.sum()),
-        memory_constraints=len(searched.rhs),
-        pairs_left=pairs_left,
-        reduce_seconds=reduce_seconds,
-        search_seconds_allowed=deadline - begin,
-    )
-    run = _Run(problem, searched, search, time_limit, begin, deadline, seed, dominance, start, stats)
-    if len(searched.nodes):
-        candidates = run.heuristic_plans()
-        run.start_portfolio(candidates)
-        run.unconstrained_plan(candidates)
-        run.adopt_best(candidates)
-        run.search_to_the_deadline()
-    if run.runner is not None:
-        run.portfolio_answer()
-    return run.answer()
+    # (The caller's heap is not the solver's time: ``collector_paused``.)
+    with collector_paused(time_limit):
+        begin = time.perf_counter()
+        prepared = _prepared(problem, time_limit, begin, seed, reduce, dominance)
+        if isinstance(prepared, ProblemSolution):
+            return prepared
+        searched, deadline, reduce_seconds = prepared
+        searched.presolve = presolve
+        by_axes = search in ("auto", "axes") and _axis_count(searched) >= 3
+        pairs_left = searched.pair_count(begin + 0.3 * (deadline - begin))
+        if by_axes and search == "auto":
+            by_axes = pairs_left > _EXACT_PAIRS
+        if by_axes:
+            return _solved_by_axes(problem, searched, deadline, begin, reduce_seconds, pairs_left)
+        stats = dict(
+            nodes=problem.num_nodes,
+            edges=len(problem.edges),
+            nodes_left=len(searched.nodes),
+            edges_left=len(searched.edges),
+            memory_nodes=int(searched.memory.sum()),
+            memory_constraints=len(searched.rhs),
+            pairs_left=pairs_left,
+            reduce_seconds=reduce_seconds,
+            search_seconds_allowed=deadline - begin,
+        )
+        run = _Run(problem, searched, search, time_limit, begin, deadline, seed, dominance, start, stats)
+        if len(searched.nodes):
+            candidates = run.heuristic_plans()
+            run.start_portfolio(candidates)
+            run.unconstrained_plan(candidates)
+            run.adopt_best(candidates)
+            run.search_to_the_deadline()
+        if run.runner is not None:
+            run.portfolio_answer()
+        return run.answer()
 
 
 def _prepared(

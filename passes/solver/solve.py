@@ -16,6 +16,7 @@ from hops.specs import Mesh, Shard
 from passes._infra import PassError
 from passes.solver.collectives import predicted_collectives
 from passes.solver.cost import CostModel
+from passes.solver.deadline import collector_paused
 from passes.solver.graph import (
     NodeKind,
     Strategy,
@@ -557,12 +558,13 @@ def solve_placements(
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or memory_budget <= 0):
         raise ValueError(f"solve_placements(memory_budget=...) must be a positive number of bytes per device, got {memory_budget!r}")
     start = time.perf_counter()
-    graph = placement_graph(gm, mesh, example_inputs=example_inputs)
-    graph_seconds = time.perf_counter() - start
-    return solve_graph(
-        graph, cost_model=cost_model, memory_budget=memory_budget,
-        time_limit=time_limit, graph_seconds=graph_seconds, search=search,
-    )
+    with collector_paused(time_limit):  # (the limit counts the graph's building too)
+        graph = placement_graph(gm, mesh, example_inputs=example_inputs)
+        graph_seconds = time.perf_counter() - start
+        return solve_graph(
+            graph, cost_model=cost_model, memory_budget=memory_budget,
+            time_limit=time_limit, graph_seconds=graph_seconds, search=search,
+        )
 
 
 def solve_graph(
@@ -578,8 +580,9 @@ def solve_graph(
     """``solve_placements`` on a ``placement_graph`` already built."""
     mesh = graph.graph["mesh"]
     start = time.perf_counter()
-    builder = _ProblemBuilder(graph, mesh, cost_model)
-    problem = builder.build(memory_budget)
+    with collector_paused(time_limit):
+        builder = _ProblemBuilder(graph, mesh, cost_model)
+        problem = builder.build(memory_budget)
     if memory_budget is not None:
         least = [int(np.argmin(u)) for u in problem.node_usages]
         smallest = peak_usage(problem, least)
