@@ -53,14 +53,6 @@ import torch
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
 
 
-# What importing this package changes in torch, by version: nothing on 2.13 and later. On
-# 2.9, one method Dynamo lacks (``dynamo_trace_compiled_function_hasattr``). Tested by
-# tests/test_inductor_pass_chaining.py against a snapshot of Dynamo's functions.
-IMPORT_PATCHES: tuple[str, ...] = (
-    ("torch._dynamo.variables.functions.WrapperUserFunctionVariable.call_obj_hasattr",) if TORCH_VERSION < (2, 13) else ()
-)
-
-
 def torch_xla_available() -> bool:
     """True when torch_xla can be imported (it exists only for torch 2.9 here)."""
     return importlib.util.find_spec("torch_xla") is not None
@@ -108,32 +100,39 @@ def dynamo_graph_break(gb_type: str, context: str, explanation: str, from_exc: B
     graph_break(gb_type=gb_type, context=context, explanation=explanation, hints=[], **extra)
 
 
-def dynamo_trace_compiled_function_hasattr() -> None:
-    """Torch 2.9 only (2.13 and later trace it themselves; this then does nothing): let Dynamo
-    trace ``hasattr`` of a ``torch.compile``d function, which ``compiled_function_inside``
-    asks. 2.9's ``WrapperUserFunctionVariable`` (private) traces only a call and the wrapped
-    function's attribute, and neither ``getattr`` with a default nor ``try``/``except`` tell a
-    wrapper from another function there. It adds the one method 2.9 lacks (answered from
-    the wrapper itself), at import: the scan that asks may be the first HOP a program meets,
-    before any rule of this package runs. Listed in ``IMPORT_PATCHES``."""
-    if TORCH_VERSION >= (2, 13):
-        return
+_WRAPPER_HASATTR = "torch._dynamo.variables.functions.WrapperUserFunctionVariable.call_obj_hasattr"
+
+
+@torch.compiler.assume_constant_result
+def _dynamo_traces_compiled_function_hasattr() -> bool:
+    """Torch 2.9 only: let Dynamo trace ``hasattr`` of a ``torch.compile``d function, which
+    ``compiled_function_inside`` asks. 2.9's ``WrapperUserFunctionVariable`` (private) traces
+    only a call and the wrapped function's attribute, and neither ``getattr`` with a default
+    nor ``try``/``except`` tell a wrapper from another function there; 2.13 traces it itself.
+    The one method 2.9 lacks (answered from the wrapper itself) is added the first time Dynamo
+    traces a scan: ``assume_constant_result`` has Dynamo run this function itself, not trace
+    it. Not at import: importing the package changes nothing in torch. Kept if something
+    else installed one first. Listed in ``COMPILE_PATCHES``."""
     from torch._dynamo.variables.constant import ConstantVariable
     from torch._dynamo.variables.functions import WrapperUserFunctionVariable
 
-    def call_obj_hasattr(self: Any, tx: Any, name: str) -> Any:
-        return ConstantVariable.create(hasattr(self.wrapper_obj, name))
+    if "call_obj_hasattr" not in vars(WrapperUserFunctionVariable):
 
-    WrapperUserFunctionVariable.call_obj_hasattr = call_obj_hasattr
+        def call_obj_hasattr(self: Any, tx: Any, name: str) -> Any:
+            return ConstantVariable.create(hasattr(self.wrapper_obj, name))
+
+        WrapperUserFunctionVariable.call_obj_hasattr = call_obj_hasattr
+    return True
 
 
 def compiled_function_inside(fn: Any) -> Any:
     """Under Dynamo 2.9, the function a ``torch.compile``d ``fn`` wraps (Dynamo inlines it
-    at the call anyway): 2.9 traces neither ``callable`` of the wrapper nor its name (``hasattr``
-    once ``dynamo_trace_compiled_function_hasattr`` taught it). Else ``fn`` itself.
-    ``_torchdynamo_inline`` is torch.compile's private attribute for the wrapped function."""
+    at the call anyway): 2.9 traces neither ``callable`` of the wrapper nor its name, and
+    ``hasattr`` only once ``_dynamo_traces_compiled_function_hasattr`` taught it. Else ``fn``
+    itself. ``_torchdynamo_inline`` is torch.compile's private attribute for the wrapped function."""
     if TORCH_VERSION >= (2, 13) or not torch.compiler.is_dynamo_compiling():
         return fn
+    _dynamo_traces_compiled_function_hasattr()
     return fn._torchdynamo_inline if hasattr(fn, "_torchdynamo_inline") else fn
 
 
@@ -464,12 +463,15 @@ def inductor_tracing(fake_mode: Any) -> Iterator[None]:
         yield
 
 
-# What compiling a program holding a HOP changes in torch's functions, by version (the first
-# compile whose graph the lowering pass changed installs it, once): before 2.15, the wrap of
-# ``SubgraphLowering.__init__`` by ``undonated_subgraph_inputs``; nothing from 2.15 on. Tested by
-# tests/test_inductor_pass_chaining.py against a snapshot taken after compiling every sample.
+# What compiling a program holding a HOP changes in torch's functions, by version, each
+# installed once: before 2.15, the wrap of ``SubgraphLowering.__init__`` by
+# ``undonated_subgraph_inputs`` (the first compile whose graph the lowering pass changed); on
+# 2.9, the method ``_dynamo_traces_compiled_function_hasattr`` adds (the first scan Dynamo
+# traces); nothing from 2.15 on. Tested by tests/test_inductor_pass_chaining.py against a
+# snapshot taken after compiling every sample.
 COMPILE_PATCHES: tuple[str, ...] = (
-    ("torch._inductor.graph.SubgraphLowering.__init__",) if TORCH_VERSION < (2, 15) else ()
+    *(("torch._inductor.graph.SubgraphLowering.__init__",) if TORCH_VERSION < (2, 15) else ()),
+    *((_WRAPPER_HASATTR,) if TORCH_VERSION < (2, 13) else ()),
 )
 _UNDONATED_WRAPPERS: set = set()  # the wrappers installed (no attribute of our own on torch's)
 

@@ -378,10 +378,6 @@ def typed_error_break(tx: Any, typed: BaseException) -> None:
         raise
 
 
-# Torch 2.9 only: the one method its Dynamo lacks (see _compat.IMPORT_PATCHES).
-_compat.dynamo_trace_compiled_function_hasattr()
-
-
 def _body_example_args(tx: Any, hop: Any, tensor_args: list[Any], specs: tuple) -> tuple:
     """Fresh fake tensors shaped like what the body receives (``hop.body_example_args``)."""
     fake_args = tuple(vt.as_proxy().node.meta["example_value"] for vt in tensor_args)

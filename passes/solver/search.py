@@ -554,8 +554,7 @@ def solve_problem(
     the memory limit with finite cost (the reductions' or the MILP's), and ``NoPlanFoundError``
     (a ``TimeoutError``) when the time limit ran out before a plan was found."""
     start = _checked_arguments(problem, time_limit, search, start)
-    # (The caller's heap is not the solver's time: ``collector_paused``.)
-    with collector_paused(time_limit):
+    with collector_paused(time_limit):  # (the caller's heap is not the solver's time)
         begin = time.perf_counter()
         prepared = _prepared(problem, time_limit, begin, seed, reduce, dominance)
         if isinstance(prepared, ProblemSolution):
@@ -569,10 +568,7 @@ def solve_problem(
         if by_axes:
             return _solved_by_axes(problem, searched, deadline, begin, reduce_seconds, pairs_left)
         stats = dict(
-            nodes=problem.num_nodes,
-            edges=len(problem.edges),
-            nodes_left=len(searched.nodes),
-            edges_left=len(searched.edges),
+            nodes=problem.num_nodes, edges=len(problem.edges), nodes_left=len(searched.nodes), edges_left=len(searched.edges),
             memory_nodes=int(searched.memory.sum()),
             memory_constraints=len(searched.rhs),
             pairs_left=pairs_left,
