@@ -72,10 +72,11 @@ def test_the_contract_holds_on_a_slow_machine(monkeypatch):
 
 
 def test_the_fx_front_returns_its_best_plan_within_the_time_limit():
-    plain = contest_like(0, 1500, forbidden=0.0, tightness=None)
+    # 3000 nodes: the neighbourhood search proved 1500 optimal within 3 s once in two runs on
+    # an idle machine (toulbar2, in search="auto", proves it in about a second:
+    # tests/test_solver_engines.py keeps its contract on a problem it cannot).
+    plain = contest_like(0, 3000, forbidden=0.0, tightness=None)
     problem = fx_problem(plain)
-    # The neighbourhood search (toulbar2, in search="auto", proves this one optimal in about
-    # a second: tests/test_solver_engines.py keeps its contract on a problem it cannot).
     began = time.perf_counter()
     result = solve_problem(problem, time_limit=3.0, dominance="equal", search="exact")
     took = time.perf_counter() - began
