@@ -29,7 +29,7 @@ def combined(programs, counts):
 
 
 def together(samples=SAMPLES, attribute="program"):
-    """``(program, inputs)``: ``program(*inputs)`` returns a tuple with each sample's
+    """A program: ``program(*together_inputs())`` returns a tuple with each sample's
     ``attribute`` (``"program"`` or ``"reference"``) applied to its own inputs (seeded)."""
     return combined([getattr(sample, attribute) for sample in samples], [len(sample.inputs()) for sample in samples])
 
