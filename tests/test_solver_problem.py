@@ -186,7 +186,7 @@ class TestExactness:
         check_solution(problem, solution)
         assert solution.lower_bound <= best + 1e-9 <= solution.cost + 2e-9
 
-    @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(seed=st.integers(0, 2**32 - 1), workers=st.sampled_from([2, 3]))
     def test_neighbourhoods_solved_at_once_stay_within_the_limit(self, seed, workers):
         # Problems too connected for the reductions to remove, neighbourhoods of a few pairs,
@@ -198,12 +198,13 @@ class TestExactness:
         wait_for_workers(time.perf_counter() + 30)
         with neighbourhoods_only(pairs=12, workers=workers):
             try:
-                solution = solve_problem(problem, time_limit=1.0)
+                # (2 s: in 1 s at load 7, three workers finished one batch only.)
+                solution = solve_problem(problem, time_limit=2.0)
             except InfeasiblePlacementError as error:
                 assert "below the least memory" in str(error)  # (a limit nothing meets)
                 return
         check_solution(problem, solution)
-        assert solution.stats["lns_rounds"] > workers
+        assert solution.stats["lns_rounds"] > workers  # (a second batch made: the first one solved)
 
 
     def test_two_neighbourhoods_that_each_fit_are_not_both_taken_when_together_they_do_not(self):
