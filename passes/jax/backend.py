@@ -31,28 +31,30 @@ from hops.lowering import caller_saved_tensors_hooks
 __all__ = ["hops_jax", "JaxGraph"]
 
 
-def _to_jax(value: Any, copies: dict[str, int], where: str) -> Any:
+def _to_jax(value: Any, copies: dict[str, int], where: Any) -> Any:
     import jax
 
     if not isinstance(value, torch.Tensor):
         return value
-    if value.device.type != "cpu":
-        raise ValueError(f"hops_jax: {where} is a {value.device} tensor; this backend runs on CPU tensors")
-    tensor = value.detach()
+    tensor = _cpu_detached(value, where)
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
         copies["in"] += 1
     return jax.dlpack.from_dlpack(tensor)
 
 
-def _host_view(value: Any, where: str) -> Any:
-    import numpy as np
-
+def _host_view(value: Any, where: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
-    if value.device.type != "cpu":
+    return _cpu_detached(value, where).numpy()
+
+
+def _cpu_detached(value: torch.Tensor, where: Any) -> torch.Tensor:
+    """``value`` detached; ``ValueError`` naming ``where`` (a name, or an input's position) off the CPU."""
+    if not value.is_cpu:
+        where = f"input {where}" if isinstance(where, int) else where
         raise ValueError(f"hops_jax: {where} is a {value.device} tensor; this backend runs on CPU tensors")
-    return np.asarray(value.detach())
+    return value.detach()
 
 
 def _to_torch(value: Any, copies: dict[str, int]) -> Any:
@@ -164,28 +166,38 @@ class JaxGraph:
         self.placement = _replicated_on_mesh(lowered.graph_module)
         self.saved = _saved_dtypes(gm) if forward else {}
         self.copies = {"in": 0, "out": 0}
+        # Per output: None (a tensor for torch), _NUMBER, or the dtype of a residual's stand-in;
+        # under a caller's saved-tensor hooks residuals are tensors too (``kinds_hooked``).
+        self.kinds_hooked = tuple(_NUMBER if i in self.numbers else None for i in range(len(results)))
+        self.kinds = tuple(self.saved.get(i, kind) for i, kind in enumerate(self.kinds_hooked))
 
     def __call__(self, *args: Any) -> list[Any]:
-        import numpy as np
-
+        # Per call only what the arguments change: which outputs are residuals, numbers or tensors
+        # was worked out at compile time (``self.kinds``), and an input's name is spelt on error only.
         if self.placement is None:
-            inputs = [_held(a, _to_jax, self.copies, f"input {i}") for i, a in enumerate(args)]
+            inputs = [_held(a, _to_jax, self.copies, i) for i, a in enumerate(args)]
         else:
             # A program over a mesh: DLPack's arrays would be committed to one device; a numpy view of
             # the tensor's memory leaves the placement to the compiled program (jax copies each input
             # onto the devices that need it: a copy per input).
-            inputs = [_held(a, _host_view, f"input {i}") for i, a in enumerate(args)]
-            self.copies["in"] += sum(isinstance(x, np.ndarray) for x in inputs)
+            import numpy as np
+
+            inputs = [_held(a, _host_view, i) for i, a in enumerate(args)]
+            self.copies["in"] += list(map(type, inputs)).count(np.ndarray)
         if self.random:
             import jax
 
             inputs = [jax.random.key(int(torch.randint(0, 2**31 - 1, ()))), *inputs]
         outputs = self.function(*inputs)
-        saved = self.saved if self.saved and not caller_saved_tensors_hooks() else {}
+        kinds = self.kinds if not self.saved or not caller_saved_tensors_hooks() else self.kinds_hooked
+        copies = self.copies
         return [
-            _stand_in(o, saved[i]) if i in saved else _number(o) if i in self.numbers else _to_torch(o, self.copies)
-            for i, o in enumerate(outputs)
+            _to_torch(o, copies) if kind is None else _number(o) if kind is _NUMBER else _stand_in(o, kind)
+            for o, kind in zip(outputs, kinds)
         ]
+
+
+_NUMBER = object()  # an output kind: a number (a size), not a tensor
 
 
 def _draws_random_numbers(gm: fx.GraphModule) -> bool:
