@@ -200,7 +200,7 @@ class TestHopsJax(TestCase):
         # read. Along an axis the inputs are sharded over, the masks differ; along one they are
         # replicated over, they are the same (a replicated value stays replicated). Kept values
         # are x * w / (1 - p), about 1 - p of them kept, and the gradients are those of the
-        # masks the forward drew.
+        # masks the forward drew. torch.manual_seed reproduces the whole draw.
         p = 0.25
 
         def body(x, w):
@@ -211,8 +211,13 @@ class TestHopsJax(TestCase):
                 torch._dynamo.reset()
                 region = hops.local_map(body, mesh=MESH, in_placements=(sharded, sharded), out_placements=((Shard(0), Shard(1)),))
                 x, w = torch.randn(8, 64, requires_grad=True), torch.rand(8, 64).add(0.5).requires_grad_()
-                y = torch.compile(lambda x, w: region(x, w), backend=hops_jax, fullgraph=True)(x, w)
+                compiled = torch.compile(lambda x, w: region(x, w), backend=hops_jax, fullgraph=True)
+                torch.manual_seed(3)
+                y = compiled(x, w)
                 gx, gw = torch.autograd.grad(y.sum(), (x, w))
+                torch.manual_seed(3)  # the seed reproduces every device's draw; the next call draws anew
+                self.assertTrue(torch.equal(compiled(x, w), y))
+                self.assertFalse(torch.equal(compiled(x, w), y))
                 split = [placement != Replicate() for placement in sharded]  # x's dim k split along mesh axis k
                 rows, columns = 8 // (2 if split[0] else 1), 64 // (2 if split[1] else 1)
                 self.assertEqual(tuple(y.shape), (2 * rows, 2 * columns))
