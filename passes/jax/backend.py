@@ -166,14 +166,16 @@ class JaxGraph:
         self.placement = _replicated_on_mesh(lowered.graph_module)
         self.saved = _saved_dtypes(gm) if forward else {}
         self.copies = {"in": 0, "out": 0}
-        # Per output: None (a tensor for torch), _NUMBER, or the dtype of a residual's stand-in;
-        # under a caller's saved-tensor hooks residuals are tensors too (``kinds_hooked``).
-        self.kinds_hooked = tuple(_NUMBER if i in self.numbers else None for i in range(len(results)))
-        self.kinds = tuple(self.saved.get(i, kind) for i, kind in enumerate(self.kinds_hooked))
+        # Worked out once, not per call: (position, dtype) of each residual's stand-in, and
+        # (position, is a number) of each other output; under a caller's saved-tensor hooks
+        # residuals are tensors too (``results_hooked``).
+        self.stand_ins = tuple(self.saved.items())
+        self.results_hooked = tuple((i, i in self.numbers) for i in range(len(results)))
+        self.results = tuple((i, number) for i, number in self.results_hooked if i not in self.saved)
 
     def __call__(self, *args: Any) -> list[Any]:
         # Per call only what the arguments change: which outputs are residuals, numbers or tensors
-        # was worked out at compile time (``self.kinds``), and an input's name is spelt on error only.
+        # was worked out at compile time, and an input's name is spelt on error only.
         if self.placement is None:
             inputs = [_held(a, _to_jax, self.copies, i) for i, a in enumerate(args)]
         else:
@@ -188,16 +190,16 @@ class JaxGraph:
             import jax
 
             inputs = [jax.random.key(int(torch.randint(0, 2**31 - 1, ()))), *inputs]
-        outputs = self.function(*inputs)
-        kinds = self.kinds if not self.saved or not caller_saved_tensors_hooks() else self.kinds_hooked
+        outputs = list(self.function(*inputs))
+        # The residuals' stand-ins first: they read only shapes, so they are made while the program
+        # still runs; the results torch reads (which wait for it) after.
+        keep = self.stand_ins and not caller_saved_tensors_hooks()
+        for i, dtype in self.stand_ins if keep else ():
+            outputs[i] = _stand_in(outputs[i], dtype)
         copies = self.copies
-        return [
-            _to_torch(o, copies) if kind is None else _number(o) if kind is _NUMBER else _stand_in(o, kind)
-            for o, kind in zip(outputs, kinds)
-        ]
-
-
-_NUMBER = object()  # an output kind: a number (a size), not a tensor
+        for i, number in self.results if keep else self.results_hooked:
+            outputs[i] = _number(outputs[i]) if number else _to_torch(outputs[i], copies)
+        return outputs
 
 
 def _draws_random_numbers(gm: fx.GraphModule) -> bool:
