@@ -260,6 +260,14 @@ def test_sdpa_attention_runs_replicated_forward_and_backward(results, name):
     assert SDPA_BACKWARD in report["run_replicated"]["backward"]
 
 
+def test_an_op_without_a_rule_sees_its_gathered_inputs_laid_out_as_traced(results):
+    # Issue 32: heads sharded, SDPA's inputs gathered contiguous, its CPU gradients laid out as
+    # those; the backward's traced `view` of them raised "Cannot view a tensor". Loss and every
+    # gradient equal single-device eager on every rank (checked there).
+    report = scenario(results, "attention_with_sharded_heads")
+    assert SDPA_BACKWARD in report["run_replicated"]["backward"]
+
+
 def test_the_lowering_runs_replicated_what_the_solver_priced_so(results):
     report = scenario(results, "solved_attention")
     lowered = Counter(report["run_replicated"]["forward"] + report["run_replicated"]["backward"])

@@ -17,8 +17,8 @@ graph comes back the same) and takes the node's typed spec as its last argument:
   tensor every rank computes whole) as a replicated DTensor;
 - ``run_replicated(op, *args, **kwargs)``: an ATen op DTensor has no sharding strategy for (the
   solver prices it so): its DTensor inputs gathered to ``Replicate`` (``redistribute``, which
-  autograd differentiates), the op run on their local tensors, its tensor outputs replicated
-  DTensors again;
+  autograd differentiates) and laid out as their DTensors state (as traced), the op run on
+  their local tensors, its tensor outputs replicated DTensors again;
 - ``check_on_dtensors(op, *args, **kwargs)``: a check returning nothing that DTensor cannot
   run (``torch.export``'s ``_assert_tensor_metadata``, ``_assert_async``): run on what it
   reads of each DTensor argument, the global metadata or the gathered value;
@@ -294,13 +294,36 @@ def run_replicated(op: Any, *args: Any, **kwargs: Any) -> Any:
             return value
         if value.device_mesh != device_mesh:
             raise ValueError(f"run_replicated({op}): its DTensor arguments are on different meshes")
-        return value.redistribute(device_mesh, whole).to_local()
+        gathered = value.redistribute(device_mesh, whole)
+        return _laid_out_as(gathered.to_local(), gathered.stride())
 
     def wrap(value: Any) -> Any:
         return DTensor.from_local(value, device_mesh, whole, run_check=False) if isinstance(value, torch.Tensor) else value
 
     args, kwargs = pytree.tree_map(local, (args, kwargs))
     return pytree.tree_map(wrap, op(*args, **kwargs))
+
+
+def _laid_out_as(local: torch.Tensor, stride: tuple) -> torch.Tensor:
+    """``local`` (a gathered value) in the layout ``stride`` its DTensor states, the layout the
+    op was traced on: an op whose outputs follow its inputs' layout (CPU flash attention's
+    gradients) would otherwise return a layout the graph's next ``view`` cannot read. A stated
+    layout that is not dense (stride 0) is left as gathered."""
+    if local.stride() == tuple(stride) or not _dense(local.shape, stride):
+        return local
+    return local.new_empty_strided(local.shape, stride).copy_(local)
+
+
+def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` lays ``shape`` out densely, each element once (a permutation of the
+    contiguous layout)."""
+    expected = 1
+    for size, step in sorted(zip(shape, stride), key=lambda pair: pair[1]):
+        if size != 1:
+            if step != expected:
+                return False
+            expected *= size
+    return True
 
 
 # Checks that read only their tensor arguments' metadata (sizes, strides, dtype, layout), never

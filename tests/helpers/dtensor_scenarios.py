@@ -478,6 +478,33 @@ def plan_attention(solved: bool) -> dict:
     return plan
 
 
+def attention_viewing_heads_back(x, wq, wk, wv, wo):
+    """``causal_attention`` as torchtitan ends it: ``.contiguous().flatten(2)``, which the trace
+    records as a ``view`` (SDPA's CPU output and its gradients are laid out so that no copy is
+    needed)."""
+    batch, seq, dim = x.shape
+
+    def heads(t):
+        return t.view(batch, seq, 2, dim // 2).transpose(1, 2)
+
+    out = torch.nn.functional.scaled_dot_product_attention(heads(x @ wq), heads(x @ wk), heads(x @ wv), is_causal=True)
+    return (out.transpose(1, 2).contiguous().flatten(2) @ wo).square().mean()
+
+
+def plan_attention_with_sharded_heads() -> dict:
+    """``attention_viewing_heads_back`` with its heads sharded (column-parallel projections):
+    the gathered inputs of the op DTensor has no rule for are laid out otherwise than traced,
+    and CPU flash attention's gradients follow its inputs' layout."""
+    torch.manual_seed(0)
+    args = [torch.randn(2, 8, 16)] + [torch.randn(16, 16) / 4 for _ in range(4)]
+    forward, backward, _ = aot_trace(attention_viewing_heads_back, *(a.clone().requires_grad_() for a in args))
+    reference, grads = run_on_dtensor._reference(attention_viewing_heads_back, args, range(len(args)))
+    columns = (Replicate(), Shard(1))
+    return dict(mesh=MESH, forward=forward, backward=backward, inputs=args,
+                placements=[ROWS, columns, columns, columns, (Replicate(), Shard(0))],
+                loss=reference, grads=grads, tolerance=dict(rtol=1e-4, atol=1e-5))
+
+
 def plan_auto_shard() -> dict:
     import auto_shard
 
@@ -492,6 +519,7 @@ PLANS = {
     "solved_mlp": plan_solved_mlp,
     "replicated_attention": lambda: plan_attention(solved=False),
     "solved_attention": lambda: plan_attention(solved=True),
+    "attention_with_sharded_heads": plan_attention_with_sharded_heads,
     "auto_shard": plan_auto_shard,
 }
 
@@ -585,6 +613,11 @@ def replicated_attention(device_mesh, report):
 @scenario
 def solved_attention(device_mesh, report):
     run_example("solved_attention", report)
+
+
+@scenario
+def attention_with_sharded_heads(device_mesh, report):
+    run_example("attention_with_sharded_heads", report)
 
 
 @scenario
