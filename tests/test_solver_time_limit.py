@@ -17,11 +17,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from passes.solver import NoPlanFoundError, StrategyProblem, peak_usage, problem_cost, solve_problem
+from passes.solver import NoPlanFoundError, StrategyProblem, peak_usage, problem_cost, solve_problem, wcsp
 from passes.solver import deadline as deadline_module
 from passes.solver import search as search_module
 from passes.solver.deadline import solve_model_by
 from passes.solver.families import contest_like
+from passes.solver.reduce import Reduced
 from passes.solver.search import Search, _quick_answer
 from passes.solver.solve import Factor, MemoryTerm, choice_problem
 
@@ -184,6 +185,7 @@ def test_the_callers_heap_does_not_spend_the_time_limit():
     # may run while the solver works (its frames on the stack).
     problem = contest_like(0, 8000, forbidden=0.0)
     fx = fx_problem(problem, problem.usage_limit)
+    tight = contest_like(0, 2000, tightness=1.02)
     solver = os.path.dirname(solve_problem.__code__.co_filename)
     inside = []
 
@@ -196,7 +198,7 @@ def test_the_callers_heap_does_not_spend_the_time_limit():
                     stack.append(f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})")
                 frame = frame.f_back
             # (Entering and leaving the pause allocates: only deeper frames are the solver's work.)
-            if stack and stack[-1].startswith("solve_problem") and len(stack) > 2:
+            if stack and stack[-1].startswith(("solve_problem", "solve_wcsp")) and len(stack) > 2:
                 inside.append(" < ".join(stack))
             time.sleep(0.02)
 
@@ -225,11 +227,20 @@ def test_the_callers_heap_does_not_spend_the_time_limit():
         gc.disable()  # a caller's own choice is kept
         solve("disabled", problem, {})
         assert not gc.isenabled()
+        gc.enable()
+        # An engine called alone keeps its deadline too (toulbar2 finds no plan on this one in
+        # seconds: every memory row at once).
+        reduced = Reduced(tight)
+        reduced.reduce(tight.usage_limit, math.inf)
+        search = Search(reduced, seed=0)
+        began = time.perf_counter()
+        wcsp.solve_wcsp(search, began + 0.3)
+        took["toulbar2"] = time.perf_counter() - began
     finally:
         gc.enable()
         gc.callbacks.remove(slow_collection)
         gc.set_threshold(*thresholds)
-    assert sorted(took) == ["disabled", "fx", "plain"], took
+    assert sorted(took) == ["disabled", "fx", "plain", "toulbar2"], took
     assert inside == [], inside[:5]
     assert all(within_contract(seconds, 0.3) for seconds in took.values()), took
 

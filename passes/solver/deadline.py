@@ -60,16 +60,19 @@ _collector_was_enabled = False
 
 
 @contextlib.contextmanager
-def collector_paused(time_limit: float | None):
-    """Python's cyclic garbage collector paused while a call with a ``time_limit`` runs, and
-    restored (as it was) when the last such call ends; nothing changes without a time limit.
+def collector_paused(bounded: bool):
+    """Python's cyclic garbage collector paused while a call with a time limit or a deadline
+    (``bounded``) runs, and restored (as it was) when the last such call ends; nothing changes
+    for an unbounded call. Every call that promises a deadline holds it: ``solve_problem``, the
+    FX front's solves, and the engines' runs (``solve_model_by``, ``wcsp.solve_wcsp``), which
+    are also called alone.
 
     A full collection walks every object of the caller's process, not the solver's: in a test
     process holding millions of objects (torch's compiled programs), one took 1.2-1.5 s of a
     0.3 s limit. The solver makes no reference cycles worth collecting in that time (numpy
     arrays and lists); the caller's own garbage is collected after the call, as it would be."""
     global _paused_by, _collector_was_enabled
-    if time_limit is None:
+    if not bounded:
         yield
         return
     with _lock:
@@ -223,6 +226,11 @@ def solve_model_by(model: dict, deadline: float = math.inf, stop: threading.Even
     proved the optimum: the answer is no longer needed). None if it had no answer."""
     if not math.isfinite(deadline):
         return solve_model(model)
+    with collector_paused(True):
+        return _solve_model_in_worker(model, deadline, stop)
+
+
+def _solve_model_in_worker(model: dict, deadline: float, stop: threading.Event | None) -> dict | None:
     left = deadline - time.perf_counter()
     if left <= 0:
         return None

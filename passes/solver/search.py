@@ -554,7 +554,7 @@ def solve_problem(
     the memory limit with finite cost (the reductions' or the MILP's), and ``NoPlanFoundError``
     (a ``TimeoutError``) when the time limit ran out before a plan was found."""
     start = _checked_arguments(problem, time_limit, search, start)
-    with collector_paused(time_limit):  # (the caller's heap is not the solver's time)
+    with collector_paused(time_limit is not None):  # (the caller's heap is not the solver's time)
         begin = time.perf_counter()
         prepared = _prepared(problem, time_limit, begin, seed, reduce, dominance)
         if isinstance(prepared, ProblemSolution):

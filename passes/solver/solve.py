@@ -558,7 +558,7 @@ def solve_placements(
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or memory_budget <= 0):
         raise ValueError(f"solve_placements(memory_budget=...) must be a positive number of bytes per device, got {memory_budget!r}")
     start = time.perf_counter()
-    with collector_paused(time_limit):  # (the limit counts the graph's building too)
+    with collector_paused(time_limit is not None):  # (the limit counts the graph's building too)
         graph = placement_graph(gm, mesh, example_inputs=example_inputs)
         graph_seconds = time.perf_counter() - start
         return solve_graph(
@@ -580,7 +580,7 @@ def solve_graph(
     """``solve_placements`` on a ``placement_graph`` already built."""
     mesh = graph.graph["mesh"]
     start = time.perf_counter()
-    with collector_paused(time_limit):
+    with collector_paused(time_limit is not None):
         builder = _ProblemBuilder(graph, mesh, cost_model)
         problem = builder.build(memory_budget)
     if memory_budget is not None:

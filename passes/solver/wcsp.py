@@ -41,6 +41,7 @@ import time
 
 import numpy as np
 
+from passes.solver.deadline import collector_paused
 from passes.solver.wcsp_worker import Scale as _Scale
 
 __all__ = ["available", "solve_wcsp", "WcspResult"]
@@ -121,6 +122,11 @@ def solve_wcsp(
     reported no solution yet (a problem too large for it hands the time back); ``stop``: a
     ``threading.Event`` that, once set, ends the run as the deadline would (the other engine
     of a portfolio proved the optimum)."""
+    with collector_paused(math.isfinite(deadline)):  # (the caller's heap is not the run's time)
+        return _solved_by_toulbar2(search, deadline, upper, hint, seed, vns, rows, first_by, stop)
+
+
+def _solved_by_toulbar2(search, deadline, upper, hint, seed, vns, rows, first_by, stop) -> WcspResult:
     began = time.perf_counter()
     if not available():
         return WcspResult("error", None, -math.inf, 0, 0.0)
