@@ -580,18 +580,19 @@ def solve_graph(
     """``solve_placements`` on a ``placement_graph`` already built."""
     mesh = graph.graph["mesh"]
     start = time.perf_counter()
+    # (Everything counted in ``problem_seconds`` is spent of the time limit: paused as the solve is.)
     with collector_paused(time_limit is not None):
         builder = _ProblemBuilder(graph, mesh, cost_model)
         problem = builder.build(memory_budget)
-    if memory_budget is not None:
-        least = [int(np.argmin(u)) for u in problem.node_usages]
-        smallest = peak_usage(problem, least)
-        if smallest > memory_budget:
-            raise InfeasiblePlacementError(
-                f"memory_budget={memory_budget:.6g} bytes per device is below the smallest footprint any "
-                f"placement allows ({smallest:.6g} bytes at its peak: every parameter, gradient, optimizer state "
-                "and live value sharded as far as its strategies go)"
-            )
+        if memory_budget is not None:
+            least = [int(np.argmin(u)) for u in problem.node_usages]
+            smallest = peak_usage(problem, least)
+            if smallest > memory_budget:
+                raise InfeasiblePlacementError(
+                    f"memory_budget={memory_budget:.6g} bytes per device is below the smallest footprint any "
+                    f"placement allows ({smallest:.6g} bytes at its peak: every parameter, gradient, optimizer state "
+                    "and live value sharded as far as its strategies go)"
+                )
     problem_seconds = time.perf_counter() - start
     if time_limit is not None:
         # The limit counts from the call: the graph's and the problem's building are spent of
