@@ -334,3 +334,23 @@ class TestCompiledGraphs(TestCase):
         got = (*got, *ATEN[backward](grad_, q_, k_, v_, *got, 0.0, False, attn_mask=mask_))
         for name, a, e in zip(("output", "logsumexp", "grad query", "grad key", "grad value"), got, expected):
             torch.testing.assert_close(torch.from_numpy(np.array(a)), e, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+class TestIntegerAvgPool(TestCase):
+    def test_an_int64_avg_pool_divides_in_integers_rounding_toward_zero(self):
+        # torch averages an int64 window in integers (C's division: toward zero); sums past 2**24
+        # (float32's exact integers) but within int32 (jax's int64 without x64), of both signs
+        x = torch.randint(-(2**27), 2**27, (2, 3, 5, 4, 5), generator=torch.Generator().manual_seed(0))
+        programs = {
+            "avg_pool1d": lambda v: F.avg_pool1d(v[0, 0], 3, 2, 1, ceil_mode=True),
+            "avg_pool2d": lambda v: F.avg_pool2d(v[0], 3, 2, 1, count_include_pad=False),
+            "avg_pool2d divisor_override": lambda v: F.avg_pool2d(v[0], 2, 1, divisor_override=3),
+            "avg_pool3d": lambda v: F.avg_pool3d(v, 2, (2, 1, 2), 1, ceil_mode=True),
+            "avg_pool3d divisor_override": lambda v: F.avg_pool3d(v, 2, 1, divisor_override=7),
+        }
+        for name, program in programs.items():
+            with self.subTest(name):
+                expected = program(x)
+                self.assertEqual(expected.dtype, torch.int64)
+                got = jax.jit(lower_to_jax(make_fx(program)(x)))(x.numpy())
+                torch.testing.assert_close(torch.from_numpy(np.array(got)).long(), expected, rtol=0, atol=0)

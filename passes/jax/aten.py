@@ -1378,7 +1378,7 @@ def _avg_pool(spatial: int) -> Callable[..., Any]:
         kernel, stride, padding, _, lengths, out, high = _pool_geometry(x, spatial, kernel_size, stride, padding, 1, ceil_mode)
         total = _windows(x, spatial, 0, lax().add, kernel, stride, (1,) * spatial, padding, high)
         if divisor_override:
-            return (total / divisor_override).astype(x.dtype)
+            return _pool_divide(total, numpy.asarray(divisor_override))
         # torch's divisor, per window: the window clipped to the padded input (count_include_pad)
         # or to the input; separable, so one count per pooled dim, multiplied out
         divisor = numpy.ones((), numpy.float64)
@@ -1387,9 +1387,18 @@ def _avg_pool(spatial: int) -> Callable[..., Any]:
             end = numpy.minimum(start + k, n + p)
             count = end - start if count_include_pad else numpy.minimum(end, n) - numpy.maximum(start, 0)
             divisor = numpy.multiply.outer(divisor, count)
-        return (total / jnp().asarray(divisor, total.dtype)).astype(x.dtype)
+        return _pool_divide(total, divisor)
 
     return rule
+
+
+def _pool_divide(total: Any, divisor: Any) -> Any:
+    """A window's sum over its divisor, as torch divides: an integer sum in integers, rounding
+    toward zero (a float32 quotient would lose the digits past 2**24 and round them)."""
+    divisor = jnp().broadcast_to(jnp().asarray(divisor, total.dtype), total.shape)
+    if jnp().issubdtype(total.dtype, jnp().integer):
+        return lax().div(total, divisor)
+    return total / divisor
 
 
 def _avg_pool_backward(spatial: int) -> Callable[..., Any]:
