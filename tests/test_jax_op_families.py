@@ -70,6 +70,16 @@ def r(*shape, seed=0):
 INDEX = torch.tensor([[0, 2], [3, 1], [1, 1]])  # int64, repeated entries (an input of the programs)
 
 
+def max_pooled(pool, x, *args):
+    """A max pool's values and indices of ``x`` (overlapping windows repeat an index, with its
+    value: torch's unpool keeps either of two values at one index)."""
+    return pool(x, *args, return_indices=True)
+
+
+MAX_POOLED = (*max_pooled(F.max_pool1d, r(2, 3, 8), 2), *max_pooled(F.max_pool2d, r(2, 3, 4, 5), 2), *max_pooled(F.max_pool3d, r(1, 2, 4, 4, 5), 2))
+MAX_POOLED_PLANE = max_pooled(F.max_pool2d, r(3, 6, 5), 3, 2, 1)
+
+
 FAMILIES = {
     "elementwise": [
         ("asin acos atan", lambda x: (x.tanh() * 0.9).asin() + (x.tanh() * 0.9).acos() + x.atan(), r(3, 4)),
@@ -138,6 +148,9 @@ FAMILIES = {
         ("adaptive_max_pool2d uneven windows", lambda x: F.adaptive_max_pool2d(x, (3, 4), return_indices=True), r(2, 3, 7, 5)),
         ("adaptive_max_pool1d ties", lambda x: F.adaptive_max_pool1d(x.round(), 3, return_indices=True), r(2, 3, 8)),
         ("adaptive_max_pool3d", lambda x: F.adaptive_max_pool3d(x, (2, 3, 2), return_indices=True), r(1, 2, 5, 4, 3)),
+        # max_unpool: the indices a max pool chose (an input, int64); output_size past the pooled shape
+        ("max_unpool1d 2d 3d", lambda a, i, b, j, c, k: (F.max_unpool1d(a, i, 2, output_size=[9]), F.max_unpool2d(b, j, 2, output_size=(4, 5)), F.max_unpool3d(c, k, 2, output_size=(5, 4, 5))), *MAX_POOLED),
+        ("max_unpool2d of a plane (no batch), stride and padding", lambda a, i: F.max_unpool2d(a, i, 3, 2, 1, output_size=(6, 5)), *MAX_POOLED_PLANE),
         ("a small CNN", lambda x, w: F.adaptive_avg_pool2d(F.max_pool2d(F.conv2d(x, w, padding=1).relu(), 2), 1).flatten(1), r(2, 3, 8, 8), r(4, 3, 3, 3)),
     ],
     "shapes": [

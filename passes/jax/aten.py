@@ -1371,6 +1371,25 @@ for _spatial, (_forward, _backward) in {
     ATEN[_backward] = _max_pool_backward(_spatial)
 
 
+def _max_unpool(spatial: int) -> Callable[..., Any]:
+    def rule(x, indices, output_size, *stride_and_padding):
+        # Each value written at its flat index within its output plane, zeros elsewhere (not
+        # torch's decomposition: it checks that the indices are int64, which jax's are not
+        # without x64). torch raises on an index past the plane; a jax program cannot, and drops
+        # it. Of repeated indices torch keeps either value (nondeterministic), as jax does.
+        lead = x.shape[: x.ndim - spatial]
+        rows = math.prod(lead)
+        flat = jnp().zeros((rows, math.prod(output_size)), x.dtype)
+        flat = flat.at[jnp().arange(rows)[:, None], indices.reshape(rows, -1)].set(x.reshape(rows, -1), mode="drop")
+        return flat.reshape(*lead, *output_size)
+
+    return rule
+
+
+ATEN[aten.max_unpool2d] = _max_unpool(2)
+ATEN[aten.max_unpool3d] = _max_unpool(3)
+
+
 def _avg_pool(spatial: int) -> Callable[..., Any]:
     def rule(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
         import numpy
