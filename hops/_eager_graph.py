@@ -48,6 +48,9 @@ class EagerGraph:
         graph = fx.Graph()
         environment: dict[fx.Node, fx.Node] = {}
         for node in gm.graph.nodes:
+            if _returns_its_input(node):
+                environment[node] = environment[node.args[0]]
+                continue
             copy = graph.node_copy(node, environment.__getitem__)
             binding = _binding(node) if node.op == "call_function" else None
             if binding is not None:
@@ -59,6 +62,36 @@ class EagerGraph:
 
     def __call__(self, *tensors: torch.Tensor) -> Any:
         return self._forward(*tensors)
+
+
+def _returns_its_input(node: fx.Node) -> bool:
+    """``node`` gives its first argument (``to`` its own dtype returns the tensor itself), or an
+    alias of it nothing tells apart (read only by ops that write nothing; not an output): the
+    copy uses the argument, one op call fewer."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.target is torch.ops.aten.alias.default:
+        return all(_writes_nothing(user) for user in node.users)
+    if node.target is not torch.ops.aten.to.dtype:
+        return False
+    value = node.args[0].meta.get("val")
+    bound = torch.ops.aten.to.dtype._schema
+    arguments = dict(zip((a.name for a in bound.arguments), node.args)) | dict(node.kwargs)
+    return (
+        isinstance(value, torch.Tensor)
+        and arguments.get("dtype") == value.dtype
+        and not arguments.get("copy", False)
+        and arguments.get("memory_format") in (None, torch.preserve_format)
+    )
+
+
+def _writes_nothing(node: fx.Node) -> bool:
+    op = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(op, torch._ops.OpOverload)
+        and not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+    )
 
 
 class _Record(TorchDispatchMode):

@@ -22,8 +22,9 @@ than running ``fn`` (``benchmarks/trace_once.py``). Such a trace has no backward
 when it is traced (a cached graph would not repeat the mutation), and so is a tensor it
 reads from its closure or globals (a cached graph would keep the value it had when traced,
 and a parameter's gradient would be lost): pass tensors as arguments, or wrap a module
-(``hops.assume_pure(module)`` passes its parameters and buffers as arguments on each call).
-Python side effects happen once per signature, when tracing.
+(``hops.assume_pure(module)`` passes its parameters and buffers as arguments on each call;
+its modules' training flags are part of the signature, so ``eval()`` and ``train()`` switch
+graphs). Python side effects happen once per signature, when tracing.
 
 The cache is bounded (``max_cache_size`` signatures, least recently used evicted) and
 inspectable: ``cache_info()`` counts hits, misses and traces; ``cached()`` lists each
@@ -64,6 +65,7 @@ class CachedTrace:
     backward: fx.GraphModule | None = None
     run: Callable | None = dataclasses.field(default=None, repr=False)
     positions: tuple[int, ...] = ()
+    key: tuple = dataclasses.field(default=(), repr=False)
     out_spec: Any = None
     single_output: bool = dataclasses.field(default=False, repr=False)
 
@@ -90,10 +92,20 @@ class PureFunction:
         self.fn = fn
         self.max_cache_size = max_cache_size
         self._cache: collections.OrderedDict[tuple, CachedTrace] = collections.OrderedDict()
+        # Other keys of cached traces (``PureModule``'s state signatures), evicted with them.
+        self._aliases: collections.OrderedDict[tuple, CachedTrace] = collections.OrderedDict()
         self._hits = self._misses = self._traces = 0
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        entry, tensors = self._entry(args, kwargs)
+        outputs = entry.run(*tensors)  # as ``_outputs``, one Python frame fewer per call
+        if entry.single_output:
+            return outputs[0]
+        return pytree.tree_unflatten(list(outputs), entry.out_spec)
+
+    def _entry(self, args: tuple, kwargs: dict) -> tuple[CachedTrace, list[torch.Tensor]]:
+        """The call's cached trace (traced on a miss) and its tensors in the trace's order."""
         tensors: list[torch.Tensor] = []
         parts: list = [_FAST_KEY, torch.is_grad_enabled()]
         fast = _walk((args, kwargs), tensors, parts)
@@ -116,6 +128,10 @@ class PureFunction:
             self._cache.move_to_end(key)
         if not fast:
             tensors = [leaves[i] for i in entry.positions]
+        return entry, tensors
+
+    @staticmethod
+    def _outputs(entry: CachedTrace, tensors: list[torch.Tensor]) -> Any:
         outputs = entry.run(*tensors)
         if entry.single_output:
             return outputs[0]
@@ -134,6 +150,7 @@ class PureFunction:
 
     def cache_clear(self) -> None:
         self._cache.clear()
+        self._aliases.clear()
         self._hits = self._misses = self._traces = 0
 
     def _trace(self, leaves: list, treedef: Any, key: tuple) -> CachedTrace:
@@ -195,12 +212,22 @@ class PureFunction:
         return self._store(key, entry)
 
     def _store(self, key: tuple, entry: CachedTrace) -> CachedTrace:
+        entry.key = key
         entry.single_output = entry.out_spec is not None and entry.out_spec.is_leaf()
         self._traces += 1
         self._cache[key] = entry
         while len(self._cache) > self.max_cache_size:
-            self._cache.popitem(last=False)
+            _, evicted = self._cache.popitem(last=False)
+            for alias in [k for k, v in self._aliases.items() if v is evicted]:
+                del self._aliases[alias]
         return entry
+
+    def _alias(self, key: tuple, entry: CachedTrace) -> None:
+        """``key`` also finds ``entry`` while ``entry`` is cached."""
+        if self._cache.get(entry.key) is entry:
+            self._aliases[key] = entry
+            while len(self._aliases) > self.max_cache_size:
+                self._aliases.popitem(last=False)
 
     @staticmethod
     def _aot_runtime(graph: fx.GraphModule, entry: CachedTrace, compiler: Callable | None) -> Callable:
@@ -231,14 +258,41 @@ class PureModule(torch.nn.Module):
         super().__init__()
         self.module = module
 
-        def call_module(state: dict, args: tuple, kwargs: dict) -> Any:
+        def call_module(state: dict, modes: tuple, args: tuple, kwargs: dict) -> Any:
+            # ``modes``: the modules' training flags, in the signature (``train()`` / ``eval()``
+            # change what ``forward`` does: dropout, batch statistics); read off the modules.
             return torch.func.functional_call(module, state, args, kwargs)
 
         call_module.__qualname__ = type(module).__name__
         self.pure = PureFunction(call_module, max_cache_size=max_cache_size)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.pure(_module_state(self.module), args, kwargs)
+        # The state's signature read straight off the modules' tables, under the names they
+        # store (their hashes cached): building the qualified-name dict that ``call_module``
+        # takes, then walking it, costs more than the layer's Python saves (issue 32's
+        # per-call budget); the dict is built only when this key is not cached.
+        parameters: list[torch.Tensor] = []
+        buffers: list[torch.Tensor] = []
+        parts: list = [_STATE_KEY, torch.is_grad_enabled()]
+        _state_signature(self.module, parameters, buffers, parts)
+        tensors = parameters + buffers if buffers else parameters
+        key = tuple(parts) if _walk((args, kwargs), tensors, parts) else None
+        pure = self.pure
+        if key is not None:
+            try:
+                entry = pure._aliases.get(key)
+            except TypeError:  # an unhashable leaf: the call below says which
+                entry = key = None
+            if entry is not None:
+                pure._hits += 1
+                pure._aliases.move_to_end(key)
+                pure._cache.move_to_end(entry.key)  # recently used under either key
+                return pure._outputs(entry, tensors)
+        state, modes = _module_state(self.module)
+        entry, tensors = pure._entry((state, modes, args, kwargs), {})
+        if key is not None:
+            pure._alias(key, entry)
+        return pure._outputs(entry, tensors)
 
     def cache_info(self) -> CacheInfo:
         return self.pure.cache_info()
@@ -246,21 +300,60 @@ class PureModule(torch.nn.Module):
     def cached(self) -> list[CachedTrace]:
         return self.pure.cached()
 
+    def cache_clear(self) -> None:
+        self.pure.cache_clear()
 
-def _module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+
+# Marks a key made by ``PureModule.forward``.
+_STATE_KEY = object()
+
+
+def _state_signature(module: torch.nn.Module, parameters: list, buffers: list, parts: list) -> None:
+    """``module``'s parameters and buffers appended to ``parameters`` and ``buffers`` in
+    ``_module_state``'s order, and to ``parts`` one flat, unambiguous signature of them: per
+    module its training flag and its tables' names, then each tensor's ``_leaf_key`` (None for
+    an empty slot)."""
+    tables = module.__dict__  # the three tables read as one dict each (not three attribute lookups)
+    parts.append(tables["training"])
+    for table, tensors in ((tables["_parameters"], parameters), (tables["_buffers"], buffers)):
+        if not table:
+            parts.append(())
+            continue
+        parts.append(tuple(table))
+        for tensor in table.values():
+            if tensor is None:
+                parts.append(None)
+            else:
+                tensors.append(tensor)
+                parts.append(
+                    (type(tensor), tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.layout, tensor.requires_grad)
+                )
+    children = tables["_modules"]
+    parts.append(tuple(children))
+    for child in children.values():
+        if child is None:
+            parts.append(None)
+        else:
+            _state_signature(child, parameters, buffers, parts)
+
+
+def _module_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], tuple[bool, ...]]:
     """``module``'s parameters, then its buffers, by qualified name: what
     ``named_parameters`` and ``named_buffers`` (``remove_duplicate=False``) give, read from
-    the modules' own tables (their generators cost ~3x more per call)."""
+    the modules' own tables (their generators cost ~3x more per call); and each module's
+    training flag, in the same (pre-)order."""
     state: dict[str, torch.Tensor] = {}
     buffers: list[tuple[str, torch.Tensor]] = []
-    _collect_state(module, "", state, buffers)
+    modes: list[bool] = []
+    _collect_state(module, "", state, buffers, modes)
     if buffers:
         state.update(buffers)
-    return state
+    return state, tuple(modes)
 
 
-def _collect_state(module: torch.nn.Module, prefix: str, parameters: dict, buffers: list) -> None:
+def _collect_state(module: torch.nn.Module, prefix: str, parameters: dict, buffers: list, modes: list) -> None:
     """Pre-order, children in registration order (as ``named_modules``)."""
+    modes.append(module.training)
     for name, tensor in module._parameters.items():
         if tensor is not None:
             parameters[prefix + name] = tensor
@@ -270,7 +363,7 @@ def _collect_state(module: torch.nn.Module, prefix: str, parameters: dict, buffe
                 buffers.append((prefix + name, tensor))
     for name, child in module._modules.items():
         if child is not None:
-            _collect_state(child, prefix + name + ".", parameters, buffers)
+            _collect_state(child, prefix + name + ".", parameters, buffers, modes)
 
 
 # Marks a key made by ``_walk`` (a key made from a pytree spec starts with the spec).

@@ -478,6 +478,132 @@ def forward(self, arg0_1, arg1_1):
 """)
 
 
+def test_ops_that_return_their_input_are_not_run():
+    # ``to`` its own dtype returns the tensor itself and a full slice an alias nothing tells
+    # apart: eager pays a call for each, the recorded code need not (HF's RMSNorm has two per
+    # layer). An alias that is an output stays one: it is a new tensor viewing the input.
+    def f(x, m):
+        h = x.to(torch.float32) * m[:, :4]
+        return h.to(torch.float32), x[:, :4]
+
+    pure = hops.assume_pure(f)
+    x, m = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4)
+    out, view = pure(x, m)
+    [trace] = pure.cached()
+    assert normalize(trace.run.run_graph.code) == normalize("""\
+def forward(self, arg0_1, arg1_1):
+    mul = torch.mul(arg0_1, arg1_1);  arg1_1 = None
+    alias_1 = torch.ops.aten.alias.default(arg0_1);  arg0_1 = None
+    return (mul, alias_1)
+""")
+    assert view is not x and view._base is x
+    (out.sum() + view.sum()).backward()
+    torch.testing.assert_close(out, x * m)
+    torch.testing.assert_close(x.grad, m + 1)
+
+
+class Block(torch.nn.Module):
+    """A module whose state a user changes between calls (see below)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.register_buffer("shift", torch.randn(4))
+
+    def forward(self, x):
+        out = torch.tanh(self.inner(x)) + self.shift + sum(b.sum() for b in self.inner.buffers())
+        return out * (2.0 if self.training else 0.5) - (1.0 if self.inner.training else 0.0)
+
+
+def _freeze(m):
+    m.inner.weight.requires_grad_(False)
+
+
+def _new_submodule(m):
+    m.inner = torch.nn.Linear(4, 4)
+
+
+def _transposed_data(m):
+    m.inner.weight.data = torch.randn(4, 4).t()
+
+
+def _drop_bias(m):
+    m.inner.bias = None
+
+
+def _new_buffer(m):
+    m.inner.register_buffer("extra", torch.ones(2))
+
+
+def _new_shape(m):
+    m.inner = torch.nn.Linear(4, 4, bias=False).double().float()
+    m.shift = torch.randn(1)
+
+
+def _eval(m):
+    m.eval()
+
+
+def _train_inner(m):
+    m.inner.train()
+
+
+def _in_place_update(m):
+    with torch.no_grad():
+        m.inner.weight.mul_(0.5)
+
+
+CHANGES = {
+    "freeze": _freeze,
+    "new_submodule": _new_submodule,  # new tensors, the signature of the old ones
+    "transposed_data": _transposed_data,  # same shape, other strides
+    "drop_bias": _drop_bias,
+    "new_buffer": _new_buffer,
+    "new_shape": _new_shape,
+    "in_place_update": _in_place_update,
+    "eval": _eval,  # what forward does changes with the modules' training flags
+    "train_inner": _train_inner,
+}
+
+
+def state_signature(module):
+    """What a traced graph of ``module`` depends on: each state tensor's name and layout, and
+    each module's training flag."""
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    modes = tuple(m.training for m in module.modules())
+    return modes, tuple((name, t.shape, t.stride(), t.dtype, t.requires_grad) for name, t in named)
+
+
+@given(order=st.permutations(list(CHANGES)))
+@settings(max_examples=8, deadline=None)
+def test_a_module_changed_between_calls_runs_as_eager_does(order):
+    # A wrapped module's state is read on every call: a change to it (a tensor replaced, its
+    # layout, a slot emptied or added, requires_grad, train / eval) is a new signature, or the
+    # same one run on the new tensors; never the traced tensors, never a stale graph.
+    torch.manual_seed(0)
+    model = Block()
+    pure = hops.assume_pure(model)
+    x = torch.randn(3, 4, requires_grad=True)
+    seen = set()
+    for change in (None, *order):
+        traces = pure.cache_info().traces
+        if change is not None:
+            CHANGES[change](model)
+        for fn in (model, pure, pure):  # eager, then the call that may trace, then a cached one
+            x.grad = None
+            model.zero_grad(set_to_none=True)
+            out = fn(x)
+            out.square().sum().backward()
+            got = (out, x.grad, [p.grad for p in model.parameters()])
+            if fn is model:
+                expected = got
+            else:
+                torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        new = state_signature(model) not in seen
+        seen.add(state_signature(model))
+        assert pure.cache_info().traces == traces + new, change
+
+
 # --------------------------------------------------------------------------- on XLA
 
 
