@@ -77,6 +77,7 @@ def max_pooled(pool, x, *args):
 
 
 MAX_POOLED = (*max_pooled(F.max_pool1d, r(2, 3, 8), 2), *max_pooled(F.max_pool2d, r(2, 3, 4, 5), 2), *max_pooled(F.max_pool3d, r(1, 2, 4, 4, 5), 2))
+SAMPLES = [torch.rand(*shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate([(2, 3, 2), (1, 2, 3), (1, 3, 2)])]
 MAX_POOLED_PLANE = max_pooled(F.max_pool2d, r(3, 6, 5), 3, 2, 1)
 
 
@@ -151,6 +152,7 @@ FAMILIES = {
         # max_unpool: the indices a max pool chose (an input, int64); output_size past the pooled shape
         ("max_unpool1d 2d 3d", lambda a, i, b, j, c, k: (F.max_unpool1d(a, i, 2, output_size=[9]), F.max_unpool2d(b, j, 2, output_size=(4, 5)), F.max_unpool3d(c, k, 2, output_size=(5, 4, 5))), *MAX_POOLED),
         ("max_unpool2d of a plane (no batch), stride and padding", lambda a, i: F.max_unpool2d(a, i, 3, 2, 1, output_size=(6, 5)), *MAX_POOLED_PLANE),
+        # fractional max pools with their samples given: the windows and indices are eager's exactly
         ("a small CNN", lambda x, w: F.adaptive_avg_pool2d(F.max_pool2d(F.conv2d(x, w, padding=1).relu(), 2), 1).flatten(1), r(2, 3, 8, 8), r(4, 3, 3, 3)),
     ],
     "shapes": [
@@ -203,6 +205,8 @@ POOLS = {
     ("adaptive_max", 3): (aten.adaptive_max_pool3d.default, aten.adaptive_max_pool3d_backward.default),
     ("adaptive_avg", 2): (aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default),
     ("adaptive_avg", 3): (aten._adaptive_avg_pool3d.default, aten._adaptive_avg_pool3d_backward.default),
+    ("fractional_max", 2): (aten.fractional_max_pool2d.default, aten.fractional_max_pool2d_backward.default),
+    ("fractional_max", 3): (aten.fractional_max_pool3d.default, aten.fractional_max_pool3d_backward.default),
 }
 
 
@@ -225,11 +229,20 @@ def pools(draw):
         else:
             count_include_pad, divisor_override = draw(st.booleans()), draw(st.sampled_from([None, None, 1, 3]))
             options = dict(args=(kernel, stride, padding, ceil_mode, count_include_pad, divisor_override))
+    elif kind == "fractional_max":
+        kernel = [draw(st.integers(1, 3)) for _ in range(spatial)]
+        lengths = [k + draw(st.integers(1, 6)) for k in kernel]
+        # (torch's 3-d op takes at most n - k outputs, its 2-d one n - k + 1)
+        options = dict(args=(kernel, [draw(st.integers(1, n - k)) for n, k in zip(lengths, kernel)]))
     else:
         lengths = [draw(st.integers(1, 7)) for _ in range(spatial)]
         options = dict(args=([draw(st.integers(1, n)) for n in lengths],))
     lead = draw(st.sampled_from([(2,), (2, 3)]))
     seed = draw(st.integers(0, 2**16))
+    if kind == "fractional_max":
+        # one sample per plane and pooled dim (a plane without batch: a batch of one)
+        samples = torch.rand(lead[0] if len(lead) == 2 else 1, lead[-1], spatial, generator=torch.Generator().manual_seed(seed))
+        options["args"] = (*options["args"], samples)
     x = torch.randn(*lead, *lengths, generator=torch.Generator().manual_seed(seed)).mul(1.5).round()
     if kind.endswith("max") and draw(st.booleans()):
         x[(x == 2).nonzero(as_tuple=True)] = float("nan")
@@ -238,7 +251,7 @@ def pools(draw):
 
 
 class TestPooling(TestCase):
-    @settings(max_examples=16, deadline=None, derandomize=True)
+    @settings(max_examples=24, deadline=None, derandomize=True)
     @given(pools())
     def test_pooling_rules_are_torchs_ops_forward_and_backward(self, case):
         # values (NaN where torch's is), a max pool's indices exactly, the backward op's gradient
@@ -253,13 +266,18 @@ class TestPooling(TestCase):
         if kind in ("max", "avg"):
             pooled_args = args if kind == "avg" else (*args, expected[1])
             expected_grad = backward(grad, x, *pooled_args)
+        elif kind == "fractional_max":
+            expected_grad = backward(grad, x, *args[:2], expected[1])
         else:
             expected_grad = backward(grad, x, *(() if kind == "adaptive_avg" else (expected[1],)))
+        args = tuple(a.numpy() if isinstance(a, torch.Tensor) else a for a in args)
 
         def run(x, grad):
             result = ATEN[forward.overloadpacket](x, *args)
             if kind == "max":
                 by_op = ATEN[backward.overloadpacket](grad, x, *args, result[1])
+            elif kind == "fractional_max":
+                by_op = ATEN[backward.overloadpacket](grad, x, *args[:2], result[1])
             elif kind == "avg":
                 by_op = ATEN[backward.overloadpacket](grad, x, *args)
             elif kind == "adaptive_max":
@@ -296,6 +314,23 @@ class TestDecompositions(TestCase):
                 self.assertNotIn(op, ATEN, "listed to exercise the decomposition")
                 self.assertNotIn(op.overloadpacket, ATEN, "listed to exercise the decomposition")
                 check(self, str(op), program, *inputs)
+
+    def test_a_fractional_max_pool_without_samples_draws_them_from_the_key(self):
+        # torch draws the samples with aten.rand before the pool: the lowered pool takes them
+        # from the key it runs under, the same key giving the same windows (windows that vary:
+        # (n - k) / (o - 1) is no integer)
+        x = r(2, 3, 12, 10)
+        program = lower_to_jax(make_fx(lambda v: F.fractional_max_pool2d(v, 2, output_size=(4, 4), return_indices=True))(x))
+        with self.assertRaisesRegex(NoJaxRule, r"aten\.rand\S* draws random numbers"):
+            program(x.numpy())
+        draws = []
+        for seed in (0, 0, 1):
+            with random_key(jax.random.key(seed)):
+                draws.append([torch.from_numpy(np.array(a)) for a in program(x.numpy())])
+        for values, indices in draws:
+            torch.testing.assert_close(values, x.flatten(2).gather(2, indices.long().flatten(2)).view(values.shape), rtol=0, atol=0)
+        torch.testing.assert_close(draws[0], draws[1], rtol=0, atol=0)
+        self.assertFalse(torch.equal(draws[0][1], draws[2][1]))
 
     def test_a_random_op_draws_from_the_key_it_runs_under_and_is_refused_without_one(self):
         # torch's generator is not jax's: a random op draws from the key of passes.jax.random_key
@@ -347,6 +382,32 @@ class TestCompiledGraphs(TestCase):
         got = (*got, *ATEN[backward](grad_, q_, k_, v_, *got, 0.0, False, attn_mask=mask_))
         for name, a, e in zip(("output", "logsumexp", "grad query", "grad key", "grad value"), got, expected):
             torch.testing.assert_close(torch.from_numpy(np.array(a)), e, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+class TestFractionalMaxPool(TestCase):
+    def test_given_samples_give_eagers_values_indices_and_gradient(self):
+        # traced with the input's gradient and lowered: the windows are eager's, so the indices
+        # equal eager's exactly (the samples take no gradient: torch refuses them requiring one)
+        cases = {
+            "2d": (lambda x, s: F.fractional_max_pool2d(x, 2, output_size=(3, 5), return_indices=True, _random_samples=s), r(2, 3, 7, 9), SAMPLES[0]),
+            "2d of a plane (no batch)": (lambda x, s: F.fractional_max_pool2d(x, (3, 2), output_size=(4, 3), return_indices=True, _random_samples=s), r(3, 8, 6), SAMPLES[2]),
+            "3d output_ratio": (lambda x, s: F.fractional_max_pool3d(x, (2, 1, 3), output_ratio=(0.5, 0.7, 0.6), return_indices=True, _random_samples=s), r(1, 2, 6, 5, 9), SAMPLES[1]),
+        }
+        for name, (pool, x, samples) in cases.items():
+            with self.subTest(name):
+
+                def program(x, s):
+                    values, indices = pool(x, s)
+                    cotangent = torch.arange(values.numel(), dtype=values.dtype).reshape(values.shape).sin()
+                    return values, indices, torch.autograd.grad((values * cotangent).sum(), x)[0]
+
+                x = x.clone().requires_grad_()
+                expected = program(x, samples)
+                got = jax.jit(lower_to_jax(make_fx(program, tracing_mode="fake")(x, samples)))(x.detach().numpy(), samples.numpy())
+                values, indices, grad = (torch.from_numpy(np.array(a)) for a in got)
+                torch.testing.assert_close(values, expected[0].detach(), rtol=0, atol=0)
+                torch.testing.assert_close(indices.long(), expected[1], rtol=0, atol=0)
+                torch.testing.assert_close(grad, expected[2])
 
 
 class TestIntegerAvgPool(TestCase):

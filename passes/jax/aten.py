@@ -1482,7 +1482,6 @@ for _spatial, (_forward, _backward) in {
 
 def _adaptive_max_pool(spatial: int) -> Callable[..., Any]:
     def rule(x, output_size):
-        import jax
         import numpy
 
         # Each output's window, padded to the longest by repeating its last element (a repeat
@@ -1499,19 +1498,28 @@ def _adaptive_max_pool(spatial: int) -> Callable[..., Any]:
             shape_out.append(o)
         # (o0, k0, o1, k1, ...) -> (o0, o1, ..., k0 k1 ...): the window in row-major order
         order = [2 * d for d in range(spatial)] + [2 * d + 1 for d in range(spatial)]
-        candidates = flat_index.transpose(order).reshape(*shape_out, -1)
-        values = jax.lax.stop_gradient(x).reshape(*x.shape[:lead], -1)[..., candidates]
-        indices = jnp().broadcast_to(jnp().asarray(candidates), values.shape)
-        if jnp().issubdtype(x.dtype, jnp().inexact):
-            nan = jnp().isnan(values)
-            last_nan = jnp().argmax(jnp().where(nan, indices, -1), axis=-1)
-            chosen = jnp().where(nan.any(axis=-1), last_nan, jnp().argmax(jnp().where(nan, _lowest(x.dtype), values), axis=-1))
-        else:
-            chosen = jnp().argmax(values, axis=-1)
-        index = jnp().take_along_axis(indices, chosen[..., None], axis=-1)[..., 0]
-        return _gather_planes(x, spatial, index), index
+        return _max_of_windows(x, spatial, flat_index.transpose(order).reshape(*shape_out, -1))
 
     return rule
+
+
+def _max_of_windows(x: Any, spatial: int, candidates: Any) -> tuple[Any, Any]:
+    """The max of each window of ``x`` and its index, torch's (the first of equal maxima, the
+    last NaN): ``candidates`` holds each window's flat indices within the plane, in row-major
+    order, in a last dim after the pooled shape (with or without ``x``'s leading dims)."""
+    import jax
+
+    lead = x.shape[: x.ndim - spatial]
+    indices = jnp().broadcast_to(jnp().asarray(candidates), (*lead, *candidates.shape[candidates.ndim - spatial - 1 :]))
+    values = _gather_planes(jax.lax.stop_gradient(x), spatial, indices)
+    if jnp().issubdtype(x.dtype, jnp().inexact):
+        nan = jnp().isnan(values)
+        last_nan = jnp().argmax(jnp().where(nan, indices, -1), axis=-1)
+        chosen = jnp().where(nan.any(axis=-1), last_nan, jnp().argmax(jnp().where(nan, _lowest(x.dtype), values), axis=-1))
+    else:
+        chosen = jnp().argmax(values, axis=-1)
+    index = jnp().take_along_axis(indices, chosen[..., None], axis=-1)[..., 0]
+    return _gather_planes(x, spatial, index), index
 
 
 for _spatial, (_forward, _backward) in {
@@ -1520,6 +1528,63 @@ for _spatial, (_forward, _backward) in {
 }.items():
     ATEN[_forward] = _adaptive_max_pool(_spatial)
     ATEN[_backward] = _adaptive_max_pool_backward(_spatial)
+
+
+def _fractional_starts(samples: Any, length: int, out: int, kernel: int) -> Any:
+    """torch's fractional windows of a dim, one sample ``u`` per plane: output ``i`` starts at
+    ``trunc((i + u) a) - trunc(u a)`` with ``a = (n - k) / (o - 1)``, the last at ``n - k``;
+    worked in the samples' dtype, as torch's CPU kernels do (the truncations make any other
+    rounding pick other windows: float64 samples, float32 without x64, did in 12 of 287 random
+    cases)."""
+    import numpy
+
+    dtype = samples.dtype
+    i = numpy.arange(out)
+    alpha = jnp().asarray(length - kernel, dtype) / jnp().asarray(max(out - 1, 1), dtype)
+    u = samples[..., None]
+    starts = jnp().trunc((jnp().asarray(i, dtype) + u) * alpha) - jnp().trunc(u * alpha)
+    return jnp().where(i < out - 1, starts.astype(jnp().int32), length - kernel)
+
+
+# Which of a plane's samples each pooled dim's windows take: torch's 2-d kernels list them
+# width first, its 3-d ones depth first (measured against eager's indices).
+_SAMPLE_ORDER = {2: (1, 0), 3: (0, 1, 2)}
+
+
+def _fractional_max_pool(spatial: int) -> Callable[..., Any]:
+    def rule(x, kernel_size, output_size, random_samples):
+        # Each plane's windows start where its samples say (samples a caller did not give are
+        # drawn by an aten.rand before this op: from the random key); a window's elements by
+        # flat index, as the adaptive pool's.
+        lead = x.shape[: x.ndim - spatial]
+        samples = random_samples.reshape(*lead, spatial)  # (a plane without batch: samples (1, C, spatial))
+        kernel, out = _pool_sizes(kernel_size, spatial), _pool_sizes(output_size, spatial)
+        lengths = x.shape[x.ndim - spatial :]
+        flat_index = jnp().zeros((*lead,) + (1, 1) * spatial, jnp().int32)
+        for d, (n, k, o) in enumerate(zip(lengths, kernel, out)):
+            positions = _fractional_starts(samples[..., _SAMPLE_ORDER[spatial][d]], n, o, k)[..., None] + jnp().arange(k)
+            # this dim's (output, window) axes, after the earlier dims'
+            shape = (*lead,) + (1, 1) * d + (o, k) + (1, 1) * (spatial - 1 - d)
+            flat_index = flat_index * n + positions.reshape(shape)
+        order = [*range(len(lead))] + [len(lead) + 2 * d for d in range(spatial)] + [len(lead) + 2 * d + 1 for d in range(spatial)]
+        return _max_of_windows(x, spatial, flat_index.transpose(order).reshape(*lead, *out, -1))
+
+    return rule
+
+
+def _fractional_max_pool_backward(spatial: int) -> Callable[..., Any]:
+    def rule(grad, x, kernel_size, output_size, indices):
+        return _scatter_planes(grad, x, spatial, indices)
+
+    return rule
+
+
+for _spatial, (_forward, _backward) in {
+    2: (aten.fractional_max_pool2d, aten.fractional_max_pool2d_backward),
+    3: (aten.fractional_max_pool3d, aten.fractional_max_pool3d_backward),
+}.items():
+    ATEN[_forward] = _fractional_max_pool(_spatial)
+    ATEN[_backward] = _fractional_max_pool_backward(_spatial)
 
 # ---------------------------------------------------------------- checks and storage-less creation
 
