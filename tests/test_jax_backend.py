@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 ACCELERATOR_BEFORE_JAX = torch.accelerator.current_accelerator()
 
@@ -261,6 +262,49 @@ class TestHopsJax(TestCase):
                 got = results
         for i, (a, e) in enumerate(zip(got, results)):
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"output / gradient {i}: {m}")
+
+    def test_unpooling_fractional_and_lp_pools_compile_forward_and_backward(self):
+        # max_unpool of a max pool's indices, fractional max pools with their samples given (the
+        # windows are eager's), lp pools: eager's outputs and gradients
+        def program(x, y, samples, samples3d):
+            pooled, indices = F.max_pool2d(x, 2, return_indices=True)
+            unpooled = F.max_unpool2d(pooled * 2, indices, 2, output_size=x.shape[-2:])
+            fractional = F.fractional_max_pool2d(x, 2, output_size=(3, 4), _random_samples=samples)
+            fractional3d = F.fractional_max_pool3d(y, (2, 1, 2), output_size=(2, 3, 3), _random_samples=samples3d)
+            lp = F.lp_pool2d(x.abs(), 3, 2, ceil_mode=True).sum() + F.lp_pool1d(y.flatten(2), 2, 3).sum()
+            return unpooled, fractional, fractional3d, lp
+
+        generator = torch.Generator().manual_seed(0)
+        x, y = torch.randn(2, 3, 7, 9, generator=generator), torch.randn(1, 3, 4, 5, 6, generator=generator)
+        samples, samples3d = torch.rand(2, 3, 2, generator=generator), torch.rand(1, 3, 3, generator=generator)
+        compiled = torch.compile(program, backend=hops_jax, fullgraph=True)
+        for run in (compiled, program):
+            inputs = (x.clone().requires_grad_(), y.clone().requires_grad_())
+            outputs = run(*inputs, samples, samples3d)
+            results = (*outputs, *torch.autograd.grad(outputs, inputs, [torch.randn(o.shape, generator=torch.Generator().manual_seed(1)) for o in outputs]))
+            if run is compiled:
+                got = results
+        for i, (a, e) in enumerate(zip(got, results)):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"output / gradient {i}: {m}")
+
+    def test_a_fractional_max_pool_drawing_its_samples_is_reproduced_by_torchs_seed(self):
+        # the samples torch's F.fractional_max_pool2d draws are a random op's: each call's key
+        # comes from torch's generator; the gradient goes to the chosen elements
+        compiled = torch.compile(lambda v: F.fractional_max_pool2d(v, 2, output_size=(4, 4), return_indices=True), backend=hops_jax, fullgraph=True)
+        x = torch.randn(2, 3, 12, 10)
+        runs = []
+        for seed in (0, 0, 1):
+            torch.manual_seed(seed)
+            leaf = x.clone().requires_grad_()
+            values, indices = compiled(leaf)
+            values.backward(torch.ones_like(values))
+            runs.append((values.detach(), indices, leaf.grad))
+        torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+        self.assertFalse(torch.equal(runs[0][1], runs[2][1]))
+        for values, indices, grad in runs:
+            torch.testing.assert_close(values, x.flatten(2).gather(2, indices.long().flatten(2)).view(values.shape), rtol=0, atol=0)
+            expected = torch.zeros(2, 3, 120).scatter_add_(2, indices.long().flatten(2), torch.ones(2, 3, 16)).view(x.shape)
+            torch.testing.assert_close(grad, expected, rtol=0, atol=0)
 
     def test_a_tensor_on_another_device_is_refused_naming_it(self):
         with self.assertRaisesRegex(ValueError, r"hops_jax: input 0 is a meta tensor; this backend runs on CPU tensors"):

@@ -153,6 +153,8 @@ FAMILIES = {
         ("max_unpool1d 2d 3d", lambda a, i, b, j, c, k: (F.max_unpool1d(a, i, 2, output_size=[9]), F.max_unpool2d(b, j, 2, output_size=(4, 5)), F.max_unpool3d(c, k, 2, output_size=(5, 4, 5))), *MAX_POOLED),
         ("max_unpool2d of a plane (no batch), stride and padding", lambda a, i: F.max_unpool2d(a, i, 3, 2, 1, output_size=(6, 5)), *MAX_POOLED_PLANE),
         # fractional max pools with their samples given: the windows and indices are eager's exactly
+        # lp pools: torch's compositions of an avg pool (measured right before issue 35's rules too)
+        ("lp_pool1d 2d 3d", lambda x, y, z: (F.lp_pool1d(x, 2, 3, 2), F.lp_pool2d(y.abs(), 3, (2, 3), ceil_mode=True), F.lp_pool3d(z.abs(), 1.5, 2)), r(2, 3, 9), r(2, 3, 5, 7), r(1, 2, 4, 5, 4)),
         ("a small CNN", lambda x, w: F.adaptive_avg_pool2d(F.max_pool2d(F.conv2d(x, w, padding=1).relu(), 2), 1).flatten(1), r(2, 3, 8, 8), r(4, 3, 3, 3)),
     ],
     "shapes": [
