@@ -58,6 +58,18 @@ def torch_xla_available() -> bool:
     return importlib.util.find_spec("torch_xla") is not None
 
 
+def jax_x64() -> Any:
+    """A context in which jax computes 64-bit dtypes as 64-bit (``jax_enable_x64``), for the
+    calls inside it only: ``jax.enable_x64`` in jax 0.10 (the 2.13 / 2.15 venvs),
+    ``jax.experimental.enable_x64`` in jax 0.7 (torch_xla 2.9's), which 0.10 no longer has."""
+    import jax
+
+    scoped = getattr(jax, "enable_x64", None)
+    if scoped is None:
+        from jax.experimental import enable_x64 as scoped
+    return scoped(True)
+
+
 def register_fx_global(name: str, import_str: str, obj: Any) -> None:
     """Make ``name`` resolvable in the globals of every FX-generated module.
 

@@ -48,7 +48,8 @@ Autograd: ``caller_saved_tensors_hooks()``: whether the caller has saved-tensor 
 
 Torch versions (facts kept in ``hops._compat``, with the version each holds for and why) a
 target works around: ``DTENSOR_RUNS_FILL_SCALAR``, ``DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF``,
-``DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT``.
+``DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT``; and a jax difference: ``jax_x64()``, jax's
+64-bit mode scoped to a target's own calls (``jax.enable_x64`` / ``jax.experimental.enable_x64``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from hops._compat import (
     DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT,
     DTENSOR_RUNS_FILL_SCALAR,
     caller_saved_tensors_hooks,
+    jax_x64,
 )
 from hops._errors import hop_prefix, leaf_name
 from hops._inductor import inductor_rule
@@ -85,6 +87,7 @@ __all__ = [
     "hop_prefix",
     "inductor_rule",
     "is_view",
+    "jax_x64",
     "leaf_name",
     "local_shape",
     "plan_body_key",

@@ -15,6 +15,7 @@ the current accelerator is unchanged).
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -324,6 +325,42 @@ class TestAtenTable(TestCase):
         )
         for name, a, b in zip(("output", "logsumexp", "grad query", "grad key", "grad value"), (*got, *got_grads), (out, lse, *expected)):
             torch.testing.assert_close(torch.from_numpy(np.asarray(a)), b, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+    DTYPE_CASES = [
+        ("int64 past int32", lambda v: (v.amax(1), v + 1, v.sum(), v > 2**32, (v > 0).sum()), torch.tensor([[2**40 + 3, -5, 7], [1, 2**33, -(2**35)]])),
+        ("int32 sums in int64", lambda v: (v.sum(), v.cumsum(0), (v > 0).sum(), v.argmax()), torch.tensor([2**30, 2**30, 2**30], dtype=torch.int32)),
+        ("float64 digits past float32", joint(lambda v: ((v - 1) * 1e12).square()), torch.tensor([1 + 1e-12, 1 - 3e-12, 2.0], dtype=torch.float64, requires_grad=True)),
+        ("numbers the program makes", lambda v: (v + torch.arange(0.5, 3.5), v * torch.full((3,), 2.5), torch.arange(3), torch.full((2,), 3)), torch.tensor([1.5, 2.25, 3.0], dtype=torch.float16)),
+    ]
+
+    def test_under_x64_outputs_and_gradients_have_the_graphs_dtypes_and_values(self):
+        # The caller's jax config decides, as for any JAX function (lower_to_jax's docstring): with
+        # x64 on, int64 values past int32's range and float64's digits are exact, and a tensor the
+        # program makes of Python numbers (full, arange) has torch's dtype, not jax's 64-bit guess.
+        from hops.lowering import jax_x64
+
+        with jax_x64():
+            for name, program, x in self.DTYPE_CASES:
+                got = pytree.tree_leaves(lower_to_jax(make_fx(program)(x))(x.detach().numpy()))
+                expected = pytree.tree_leaves(program(*fresh([x])))
+                self.assertEqual(len(got), len(expected))
+                for i, (a, e) in enumerate(zip(got, expected)):
+                    exact = not e.is_floating_point()
+                    torch.testing.assert_close(
+                        torch.from_numpy(np.array(a)), e.detach(), rtol=0 if exact else None, atol=0 if exact else None, msg=lambda m: f"{name}[{i}]: {m}"
+                    )
+
+    def test_without_x64_64_bit_dtypes_are_jaxs_32_bit_ones_and_others_torchs(self):
+        # jax's default: int64 computed as int32, float64 as float32, without a warning from the
+        # rules; a float the program makes is torch's float32 (float16 * float32 is float32).
+        self.assertFalse(jax.config.jax_enable_x64)
+        x = torch.tensor([1.5, 2.25, 3.0], dtype=torch.float16)
+        program = self.DTYPE_CASES[3][1]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = lower_to_jax(make_fx(program)(x))(x.numpy())
+        self.assertEqual([a.dtype for a in got], [jnp.float32, jnp.float32, jnp.int32, jnp.int32])
+        torch.testing.assert_close([torch.from_numpy(np.array(a)).to(e.dtype) for a, e in zip(got, program(x))], list(program(x)), rtol=0, atol=0)
 
     def test_an_op_without_a_rule_is_refused_naming_it_before_anything_runs(self):
         # (kthvalue: no rule, and no decomposition of torch's to run instead)

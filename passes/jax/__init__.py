@@ -52,7 +52,13 @@ def lower_to_jax(gm: fx.GraphModule) -> Callable[..., Any]:
     numpy arrays, or anything ``jnp`` takes) and returns its outputs as ``jax.Array``s, in the
     graph's output structure. ``gm`` itself is left as it is (its copy is lowered; the copy is
     the function's ``graph_module``). ``PassError`` naming the node for a HOP the target cannot
-    take, ``NoJaxRule`` for an ATen op without a rule; both before anything runs."""
+    take, ``NoJaxRule`` for an ATen op without a rule; both before anything runs.
+
+    Dtypes are jax's, under the caller's jax config, as in any JAX function: with x64 on
+    (``with jax.enable_x64(True):`` or ``jax_enable_x64``) each output has the graph's dtype and an
+    int64 / float64 / complex128 program is computed exactly; with x64 off (jax's default) jax
+    computes those dtypes as int32 / float32 / complex64 (values past 2**31 wrap). ``hops_jax``
+    and ``assume_pure_on_jax`` turn x64 on for their own calls only."""
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"lower_to_jax: gm must be a torch.fx.GraphModule, got {type(gm).__name__}")
     lowered = lower_hops(_copy(gm))

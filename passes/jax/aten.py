@@ -17,8 +17,10 @@ dispatch and changes nothing in torch.
 
 Rules follow torch's semantics where jax's differ: ``view``-like ops copy (jax arrays are
 values), ``div`` with ``rounding_mode``, ``sum`` of a bool tensor counts in int, a Python
-scalar operand keeps the tensor's dtype (jax's weak types do the same). jax runs in 32 bits
-unless ``jax_enable_x64`` is set: an int64 tensor becomes int32 there, as in any jax program.
+scalar operand keeps the tensor's dtype (jax's weak types do the same), a tensor made from Python
+numbers gets torch's dtype, not jax's guess. jax runs in 32 bits unless ``jax_enable_x64`` is
+set: an int64 tensor becomes int32 there, as in any jax program (``hops_jax`` and
+``assume_pure_on_jax`` set it for their calls).
 """
 
 from __future__ import annotations
@@ -146,6 +148,13 @@ def jax_dtype(dtype: torch.dtype | None) -> Any:
     if name is None:
         raise TypeError(f"lower_to_jax: the torch dtype {dtype} has no jax dtype here")
     return getattr(jnp(), name)
+
+
+def _int64() -> Any:
+    """torch's int64 as jax has it: int32 without x64 (asked for so: jax warns when asked for int64 there)."""
+    import jax
+
+    return jax.dtypes.canonicalize_dtype(jnp().int64)
 
 
 def _dims(dim: Any, ndim: int) -> tuple[int, ...] | None:
@@ -384,7 +393,7 @@ def _log_softmax_backward_data(grad, output, dim, input_dtype):
 def _sum(x, dim=None, keepdim=False, *, dtype=None):
     dtype = jax_dtype(dtype)
     if dtype is None and x.dtype == jnp().bool_:
-        dtype = jnp().int32  # torch counts a bool tensor's True values in an integer
+        dtype = _int64()  # torch counts a bool tensor's True values in int64
     return jnp().sum(x, axis=_dims(dim, x.ndim), keepdims=keepdim, dtype=dtype)
 
 
@@ -664,10 +673,28 @@ def _ones(size, **kwargs):
     return jnp().ones(tuple(size), _creation_dtype(kwargs))
 
 
+def _dtype_of_numbers(kwargs: dict[str, Any], *values: Any) -> Any:
+    """The dtype torch gives a tensor made from Python numbers without a ``dtype``: bool, int64, or
+    its default float (complex) dtype for a float (complex) among them. jax's own guess would be
+    a 64-bit float under x64 (the backend runs its calls so), where torch's is float32. Without
+    x64, jax's 32-bit counterpart (asked for as such: jax warns when asked for a 64-bit dtype)."""
+    import jax
+
+    if kwargs.get("dtype") is not None:
+        return jax_dtype(kwargs["dtype"])
+    default = torch.get_default_dtype()
+    if any(isinstance(v, complex) for v in values):
+        dtype = torch.complex128 if default == torch.float64 else torch.complex64
+    elif any(isinstance(v, float) for v in values):
+        dtype = default
+    else:
+        dtype = torch.bool if values and all(isinstance(v, bool) for v in values) else torch.int64
+    return jax.dtypes.canonicalize_dtype(jax_dtype(dtype))
+
+
 @register(aten.full)
 def _full(size, value, **kwargs):
-    dtype = kwargs.get("dtype")
-    return jnp().full(tuple(size), value, jax_dtype(dtype) if dtype is not None else None)
+    return jnp().full(tuple(size), value, _dtype_of_numbers(kwargs, value))
 
 
 @register(aten.scalar_tensor)
@@ -677,8 +704,7 @@ def _scalar_tensor(value, **kwargs):
 
 @register(aten.arange)
 def _arange(*args, **kwargs):
-    dtype = kwargs.get("dtype")
-    return jnp().arange(*args, dtype=jax_dtype(dtype) if dtype is not None else None)
+    return jnp().arange(*args, dtype=_dtype_of_numbers(kwargs, *args))
 
 
 @register(aten.empty)
@@ -1148,7 +1174,7 @@ def _cumulative_dtype(x, dtype):
     if dtype is not None:
         return jax_dtype(dtype)
     if not jnp().issubdtype(x.dtype, jnp().inexact):
-        return jnp().int64  # torch: an integer or bool tensor accumulates in int64 (int32 without x64)
+        return _int64()  # torch: an integer or bool tensor accumulates in int64
     return None
 
 
