@@ -72,3 +72,31 @@ class TestAssumePureOnJax(TestCase):
     def test_a_non_callable_is_refused_naming_it(self):
         with self.assertRaisesRegex(TypeError, r"assume_pure_on_jax: fn must be callable, got int 3"):
             assume_pure_on_jax(3)
+
+    def check_dtypes(self, fn, x):
+        """``fn`` on target jax gives eager's outputs and gradient: dtypes, and values (integers
+        exactly; floats within their dtype's default tolerance, which 32-bit rounding misses)."""
+        results = []
+        for function in (assume_pure_on_jax(fn), fn):
+            leaf = x.detach().clone().requires_grad_(x.requires_grad)
+            outputs = function(leaf)
+            grads = []
+            if leaf.requires_grad:
+                real = [torch.view_as_real(o) if o.is_complex() else o for o in outputs if o.requires_grad]
+                grads = torch.autograd.grad(sum((o * (i + 1)).sum() for i, o in enumerate(real)), leaf)
+            results.append([*outputs, *grads])
+        for i, (a, b) in enumerate(zip(*results)):
+            exact = not (b.is_floating_point() or b.is_complex())
+            torch.testing.assert_close(a, b, rtol=0 if exact else None, atol=0 if exact else None, msg=lambda m: f"result {i}: {m}")
+
+    def test_int64_results_are_eagers_past_int32(self):
+        big = torch.tensor([[2**40 + 3, -5, 7], [1, 2**33, -(2**35)]])
+        self.check_dtypes(lambda v: (v.amax(1), v + 1, v.sum(), v > 2**32, (v > 0).sum()), big)
+
+    def test_float64_results_and_gradients_are_computed_in_float64(self):
+        near_one = torch.tensor([1 + 1e-12, 1 - 3e-12, 2.0], dtype=torch.float64, requires_grad=True)
+        self.check_dtypes(lambda v: (((v - 1) * 1e12).square(), torch.exp(v * 300.0)), near_one)
+
+    def test_a_complex_gradient_is_torchs_the_conjugate_of_jaxs(self):
+        z = torch.tensor([1 + 1e-12 + 2j, 2 - 3j], dtype=torch.complex128, requires_grad=True)
+        self.check_dtypes(lambda v: (((v - 1) * 1e12) * (v - 1j), (v * v).abs()), z)

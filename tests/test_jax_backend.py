@@ -321,3 +321,60 @@ class TestHopsJax(TestCase):
         torch._dynamo.reset()
         x = torch.randn(4, 4)
         torch.testing.assert_close(torch.compile(lambda v: hops.annotate_sharding(v * 3, ROWS).cos(), backend="aot_eager")(x), (x * 3).cos())
+
+
+BIG = torch.tensor([[2**40 + 3, -5, 7], [1, 2**33, -(2**35)]])  # int64 values past int32's range
+NEAR_ONE = torch.tensor([1 + 1e-12, 1 - 3e-12, 2.0], dtype=torch.float64)  # equal to 1 in float32
+
+
+class TestEagerDtypes(TestCase):
+    """Results and gradients with eager's dtypes and values: int64 / float64 / complex128 programs
+    computed in 64 bits (jax's x64 mode scoped to the backend's calls), not jax's 32-bit default."""
+
+    def setUp(self):
+        torch._dynamo.reset()
+
+    def check(self, program, *inputs):
+        """``program`` compiled gives eager's outputs and inputs' gradients: dtypes and values
+        (float64 within float64's default tolerance, which float32 rounding misses)."""
+        compiled = torch.compile(program, backend=hops_jax, fullgraph=True)
+        got, expected = self.run_with_gradients(compiled, inputs), self.run_with_gradients(program, inputs)
+        self.assertEqual(len(got), len(expected))
+        for i, (a, b) in enumerate(zip(got, expected)):
+            exact = not (b.is_floating_point() or b.is_complex())
+            torch.testing.assert_close(a, b, rtol=0 if exact else None, atol=0 if exact else None, msg=lambda m: f"result {i}: {m}")
+
+    @staticmethod
+    def run_with_gradients(program, inputs):
+        inputs = fresh(inputs)
+        outputs = program(*inputs)
+        differentiable = [t for t in inputs if t.requires_grad]
+        if not differentiable:
+            return list(outputs)
+        loss = sum((o * (i + 1)).sum() for i, o in enumerate(outputs) if o.requires_grad)
+        return [*outputs, *torch.autograd.grad(loss, differentiable)]
+
+    def test_int64_and_bool_results_are_eagers_past_int32(self):
+        self.check(lambda v: (v.amax(1), v + 1, v.sum(), v > 2**32, (v > 0).sum(), v.float().argmax()), BIG)
+
+    def test_an_int32_sum_is_int64_as_eager(self):
+        self.check(lambda v: (v.sum(), v.cumsum(0)), torch.tensor([2**30, 2**30, 2**30], dtype=torch.int32))
+
+    def test_float64_results_and_gradients_are_computed_in_float64(self):
+        x = NEAR_ONE.clone().requires_grad_()
+        self.check(lambda v: (((v - 1) * 1e12).square(), torch.exp(v * 300.0)), x)
+
+    def test_complex128_results_and_gradients_are_computed_in_complex128(self):
+        z = torch.complex(NEAR_ONE, NEAR_ONE.flip(0)).requires_grad_()
+        self.check(lambda v: torch.view_as_real(((v - 1) * 1e12) * (v - 1)), z)
+
+    def test_float32_results_stay_float32_with_numbers_made_in_the_program(self):
+        # torch.full / arange of Python floats are float32 (torch's default), not jax's x64 float64
+        x = torch.tensor([1.5, 2.25, 3.0], dtype=torch.float16)
+        self.check(lambda v: (v + torch.arange(0.5, 3.5), v * torch.full((3,), 2.5), torch.arange(3) + v.argmax()), x)
+
+    def test_the_callers_jax_config_is_left_as_it_was(self):
+        before = jax.config.jax_enable_x64
+        torch.compile(lambda v: v * 2, backend=hops_jax)(BIG)
+        self.assertEqual(jax.config.jax_enable_x64, before)
+        self.assertEqual(jax.numpy.arange(2).dtype, jax.numpy.int64 if before else jax.numpy.int32)

@@ -13,6 +13,12 @@ never cross: they stay jax arrays, carried to the backward by stand-in tensors (
 made a step 6x the hand-written JAX step; numpy views, ~2x while residuals were gathered to torch
 tensors after the forward and placed on the mesh again before the backward.)
 
+Results and gradients have eager's dtypes and values: each call runs under jax's 64-bit mode,
+scoped to it (``hops.lowering.jax_x64``; the caller's jax config is left as it is), so int64,
+float64 and complex128 tensors cross, are computed and come back as themselves (without x64 jax
+takes an int64 tensor as int32, its values past 2**31 wrapped, and float64 as float32); and each
+tensor comes back as the dtype AOTAutograd traced for it (``_to_torch``).
+
 Found by name (``backend="hops_jax"``) through the ``torch_dynamo_backends`` entry point. A
 first slice: CPU tensors only (a tensor on another device is refused, naming it); one mesh per
 graph. ``hops.assume_pure`` through ``jax.vjp``: ``passes/jax/pure.py``.
@@ -26,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from hops.lowering import caller_saved_tensors_hooks
+from hops.lowering import caller_saved_tensors_hooks, jax_x64
 
 __all__ = ["hops_jax", "JaxGraph"]
 
@@ -57,7 +63,10 @@ def _cpu_detached(value: torch.Tensor, where: Any) -> torch.Tensor:
     return value.detach()
 
 
-def _to_torch(value: Any, copies: dict[str, int]) -> Any:
+def _to_torch(value: Any, copies: dict[str, int], dtype: torch.dtype | None = None) -> Any:
+    """``value`` (a jax array) as a torch tensor of ``dtype``, the traced graph's: the one place
+    results and gradients cross back, so the one place a dtype jax computed otherwise (a rule's
+    slip; 64-bit dtypes if x64 were off) is made torch's again."""
     import jax
 
     if not isinstance(value, jax.Array):
@@ -66,11 +75,13 @@ def _to_torch(value: Any, copies: dict[str, int]) -> Any:
     # jax.Array and a Shard per device: a third of this function's time when every result was asked it).
     sharding = value.sharding
     if len(sharding.device_set) == 1:
-        return torch.from_dlpack(value)
-    if sharding.is_fully_replicated:
-        return torch.from_dlpack(value.addressable_data(0))
-    copies["out"] += 1
-    return torch.from_numpy(_gathered(value))
+        tensor = torch.from_dlpack(value)
+    elif sharding.is_fully_replicated:
+        tensor = torch.from_dlpack(value.addressable_data(0))
+    else:
+        copies["out"] += 1
+        tensor = torch.from_numpy(_gathered(value))
+    return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _gathered(value: Any) -> Any:
@@ -163,6 +174,8 @@ class JaxGraph:
         results = next(iter(gm.graph.find_nodes(op="output"))).args[0]
         results = results if isinstance(results, (tuple, list)) else [results]
         self.numbers = {i for i, node in enumerate(results) if isinstance(node, fx.Node) and _is_number(node.meta.get("val"))}
+        # Each tensor result's dtype as traced (AOTAutograd's example values): what torch gets back.
+        dtypes = [getattr(node.meta.get("val"), "dtype", None) if isinstance(node, fx.Node) else None for node in results]
         self.placement = _replicated_on_mesh(lowered.graph_module)
         self.saved = _saved_dtypes(gm) if forward else {}
         self.copies = {"in": 0, "out": 0}
@@ -170,10 +183,17 @@ class JaxGraph:
         # (position, is a number) of each other output; under a caller's saved-tensor hooks
         # residuals are tensors too (``results_hooked``).
         self.stand_ins = tuple(self.saved.items())
-        self.results_hooked = tuple((i, i in self.numbers) for i in range(len(results)))
-        self.results = tuple((i, number) for i, number in self.results_hooked if i not in self.saved)
+        self.results_hooked = tuple((i, i in self.numbers, dtypes[i]) for i in range(len(results)))
+        self.results = tuple(result for result in self.results_hooked if result[0] not in self.saved)
 
     def __call__(self, *args: Any) -> list[Any]:
+        # jax's 64-bit mode for this call only (the caller's jax config is left as it is): torch's
+        # int64 / float64 / complex128 tensors cross, are computed and come back as such; without it
+        # DLPack hands jax an int64 tensor as int32, values past 2**31 wrapped.
+        with jax_x64():
+            return self._call(args)
+
+    def _call(self, args: tuple) -> list[Any]:
         # Per call only what the arguments change: which outputs are residuals, numbers or tensors
         # was worked out at compile time, and an input's name is spelt on error only.
         if self.placement is None:
@@ -197,8 +217,8 @@ class JaxGraph:
         for i, dtype in self.stand_ins if keep else ():
             outputs[i] = _stand_in(outputs[i], dtype)
         copies = self.copies
-        for i, number in self.results if keep else self.results_hooked:
-            outputs[i] = _number(outputs[i]) if number else _to_torch(outputs[i], copies)
+        for i, number, dtype in self.results if keep else self.results_hooked:
+            outputs[i] = _number(outputs[i]) if number else _to_torch(outputs[i], copies, dtype)
         return outputs
 
 

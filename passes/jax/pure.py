@@ -13,7 +13,9 @@ value) into an ATen graph, lowers it with ``lower_to_jax`` and calls it on torch
 
 ``fn``'s Python runs once per signature, when traced: as with ``hops.assume_pure``, it must be
 pure in its tensors (on this target the promise is taken, not checked). Tensors cross to jax
-and back through DLPack (``passes.jax.backend``), without a copy where the memory can be shared.
+and back through DLPack (``passes.jax.backend``), without a copy where the memory can be shared;
+as the backend, under jax's 64-bit mode scoped to these calls (outputs and gradients with eager's
+dtypes and values), and a complex gradient in torch's convention (the conjugate of jax's).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
+
+from hops.lowering import jax_x64
 
 __all__ = ["assume_pure_on_jax", "JaxPureFunction"]
 
@@ -50,20 +54,22 @@ def _to_jax(tensor: torch.Tensor, where: str, over_mesh: bool) -> Any:
     return _host_view(tensor, where) if over_mesh else convert(tensor, {"in": 0, "out": 0}, where)
 
 
-def _to_torch(value: Any) -> torch.Tensor:
+def _to_torch(value: Any, dtype: torch.dtype) -> torch.Tensor:
     from passes.jax.backend import _to_torch as convert
 
-    return convert(value, {"in": 0, "out": 0})
+    return convert(value, {"in": 0, "out": 0}, dtype)
 
 
 class _Vjp(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, entry: _Entry, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outputs, vjp = entry.forward(*[_to_jax(t, f"input {i}", entry.over_mesh) for i, t in enumerate(tensors)])
+        # jax's 64-bit mode for our calls only (as the backend's): int64 / float64 cross and are computed exactly.
+        with jax_x64():
+            outputs, vjp = entry.forward(*[_to_jax(t, f"input {i}", entry.over_mesh) for i, t in enumerate(tensors)])
+            result = tuple(_to_torch(o, dtype) for o, dtype in zip(outputs, entry.dtypes))
         ctx.entry, ctx.vjp = entry, vjp
         ctx.shapes = [(o.shape, o.dtype) for o in outputs]
-        # jax without x64 computes 64-bit values in 32 bits: each output gets the graph's dtype back.
-        result = tuple(_to_torch(o).to(dtype) for o, dtype in zip(outputs, entry.dtypes))
+        ctx.input_dtypes = [t.dtype for t in tensors]
         ctx.mark_non_differentiable(*[o for o, d in zip(result, entry.differentiable) if not d])
         return result
 
@@ -72,16 +78,18 @@ class _Vjp(torch.autograd.Function):
         import jax
         import numpy as np
 
-        cotangents = []
-        for grad, (shape, dtype), differentiable in zip(grads, ctx.shapes, ctx.entry.differentiable):
-            if not differentiable:
-                cotangents.append(np.zeros(shape, jax.dtypes.float0))
-            elif grad is None:
-                cotangents.append(np.zeros(shape, dtype))
-            else:
-                cotangents.append(_to_jax(grad, "a gradient", ctx.entry.over_mesh))
-        gradients = ctx.entry.backward(ctx.vjp, tuple(cotangents))
-        return (None, *[_to_torch(g) if g.dtype != jax.dtypes.float0 else None for g in gradients])
+        with jax_x64():
+            cotangents = []
+            for grad, (shape, dtype), differentiable in zip(grads, ctx.shapes, ctx.entry.differentiable):
+                if not differentiable:
+                    cotangents.append(np.zeros(shape, jax.dtypes.float0))
+                elif grad is None:
+                    cotangents.append(np.zeros(shape, dtype))
+                else:
+                    cotangents.append(_to_jax(grad, "a gradient", ctx.entry.over_mesh))
+            gradients = ctx.entry.backward(ctx.vjp, tuple(cotangents))
+            # a gradient has its input's dtype
+            return (None, *[_to_torch(g, d) if g.dtype != jax.dtypes.float0 else None for g, d in zip(gradients, ctx.input_dtypes)])
 
 
 class JaxPureFunction:
@@ -137,13 +145,21 @@ class JaxPureFunction:
             return outputs, vjp
 
         def backward(vjp: Any, cotangents: tuple) -> tuple:
-            return vjp(cotangents)
+            # torch's gradient of a complex value is the conjugate of jax's cotangent (torch takes
+            # dL/d(conj z), jax dL/dz): conjugated in and out, jax's vjp is torch's backward.
+            return tuple(map(_conj, vjp(tuple(map(_conj, cotangents)))))
 
         return _Entry(
             jax.jit(forward), jax.jit(backward), positions, out_spec[0], differentiable, graph,
             _replicated_on_mesh(function.graph_module) is not None,
             tuple(v.dtype for v in values),
         )
+
+
+def _conj(value: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.conj(value) if jnp.iscomplexobj(value) else value
 
 
 def assume_pure_on_jax(fn: Callable) -> JaxPureFunction:
