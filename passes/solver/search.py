@@ -19,8 +19,9 @@ neighbourhoods of it, with pluggable neighbourhood policies; ``solve_problem``.
    random node, or, two rounds in three, one started where the incumbent pays most above the
    node minima and grown towards such nodes, freed with the rest fixed; one per core, solved
    at once); memory priced instead of constrained (a Lagrangian relaxation: a price per time
-   step, the priced problem reduced without a limit, which eliminates what memory kept, plans
-   just above the limit greedily repaired); mesh axes (``_axis_search``: every node's
+   step, the priced problem reduced without a limit, which eliminates what memory kept,
+   searched by toulbar2 where it is small enough, then by neighbourhoods, plans just above the
+   limit greedily repaired); mesh axes (``_axis_search``: every node's
    strategies restricted by its per-axis codes, for the FX front's problems on 3-D meshes,
    too large for one program). While the incumbent still has a forbidden pair, or breaks the
    memory limit, those are priced instead of excluded, so each neighbourhood is feasible and
@@ -810,8 +811,12 @@ class _Run:
         stats["bound_seconds"] = time.perf_counter() - began
         began = time.perf_counter()
         priced = _LAGRANGIAN_SHARE * (deadline - began)
-        if self.limit is not None and len(search.rhs) and priced >= _LAGRANGIAN_MIN_ROUNDS * _ROUND_SECONDS:
-            stats["lagrangian_rounds"], stats["lagrangian_repairs"] = _lagrangian_search(self.problem, search, self.limit, began + priced, self.seed)
+        # Rounds shortened (to a floor) so that the least number of them fits.
+        round_seconds = min(_ROUND_SECONDS, priced / _LAGRANGIAN_MIN_ROUNDS)
+        if self.limit is not None and len(search.rhs) and round_seconds >= _ROUND_LEAST_SHARE * _ROUND_SECONDS:
+            stats["lagrangian_rounds"], stats["lagrangian_repairs"] = _lagrangian_search(
+                self.problem, search, self.limit, began + priced, self.seed, round_seconds
+            )
             stats["lagrangian_cost"] = search.objective()
             stats["lagrangian_seconds"] = time.perf_counter() - began
         stats["lns_rounds"], stats["lns_improvements"], _ = _large_neighbourhood_search(
@@ -1386,6 +1391,9 @@ class _Lns:
 _LAGRANGIAN_SHARE = 0.6
 _LAGRANGIAN_MIN_ROUNDS = 3
 _ROUND_SECONDS = 8.0
+# Rounds are shortened for the least number to fit, down to this share of their length (the
+# priced problem of a 35k-node instance takes 1.3-2.4 s to reduce).
+_ROUND_LEAST_SHARE = 0.6
 # Each round, prices where the limit is broken grow by this factor; elsewhere they decay by that.
 _PRICE_GROWTH = 2.0
 _PRICE_DECAY = 0.8
@@ -1397,14 +1405,18 @@ _REPAIR_STEPS = 0.05
 _REPAIR_SECONDS = 4.0
 
 
-def _lagrangian_search(problem: StrategyProblem, main: Search, limit: float, deadline: float, seed: int) -> tuple[int, int]:
+def _lagrangian_search(
+    problem: StrategyProblem, main: Search, limit: float, deadline: float, seed: int, round_seconds: float | None = None
+) -> tuple[int, int]:
     """Memory priced instead of constrained (a Lagrangian relaxation): each round puts a price
     on every time step, a node paying their sum over its lifetime per unit of its usage;
     reduces the priced problem without a limit, which eliminates what memory kept (on
     contest instance M, 18.7k nodes left become 1.9k), and searches it from the last round's
-    plan; then raises the prices where the limit is broken and lowers them where it is not.
-    ``main`` (the constrained search) ends on the best plan within the limit, its own
-    incumbent if none beats it. Returns the rounds, and how many of them a repair made count."""
+    plan (``_search_priced``); then raises the prices where the limit is broken and lowers them
+    where it is not. Each round lasts ``round_seconds`` (``_ROUND_SECONDS``). ``main`` (the
+    constrained search) ends on the best plan within the limit, its own incumbent if none
+    beats it. Returns the rounds, and how many of them a repair made count."""
+    round_seconds = _ROUND_SECONDS if round_seconds is None else round_seconds
     steps = _TimeSteps(problem)
     points, lo, hi, loads = steps.points, steps.lo, steps.hi, steps.loads
 
@@ -1414,10 +1426,10 @@ def _lagrangian_search(problem: StrategyProblem, main: Search, limit: float, dea
     unit = None
     rounds = repairs = 0
     budget = None
-    while deadline - time.perf_counter() > 0.5 * _ROUND_SECONDS:
+    while deadline - time.perf_counter() > 0.5 * round_seconds:
         rounds += 1
         began = time.perf_counter()
-        stop = min(deadline, began + _ROUND_SECONDS)
+        stop = min(deadline, began + round_seconds)
         cumulative = np.concatenate([[0.0], np.cumsum(prices)])
         paid = cumulative[hi] - cumulative[lo]
         try:
@@ -1435,7 +1447,7 @@ def _lagrangian_search(problem: StrategyProblem, main: Search, limit: float, dea
         if len(search.nodes):
             search.assign_full(current)
             search.descend(stop, respect_memory=False)
-            _, _, budget = _large_neighbourhood_search(search, stop, budget)
+            budget = _search_priced(search, stop, seed + rounds, budget)
         plan = search.plan()
         load = loads(plan)
         over = load > limit
@@ -1467,6 +1479,22 @@ def _lagrangian_search(problem: StrategyProblem, main: Search, limit: float, dea
         prices[~over] *= _PRICE_DECAY
         current = plan
     return rounds, repairs
+
+
+def _search_priced(search: Search, stop: float, seed: int, budget: dict | None) -> dict | None:
+    """A round's priced problem (no memory rows) searched until ``stop``: by toulbar2 first when
+    it is small enough (``_PRICED_WCSP_SHARE`` of the round, from the round's plan), then by
+    large neighbourhoods. Returns the neighbourhood search's budget."""
+    if _PRICED_WCSP_SHARE and wcsp.available() and len(search.nodes) <= _WCSP_MAX_NODES:
+        now = time.perf_counter()
+        result = wcsp.solve_wcsp(search, now + _PRICED_WCSP_SHARE * (stop - now), upper=search.objective(), hint=search.s.copy(), seed=seed)
+        if result.chosen is not None:
+            search.assign(result.chosen)
+    return _large_neighbourhood_search(search, stop, budget)[2]
+
+
+# The share of a priced round toulbar2 searches first (0: neighbourhoods only).
+_PRICED_WCSP_SHARE = 0.7
 
 
 # A neighbourhood of the axis search stops within 0.1% of its optimum: a plane of 70k variables
