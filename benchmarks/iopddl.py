@@ -7,24 +7,26 @@ the seconds taken (reading the file excluded), and, beside them, the cost XLA's 
 reached and the best contest team's (the figures in ``../shared/iopddl/README.md``).
 
 Measured on the project's 2-core machine with nothing else running, torch 2.13 venv, HiGHS
-1.16, commit "IOPDDL search: rounds with the memory limit priced (a Lagrangian relaxation)":
+1.16, pytoulbar2 1.4, commit "solver: priced rounds shortened to fit, and searched by toulbar2
+first where small" (this script's run; "other run": the same call in separate processes; the
+previous commit's run of this script for comparison):
 
-| instance | limit | cost | lower bound | gap | seconds | XLA | best team | vs XLA | vs best |
-|---|---|---|---|---|---|---|---|---|---|
-| A | 60 s | 11,406,838,647 | 2,202,104,718 | 80.69% | 55.8 | 13,214,846,074 | 6,548,641,531 | 0.863 | 1.742 |
-| G | 120 s | 217,039 | 217,039 | 0.00% | 1.4 | 1,264,777 | 217,039 | 0.172 | 1.000 |
-| M | 180 s | 52,287,924,174 | 39,779,703,171 | 23.92% | 167.3 | - | 49,928,460,991 | - | 1.047 |
-| S | 240 s | 1,705,409,795 | 317,159,089 | 81.40% | 222.9 | - | 1,534,613,444 | - | 1.111 |
+| instance | limit | cost | lower bound | seconds | vs best team | other run | previous commit |
+|---|---|---|---|---|---|---|---|
+| A | 60 s | 6,569,510,643 | 1,304,379,650 | 59.0 | 1.003 | 1.003 | 1.894 |
+| G | 120 s | 217,039 | 217,039 | 2.3 | 1.000 | 1.000 | 1.000 |
+| M | 180 s | 50,127,180,433 | 38,137,592,856 | 178.9 | 1.004 | 1.005 | 1.044 |
+| S | 240 s | 1,649,224,752 | 315,023,830 | 239.0 | 1.075 | 1.054 | 1.058 |
 
-G is solved to optimality (the best contest cost) in seconds. A, M and S are too large for one
-MILP: every one gets a feasible solution within its limit, A below XLA's cost (14% less), M
-within 5% of the best team, S within 12%; their lower bounds come from min-sum diffusion and
-are weak. What got M and S there: one neighbourhood per core solved at once (M 1.053 -> 1.050,
-S 1.296 -> 1.255), then, where the time limit allows ten 8-second rounds (M, S; not A), 60% of
-the search with memory priced per time step instead of constrained, the priced problem reduced
-without a limit (M: 1.9k nodes instead of 18.7k) and plans just above the limit repaired
-(M -> 1.044-1.047, S -> 1.09-1.17 over four runs). A run's rounds depend on timing, so costs
-vary between runs: A measured 9.0e9-11.4e9 (0.68-0.86 of XLA's cost) over this session's runs.
+(XLA's auto-sharding: A 13,214,846,074, G 1,264,777; the plans above cost 0.50 and 0.17 of
+it.) G is solved to optimality in seconds. A, M and S have binding memory limits: the
+unconstrained optimum of A (5.26e9, proven by toulbar2 in 11 s) peaks at 7x its limit. What
+gets them there: memory priced per time step for 60% of the search (a Lagrangian relaxation;
+rounds shortened so that three fit in A's 60 s), each round's priced problem reduced without a
+limit (A: 23k nodes left become 6.6k; M: 18.7k become 1.9k) and searched by toulbar2 first,
+then by neighbourhoods; plans just above the limit repaired. Lower bounds still come from
+min-sum diffusion and are weak (gaps of 25-90%). A run's rounds depend on timing, so costs
+vary between runs.
 
 Usage: python benchmarks/iopddl.py [PATH ...] [--time-limit SECONDS]
 (default: the four public instances A, G, M, S in ../shared/iopddl relative to the repository)
