@@ -9,7 +9,32 @@ time limit (every call must return within the limit plus the larger of 1 s and 2
 plan is checked by ``problem_cost`` and ``peak_usage`` (an independent evaluation). A final
 row per engine: the geometric mean of cost / best, the worst, and the longest overrun.
 
-Measured (torch 2.13 venv, pytoulbar2 1.4.0.1, HiGHS via highspy; the 2-core machine shared
+Re-measured at commit "docs: the IOPDDL figures after priced rounds with toulbar2" (idle 2-core
+machine, torch 2.13 venv; ``--sizes 500,2000,8000 --seeds 0,1 --tightness none,1.1 --engines
+exact,auto``, 10 s): every problem now gets a plan from both engines (the feasibility phase of
+issue 33), where the table below, measured before it, had none on 11-14 of 27:
+
+| nodes | tightness | seed | exact cost | exact bound | exact s | auto cost | auto bound | auto s |
+|---|---|---|---|---|---|---|---|---|
+| 500 | None | 0 | 1.0000 | 1.0000 | 3.1 | 1.0000 | 1.0000 | 0.4 |
+| 500 | None | 1 | 1.0000 | 1.0000 | 1.8 | 1.0000 | 1.0000 | 0.4 |
+| 500 | 1.1 | 0 | 1.0000 | 1.0000 | 4.5 | 1.0000 | 1.0000 | 2.5 |
+| 500 | 1.1 | 1 | 1.0028 | 0.9983 | 9.5 | 1.0000 | 1.0000 | 2.1 |
+| 2000 | None | 0 | 1.0000 | 1.0000 | 3.8 | 1.0000 | 1.0000 | 1.7 |
+| 2000 | None | 1 | 1.0000 | 1.0000 | 6.8 | 1.0000 | 1.0000 | 2.5 |
+| 2000 | 1.1 | 0 | 1.2717 | 0.9770 | 9.4 | 1.0000 | 0.9961 | 9.4 |
+| 2000 | 1.1 | 1 | 1.0852 | 0.9169 | 9.4 | 1.0000 | 0.9302 | 9.5 |
+| 8000 | None | 0 | 1.0043 | 0.9703 | 9.4 | 1.0000 | 0.9713 | 9.4 |
+| 8000 | None | 1 | 1.0000 | 0.9729 | 9.3 | 1.0021 | 0.9729 | 9.4 |
+| 8000 | 1.1 | 0 | 1.0000 | 0.7502 | 9.3 | 1.1142 | 0.7706 | 9.5 |
+| 8000 | 1.1 | 1 | 1.0064 | 0.6900 | 9.4 | 1.0000 | 0.7106 | 9.4 |
+exact: geometric mean cost/best 1.0284, worst 1.2717, no plan 0, longest past the limit -0.52 s
+auto: geometric mean cost/best 1.0092, worst 1.1142, no plan 0, longest past the limit -0.51 s
+
+Open: at 8000 nodes under a limit the portfolio can end worse than the neighbourhood search
+alone (1.114x above): toulbar2 shares the 2 cores and its plans there are not the better ones.
+
+Earlier (torch 2.13 venv, pytoulbar2 1.4.0.1, HiGHS via highspy; the 2-core machine shared
 with other work, load 3-5, so the 8000-node rows found no plan in 10 s where a quieter run of
 the same code found some; "nan": no engine found a plan; bounds are each engine's own):
 
