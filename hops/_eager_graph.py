@@ -86,12 +86,12 @@ def _returns_its_input(node: fx.Node) -> bool:
 
 
 def _writes_nothing(node: fx.Node) -> bool:
-    op = node.target
-    return (
-        node.op == "call_function"
-        and isinstance(op, torch._ops.OpOverload)
-        and not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
-    )
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and not _writes(node.target)
+
+
+def _writes(op: torch._ops.OpOverload) -> bool:
+    """``op``'s schema says it writes into an argument."""
+    return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
 
 
 class _Record(TorchDispatchMode):
@@ -130,7 +130,7 @@ def _binding(node: fx.Node) -> Callable | None:
     op = node.target
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
         return None
-    if any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
+    if _writes(op):
         return None  # checked on the fake values, it would change them
     values = [n.meta.get("val") for n in node.all_input_nodes]
     if any(not isinstance(v, torch.Tensor) for v in values):
