@@ -362,6 +362,23 @@ class TestAtenTable(TestCase):
         self.assertEqual([a.dtype for a in got], [jnp.float32, jnp.float32, jnp.int32, jnp.int32])
         torch.testing.assert_close([torch.from_numpy(np.array(a)).to(e.dtype) for a, e in zip(got, program(x))], list(program(x)), rtol=0, atol=0)
 
+    def test_one_lowered_function_called_with_and_without_x64_keeps_each_modes_constants(self):
+        # A tensor constant of the graph is made a jax array the first time the function runs; a
+        # caller who switches x64 between calls gets each mode's array, not the first call's
+        # (an int64 constant made as int32 would wrap 2**40 + 3 to 3 under x64).
+        from hops.lowering import jax_x64
+
+        big = torch.tensor([2**40 + 3, -(2**35)])
+        function = lower_to_jax(make_fx(lambda v: v + big)(torch.tensor([1, 2])))
+        x = np.array([1, 2])
+        without = function(x)
+        self.assertEqual(without.dtype, jnp.int32)
+        with jax_x64():
+            got = function(x)
+        self.assertEqual(got.dtype, jnp.int64)
+        self.assertEqual(np.asarray(got).tolist(), [2**40 + 4, -(2**35) + 2])
+        self.assertEqual(function(x).dtype, jnp.int32)  # (and back)
+
     def test_an_op_without_a_rule_is_refused_naming_it_before_anything_runs(self):
         # (kthvalue: no rule, and no decomposition of torch's to run instead)
         graph = make_fx(lambda x: torch.kthvalue(x, 2).values.sin())(torch.randn(3))

@@ -30,18 +30,25 @@ RUNNERS: set[Callable[..., Any]] = set()
 class _Constant:
     """A tensor constant of the graph as a jax array, made when the function first runs: a
     backend lowers the graph while AOTAutograd's fake mode is active, where reading a real
-    tensor's values is refused (a model's constant, OPT's empty ``tensor([])``)."""
+    tensor's values is refused (a model's constant, OPT's empty ``tensor([])``). One array per
+    x64 mode: a caller may run the function with and without ``jax_enable_x64``, and an int64
+    constant made as int32 must not be reused where int64 is computed (or the other way)."""
 
     def __init__(self, value: Any) -> None:
-        self.value, self.array = value, None
+        self.value, self.arrays = value, {}
 
     def get(self) -> Any:
-        if self.array is None:
-            import jax.numpy as jnp
+        import jax
+        import numpy as np
 
-            value = self.value
-            self.array = jnp.asarray(value.detach().cpu().numpy()) if isinstance(value, torch.Tensor) else value
-        return self.array
+        value = self.value
+        if not isinstance(value, torch.Tensor):
+            return value
+        mode = jax.dtypes.canonicalize_dtype(np.int64)  # (int32 without x64: the scoped setting)
+        array = self.arrays.get(mode)
+        if array is None:
+            array = self.arrays[mode] = jax.numpy.asarray(value.detach().cpu().numpy())
+        return array
 
 
 def _constant(value: Any) -> _Constant:
