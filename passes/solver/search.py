@@ -814,9 +814,11 @@ class _Run:
         # Rounds shortened (to a floor) so that the least number of them fits.
         round_seconds = min(_ROUND_SECONDS, priced / _LAGRANGIAN_MIN_ROUNDS)
         if self.limit is not None and len(search.rhs) and round_seconds >= _ROUND_LEAST_SHARE * _ROUND_SECONDS:
-            stats["lagrangian_rounds"], stats["lagrangian_repairs"] = _lagrangian_search(
+            stats["lagrangian_rounds"], stats["lagrangian_repairs"], dual = _lagrangian_search(
                 self.problem, search, self.limit, began + priced, self.seed, round_seconds
             )
+            stats["lagrangian_bound"] = dual
+            self.lower = max(self.lower, dual)
             stats["lagrangian_cost"] = search.objective()
             stats["lagrangian_seconds"] = time.perf_counter() - began
         stats["lns_rounds"], stats["lns_improvements"], _ = _large_neighbourhood_search(
@@ -1415,7 +1417,8 @@ def _lagrangian_search(
     plan (``_search_priced``); then raises the prices where the limit is broken and lowers them
     where it is not. Each round lasts ``round_seconds`` (``_ROUND_SECONDS``). ``main`` (the
     constrained search) ends on the best plan within the limit, its own incumbent if none
-    beats it. Returns the rounds, and how many of them a repair made count."""
+    beats it. Returns the rounds, how many of them a repair made count, and the best lower bound
+    the rounds proved (the Lagrangian dual at each round's prices; ``-inf`` if none)."""
     round_seconds = _ROUND_SECONDS if round_seconds is None else round_seconds
     steps = _TimeSteps(problem)
     points, lo, hi, loads = steps.points, steps.lo, steps.hi, steps.loads
@@ -1426,6 +1429,7 @@ def _lagrangian_search(
     unit = None
     rounds = repairs = 0
     budget = None
+    bound = -math.inf
     while deadline - time.perf_counter() > 0.5 * round_seconds:
         rounds += 1
         began = time.perf_counter()
@@ -1447,7 +1451,16 @@ def _lagrangian_search(
         if len(search.nodes):
             search.assign_full(current)
             search.descend(stop, respect_memory=False)
-            budget = _search_priced(search, stop, seed + rounds, budget)
+            budget, priced_bound = _search_priced(search, stop, seed + rounds, budget)
+        else:
+            priced_bound = search.lower_bound()
+        # The Lagrangian dual: every plan within the limit pays at most ``limit`` at each step, so
+        # costs at least the priced problem's bound less the prices times the limit (less a
+        # margin for the rounding of the two large terms).
+        charged = float(prices.sum()) * limit
+        dual = priced_bound - charged
+        if math.isfinite(dual):
+            bound = max(bound, dual - 1e-9 * (abs(priced_bound) + charged))
         plan = search.plan()
         load = loads(plan)
         over = load > limit
@@ -1478,19 +1491,25 @@ def _lagrangian_search(
             prices[over] = np.minimum(np.maximum(prices[over] * _PRICE_GROWTH, unit), _PRICE_CAP)
         prices[~over] *= _PRICE_DECAY
         current = plan
-    return rounds, repairs
+    return rounds, repairs, bound
 
 
-def _search_priced(search: Search, stop: float, seed: int, budget: dict | None) -> dict | None:
+def _search_priced(search: Search, stop: float, seed: int, budget: dict | None) -> tuple[dict | None, float]:
     """A round's priced problem (no memory rows) searched until ``stop``: by toulbar2 first when
     it is small enough (``_PRICED_WCSP_SHARE`` of the round, from the round's plan), then by
-    large neighbourhoods. Returns the neighbourhood search's budget."""
+    large neighbourhoods. Returns the neighbourhood search's budget and a lower bound of the
+    priced problem: toulbar2's (soft arc consistency, a dual bound) where it ran, else the
+    node minima."""
+    bound = search.lower_bound()
     if _PRICED_WCSP_SHARE and wcsp.available() and len(search.nodes) <= _WCSP_MAX_NODES:
         now = time.perf_counter()
-        result = wcsp.solve_wcsp(search, now + _PRICED_WCSP_SHARE * (stop - now), upper=search.objective(), hint=search.s.copy(), seed=seed)
+        upper = search.objective()
+        result = wcsp.solve_wcsp(search, now + _PRICED_WCSP_SHARE * (stop - now), upper=upper, hint=search.s.copy(), seed=seed)
         if result.chosen is not None:
             search.assign(result.chosen)
-    return _large_neighbourhood_search(search, stop, budget)[2]
+        # (Given ``upper``, toulbar2 bounds the plans cheaper than it: the round's plan is one.)
+        bound = max(bound, min(result.lower, upper))
+    return _large_neighbourhood_search(search, stop, budget)[2], bound
 
 
 # The share of a priced round toulbar2 searches first (0: neighbourhoods only).
