@@ -43,6 +43,13 @@ def with_grads(program):
     return traced
 
 
+def as_jax_dtype(dtype: torch.dtype):
+    """``dtype`` as jax computes it without x64 (int64 as int32, float64 as float32)."""
+    if dtype == torch.bfloat16:
+        return np.dtype(jnp.bfloat16)
+    return jax.dtypes.canonicalize_dtype(torch.empty((), dtype=dtype).numpy().dtype)
+
+
 def check(test, name, program, *inputs, rtol=1e-4, atol=1e-5, jit=False):
     inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
     graph = make_fx(with_grads(program), tracing_mode="fake")(*inputs)
@@ -52,10 +59,16 @@ def check(test, name, program, *inputs, rtol=1e-4, atol=1e-5, jit=False):
     function = jax.jit(lower_to_jax(graph)) if jit else lower_to_jax(graph)
     got = pytree.tree_leaves(function(*[t.detach().numpy() for t in inputs]))
     test.assertEqual(len(got), len(expected), f"{name}: number of outputs")
-    for i, (a, e) in enumerate(zip(got, expected)):
+    traced = pytree.tree_leaves(next(iter(graph.graph.find_nodes(op="output"))).args[0])
+    for i, (a, e, node) in enumerate(zip(got, expected, traced)):
         if e is None:  # an input the outputs do not depend on differentiably
             test.assertIsNone(a, f"{name}[{i}]")
             continue
+        # Each rule computes the traced dtype (as jax spells it without x64): the backend's cast at
+        # the boundary would otherwise hide a rule's slip (bool as int, float16 as float32).
+        value = getattr(node, "meta", {}).get("val")
+        if isinstance(value, torch.Tensor):
+            test.assertEqual(np.asarray(a).dtype, as_jax_dtype(value.dtype), f"{name}[{i}]: dtype")
         a = torch.from_numpy(np.array(a))
         e = e.detach()
         if not e.is_floating_point() and not e.is_complex():
