@@ -7,16 +7,16 @@ the seconds taken (reading the file excluded), and, beside them, the cost XLA's 
 reached and the best contest team's (the figures in ``../shared/iopddl/README.md``).
 
 Measured on the project's 2-core machine with nothing else running, torch 2.13 venv, HiGHS
-1.16, pytoulbar2 1.4, commit "solver: priced rounds shortened to fit, and searched by toulbar2
-first where small" (this script's run; "other run": the same call in separate processes; the
-previous commit's run of this script for comparison):
+1.16, pytoulbar2 1.4, commit "solver: the priced rounds report their Lagrangian dual as the
+lower bound" (this script's run; "other run": the same call in separate processes; the
+previous table's run for comparison):
 
-| instance | limit | cost | lower bound | seconds | vs best team | other run | previous commit |
+| instance | limit | cost | lower bound | seconds | vs best team | other run | previous table |
 |---|---|---|---|---|---|---|---|
-| A | 60 s | 6,569,510,643 | 1,304,379,650 | 59.0 | 1.003 | 1.003 | 1.894 |
-| G | 120 s | 217,039 | 217,039 | 2.3 | 1.000 | 1.000 | 1.000 |
-| M | 180 s | 50,127,180,433 | 38,137,592,856 | 178.9 | 1.004 | 1.005 | 1.044 |
-| S | 240 s | 1,649,224,752 | 315,023,830 | 239.0 | 1.075 | 1.054 | 1.058 |
+| A | 60 s | 6,569,510,643 | 5,496,844,236 | 58.8 | 1.003 | 1.003 | 1.003 |
+| G | 120 s | 217,039 | 217,039 | 1.7 | 1.000 | 1.000 | 1.000 |
+| M | 180 s | 50,095,903,141 | 42,018,395,098 | 178.8 | 1.003 | 1.004 | 1.004 |
+| S | 240 s | 1,605,158,394 | 1,206,771,665 | 239.0 | 1.046 | 1.040 | 1.075 |
 
 (XLA's auto-sharding: A 13,214,846,074, G 1,264,777; the plans above cost 0.50 and 0.17 of
 it.) G is solved to optimality in seconds. A, M and S have binding memory limits: the
@@ -24,9 +24,11 @@ unconstrained optimum of A (5.26e9, proven by toulbar2 in 11 s) peaks at 7x its 
 gets them there: memory priced per time step for 60% of the search (a Lagrangian relaxation;
 rounds shortened so that three fit in A's 60 s), each round's priced problem reduced without a
 limit (A: 23k nodes left become 6.6k; M: 18.7k become 1.9k) and searched by toulbar2 first,
-then by neighbourhoods; plans just above the limit repaired. Lower bounds still come from
-min-sum diffusion and are weak (gaps of 25-90%). A run's rounds depend on timing, so costs
-vary between runs.
+then by neighbourhoods; plans just above the limit repaired. The lower bounds are the
+Lagrangian dual of those rounds (each priced problem's bound, toulbar2's where it ran, less the
+prices times the limit): gaps of 16-25%, where min-sum diffusion, which ignores memory, left
+25-90%. S varies most between runs (1.040-1.075 over the last five): a run's rounds depend on
+timing.
 
 Usage: python benchmarks/iopddl.py [PATH ...] [--time-limit SECONDS]
 (default: the four public instances A, G, M, S in ../shared/iopddl relative to the repository)
