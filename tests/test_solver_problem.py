@@ -251,13 +251,59 @@ class TestExactness:
         main.assign(np.ones(len(main.nodes), dtype=np.int64))
         start = main.objective()
         with priced_rounds(seconds=0.2):
-            rounds, repairs, bound = search_module._lagrangian_search(problem, main, problem.usage_limit, time.perf_counter() + 3.0, seed=0)
+            rounds, repairs, bound, _ = search_module._lagrangian_search(problem, main, problem.usage_limit, time.perf_counter() + 3.0, seed=0)
         assert rounds >= 3 and repairs >= 1
         assert main.violation() == 0
         assert main.objective() == 10.0 * (n // 2) < start
         # The rounds' dual bound: above the problem's optimum without the limit (every node big,
         # cost 0), below the plan (the LP relaxation's optimum is the plan's cost here).
         assert 0.8 * main.objective() < bound <= main.objective()
+
+
+    def test_a_plan_no_single_move_brings_within_the_limit_is_repaired_by_neighbourhoods(self):
+        # Three pairs whose mixed choices are forbidden, all live at once, every node on its
+        # large strategy: moving one node of a pair alone is forbidden, so the greedy repair
+        # stops (as it did on the priced rounds' plans of contest instance S at 0.95 of its
+        # limit); neighbourhoods move both nodes of a pair and reach the cheapest plan that fits.
+        n = 6
+        costs, usages = [[0.0, 5.0]] * n, [[10.0, 1.0]] * n
+        edges = [(0, 1), (2, 3), (4, 5)]
+        matrices = [np.array([[0.0, math.inf], [math.inf, 0.0]])] * len(edges)
+        problem = StrategyProblem(costs, usages, [[0, 1]] * n, edges, matrices, usage_limit=25.0)
+        reduced = reduce_module.Reduced(problem)
+        reduced.reduce(problem.usage_limit, deadline=0.0)  # (every node kept)
+        search = search_module.Search(reduced, seed=0)
+        search.assign(np.zeros(n, dtype=np.int64))
+        assert not search.repair(time.perf_counter() + 1.0) and search.violation() > 0
+        search.assign(np.zeros(n, dtype=np.int64))
+        assert search_module._repaired(search, time.perf_counter() + 1.0, time.perf_counter() + 5.0)
+        assert search.violation() == 0
+        assert search.objective() == brute_force(problem) == 20.0
+
+    def test_the_rounds_hand_back_the_plan_their_repair_left_nearest_the_limit(self):
+        # With no time to repair a round's plan, the rounds return the cheaper plan above the
+        # limit (for ``_Run.repair_nearest``: repaired with more time after the rounds).
+        n = 6
+        costs, usages = [[0.0, 5.0]] * n, [[10.0, 1.0]] * n
+        edges = [(0, 1), (2, 3), (4, 5)]
+        matrices = [np.array([[0.0, math.inf], [math.inf, 0.0]])] * len(edges)
+        problem = StrategyProblem(costs, usages, [[0, 1]] * n, edges, matrices, usage_limit=25.0)
+        reduced = reduce_module.Reduced(problem)
+        reduced.reduce(problem.usage_limit, deadline=0.0)
+        main = search_module.Search(reduced, seed=0)
+        main.assign(np.ones(n, dtype=np.int64))  # every node small: fits, costs 30
+        saved = search_module._REPAIR_SECONDS
+        search_module._REPAIR_SECONDS = 0.0
+        try:
+            with priced_rounds(seconds=0.05):
+                _, repairs, _, nearest = search_module._lagrangian_search(problem, main, 25.0, time.perf_counter() + 0.3, seed=0)
+        finally:
+            search_module._REPAIR_SECONDS = saved
+        assert repairs == 0 and main.objective() == 30.0
+        assert nearest is not None and peak_usage(problem, nearest) > 25.0 and problem_cost(problem, nearest) < 30.0
+        main.assign_full(nearest)
+        assert search_module._repaired(main, time.perf_counter() + 1.0, time.perf_counter() + 5.0)
+        assert main.objective() == 20.0
 
 
 @contextlib.contextmanager
@@ -504,7 +550,7 @@ class TestInfeasibleOnlyWithAProof:
             return
         main.start(least_usage=False)  # the cheapest strategies: above the limit, so priced
         with priced_rounds(seconds=0.02):
-            _, _, bound = search_module._lagrangian_search(problem, main, problem.usage_limit, time.perf_counter() + 0.2, seed=0)
+            _, _, bound, _ = search_module._lagrangian_search(problem, main, problem.usage_limit, time.perf_counter() + 0.2, seed=0)
         assert bound <= best + 1e-9 * max(1.0, abs(best))
 
     @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -735,8 +735,7 @@ class _Run:
         )
         if plan is not None:
             search.assign_full(plan)
-            if search.repair(self.deadline):
-                search.descend(self.deadline)
+            if _repaired(search, self.deadline, min(self.deadline, time.perf_counter() + _REPAIR_SECONDS)):
                 stats["unconstrained_start"] = search.objective()
                 candidates.append((search.objective(), search.s.copy()))
 
@@ -814,16 +813,31 @@ class _Run:
         # Rounds shortened (to a floor) so that the least number of them fits.
         round_seconds = min(_ROUND_SECONDS, priced / _LAGRANGIAN_MIN_ROUNDS)
         if self.limit is not None and len(search.rhs) and round_seconds >= _ROUND_LEAST_SHARE * _ROUND_SECONDS:
-            stats["lagrangian_rounds"], stats["lagrangian_repairs"], dual = _lagrangian_search(
+            stats["lagrangian_rounds"], stats["lagrangian_repairs"], dual, nearest = _lagrangian_search(
                 self.problem, search, self.limit, began + priced, self.seed, round_seconds
             )
             stats["lagrangian_bound"] = dual
             self.lower = max(self.lower, dual)
+            if nearest is not None:
+                stats["nearest_repaired"] = self.repair_nearest(nearest)
             stats["lagrangian_cost"] = search.objective()
             stats["lagrangian_seconds"] = time.perf_counter() - began
         stats["lns_rounds"], stats["lns_improvements"], _ = _large_neighbourhood_search(
             search, deadline, incumbent=None if self.runner is None else self.runner.incumbent
         )
+
+    def repair_nearest(self, plan: list[int]) -> bool:
+        """The priced rounds' cheaper plan still above the limit (their 4-second repairs ran
+        out), repaired for ``_NEAREST_REPAIR_SHARE`` of the time left; kept if it fits and is
+        cheaper, else the search's plan stays. Whether it was kept."""
+        search = self.search
+        previous, best = search.s.copy(), search.objective()
+        search.assign_full(plan)
+        until = time.perf_counter() + _NEAREST_REPAIR_SHARE * (self.deadline - time.perf_counter())
+        if _repaired(search, until, until) and search.objective() < best:
+            return True
+        search.assign(previous)
+        return False
 
     def portfolio_answer(self) -> None:
         """The cheaper plan of the two engines (toulbar2's thread ends by the deadline: its
@@ -1234,7 +1248,7 @@ def _lns_seeds(search: Search, rounds: int, penalty: float | None, forbidden: bo
 
 
 def _large_neighbourhood_search(
-    search: Search, deadline: float, budget: int | None = None, incumbent: _Incumbent | None = None
+    search: Search, deadline: float, budget: int | None = None, incumbent: _Incumbent | None = None, until_fits: bool = False
 ) -> tuple[int, int, int]:
     """Re-solve neighbourhoods of the incumbent as MILPs until the deadline, the first of
     ``budget`` pair variables; rounds, improvements, and the size for a next call.
@@ -1245,7 +1259,8 @@ def _large_neighbourhood_search(
     While toulbar2 runs, one neighbourhood fewer is solved per round (it has a core).
 
     While the incumbent breaks the memory limit, the limit is soft (priced per unit above it, the
-    price rising while it stays broken) and neighbourhoods grow from nodes live where it is broken.
+    price rising while it stays broken) and neighbourhoods grow from nodes live where it is broken;
+    ``until_fits``: the search ends once the plan is within the limit (a repair).
     """
     lns = _Lns(search, budget or _LNS_FIRST_PAIRS, incumbent)
     while True:
@@ -1264,9 +1279,27 @@ def _large_neighbourhood_search(
         frees = lns.neighbourhoods(size, workers)
         results = lns.solve(frees, size, left, deadline)
         lns.apply(frees, results)
+        if until_fits and search.violation() == 0:
+            break
         if len(frees[0]) >= len(search.nodes) and results[0][0] == "optimal" and lns.penalty is None:
             break
     return lns.rounds, lns.improvements, lns.budget
+
+
+def _repaired(search: Search, deadline: float, neighbourhoods_until: float) -> bool:
+    """``search``'s plan brought back within the memory limit: greedily (``Search.repair``, one
+    node's move at a time) until ``deadline``; where that stops short (every move that frees
+    memory at a broken step would make a forbidden pair with a neighbour as it is), by
+    neighbourhoods grown from the broken steps with the limit priced, which move neighbours
+    together, until ``neighbourhoods_until``. Then each node improved alone. Whether it fits.
+    (Contest instance S at 0.95 of its limit: the priced rounds' plans, 14-37 steps above the
+    limit, were never repaired greedily, and the search ended at 1.3x their cost.)"""
+    if not search.repair(deadline) and time.perf_counter() < neighbourhoods_until:
+        _large_neighbourhood_search(search, neighbourhoods_until, until_fits=True)
+    if search.violation() > 0:
+        return False
+    search.descend(deadline)
+    return True
 
 
 class _Lns:
@@ -1405,11 +1438,16 @@ _PRICE_CAP = 1e100
 # each part of the repair for at most this many seconds.
 _REPAIR_STEPS = 0.05
 _REPAIR_SECONDS = 4.0
+# After the rounds, the plan a round's repair left nearest the limit (still cheaper than the
+# best within it) is repaired again for this share of the time left. Contest instance S at 0.95
+# of its limit: greedy moves took the rounds' plans 90% of the way back, the neighbourhoods
+# most of the rest in their 2-3 s, and no round's plan was ever kept.
+_NEAREST_REPAIR_SHARE = 0.25
 
 
 def _lagrangian_search(
     problem: StrategyProblem, main: Search, limit: float, deadline: float, seed: int, round_seconds: float | None = None
-) -> tuple[int, int]:
+) -> tuple[int, int, float, list[int] | None]:
     """Memory priced instead of constrained (a Lagrangian relaxation): each round puts a price
     on every time step, a node paying their sum over its lifetime per unit of its usage;
     reduces the priced problem without a limit, which eliminates what memory kept (on
@@ -1417,8 +1455,10 @@ def _lagrangian_search(
     plan (``_search_priced``); then raises the prices where the limit is broken and lowers them
     where it is not. Each round lasts ``round_seconds`` (``_ROUND_SECONDS``). ``main`` (the
     constrained search) ends on the best plan within the limit, its own incumbent if none
-    beats it. Returns the rounds, how many of them a repair made count, and the best lower bound
-    the rounds proved (the Lagrangian dual at each round's prices; ``-inf`` if none)."""
+    beats it. Returns the rounds, how many of them a repair made count, the best lower bound
+    the rounds proved (the Lagrangian dual at each round's prices; ``-inf`` if none), and the
+    plan (one strategy per node of the problem) a failed repair left nearest the limit while
+    cheaper than ``main``'s, or None."""
     round_seconds = _ROUND_SECONDS if round_seconds is None else round_seconds
     steps = _TimeSteps(problem)
     points, lo, hi, loads = steps.points, steps.lo, steps.hi, steps.loads
@@ -1430,23 +1470,13 @@ def _lagrangian_search(
     rounds = repairs = 0
     budget = None
     bound = -math.inf
+    nearest = None  # (memory above the limit, plan): the round's plan whose repair came closest
     while deadline - time.perf_counter() > 0.5 * round_seconds:
         rounds += 1
         began = time.perf_counter()
         stop = min(deadline, began + round_seconds)
-        cumulative = np.concatenate([[0.0], np.cumsum(prices)])
-        paid = cumulative[hi] - cumulative[lo]
-        try:
-            reduced = Reduced(problem, deadline=stop)
-            for v in np.flatnonzero(paid > 0).tolist():
-                reduced.cost[v] = reduced.cost[v] + paid[v] * reduced.usage[v]
-            reduced.reduce(None, began + 0.3 * (stop - began), stop_by=stop)
-            search = Search(reduced, seed + rounds, stop)
-        except InfeasiblePlacementError:  # pragma: no cover - the constrained reductions said so first
-            # The priced problem has every plan of the problem (finite prices keep finite costs
-            # finite): nothing is proven here that the constrained reductions did not prove.
-            break
-        except OutOfTime:
+        search = _priced_problem(problem, prices, lo, hi, began, stop, seed + rounds)
+        if search is None:
             break
         if len(search.nodes):
             search.assign_full(current)
@@ -1467,31 +1497,62 @@ def _lagrangian_search(
         cost = problem_cost(problem, plan)
         if cost < best_cost and over.sum() <= max(1.0, _REPAIR_STEPS * len(points)):
             # Cheaper, and within the limit or just above it: in the constrained search, back
-            # within it greedily and each node improved alone.
+            # within it (``_repaired``) and each node improved alone.
             previous = main.s.copy()
             main.assign_full(plan)
-            if over.any() and main.repair(min(deadline, time.perf_counter() + _REPAIR_SECONDS)):
-                main.descend(min(deadline, time.perf_counter() + _REPAIR_SECONDS))
+            if over.any():
+                until = min(deadline, time.perf_counter() + _REPAIR_SECONDS)
+                _repaired(main, until, until)
             found = main.objective()
             # (A strategy the constrained reductions dropped may also map to a worse one there.)
             if main.violation() == 0 and found < best_cost:
                 best_cost = found
                 repairs += bool(over.any())
             else:
+                if main.violation() > 0 and found < best_cost and (nearest is None or main.violation() < nearest[0]):
+                    nearest = (main.violation(), main.plan())
                 main.assign(previous)
         if over.any():
             if unit is None:
-                # The first price: what the plan saved per unit of memory above the limit.
-                above = float(np.maximum(load - limit, 0.0).sum())
-                # (The incumbent may still make a forbidden choice: its cost is infinite, and
-                # an infinite price would make every strategy of the priced problem infinite.)
-                finite = [c for c in (best_cost, cost) if math.isfinite(c)]
-                saved = best_cost - cost if len(finite) == 2 and best_cost > cost else 1e-9 * max(map(abs, finite), default=0.0)
-                unit = (saved or 1.0) / above
+                unit = _first_price(best_cost, cost, float(np.maximum(load - limit, 0.0).sum()))
             prices[over] = np.minimum(np.maximum(prices[over] * _PRICE_GROWTH, unit), _PRICE_CAP)
         prices[~over] *= _PRICE_DECAY
         current = plan
-    return rounds, repairs, bound
+    if nearest is not None and main.objective() <= problem_cost(problem, nearest[1]):
+        nearest = None  # (a later round found a plan within the limit cheaper than it)
+    return rounds, repairs, bound, None if nearest is None else nearest[1]
+
+
+def _priced_problem(
+    problem: StrategyProblem, prices: np.ndarray, lo: np.ndarray, hi: np.ndarray, began: float, stop: float, seed: int
+) -> Search | None:
+    """The problem with each node paying the ``prices`` of the time steps it lives over per unit
+    of its usage, reduced without a limit (a third of the round at most), as a search; None if
+    the round's time ran out first."""
+    cumulative = np.concatenate([[0.0], np.cumsum(prices)])
+    paid = cumulative[hi] - cumulative[lo]
+    try:
+        reduced = Reduced(problem, deadline=stop)
+        for v in np.flatnonzero(paid > 0).tolist():
+            reduced.cost[v] = reduced.cost[v] + paid[v] * reduced.usage[v]
+        reduced.reduce(None, began + 0.3 * (stop - began), stop_by=stop)
+        return Search(reduced, seed, stop)
+    except InfeasiblePlacementError:  # pragma: no cover - the constrained reductions said so first
+        # The priced problem has every plan of the problem (finite prices keep finite costs
+        # finite): nothing is proven here that the constrained reductions did not prove.
+        return None
+    except OutOfTime:
+        return None
+
+
+def _first_price(best_cost: float, cost: float, above: float) -> float:
+    """The first price of a unit of memory: what the round's plan saved (``best_cost - cost``)
+    per unit of memory it has ``above`` the limit."""
+    # (The incumbent may still make a forbidden choice: its cost is infinite, and an infinite
+    # price would make every strategy of the priced problem infinite.)
+    finite = [c for c in (best_cost, cost) if math.isfinite(c)]
+    saved = best_cost - cost if len(finite) == 2 and best_cost > cost else 1e-9 * max(map(abs, finite), default=0.0)
+    return (saved or 1.0) / above
 
 
 def _search_priced(search: Search, stop: float, seed: int, budget: dict | None) -> tuple[dict | None, float]:
