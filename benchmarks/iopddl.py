@@ -30,6 +30,12 @@ prices times the limit): gaps of 16-25%, where min-sum diffusion, which ignores 
 25-90%. S varies most between runs (1.040-1.075 over the last five): a run's rounds depend on
 timing.
 
+After it, commit "solver: a plan above the memory limit is repaired by neighbourhoods where single
+moves stop" (the same call in separate processes): A 1.003, M 1.001 (lower bound 0.956 of the
+best team's cost), S 1.044. Its case, generated from S with the limit at 0.95 of the file's (a
+family of the instances' own limits: A and M at 0.9 are proven infeasible, below the least
+memory some step needs): 2.04-2.06e9 before it, 1.80e9 after.
+
 Usage: python benchmarks/iopddl.py [PATH ...] [--time-limit SECONDS]
 (default: the four public instances A, G, M, S in ../shared/iopddl relative to the repository)
 """

@@ -829,9 +829,10 @@ class _Run:
     def repair_nearest(self, plan: list[int]) -> bool:
         """The priced rounds' cheaper plan still above the limit (their 4-second repairs ran
         out), repaired for ``_NEAREST_REPAIR_SHARE`` of the time left; kept if it fits and is
-        cheaper, else the search's plan stays. Whether it was kept."""
+        cheaper (or the search's plan does not fit), else the search's plan stays. Whether it
+        was kept."""
         search = self.search
-        previous, best = search.s.copy(), search.objective()
+        previous, best = search.s.copy(), search.objective() if search.violation() == 0 else math.inf
         search.assign_full(plan)
         until = time.perf_counter() + _NEAREST_REPAIR_SHARE * (self.deadline - time.perf_counter())
         if _repaired(search, until, until) and search.objective() < best:
