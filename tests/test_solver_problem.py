@@ -259,20 +259,13 @@ class TestExactness:
         # cost 0), below the plan (the LP relaxation's optimum is the plan's cost here).
         assert 0.8 * main.objective() < bound <= main.objective()
 
-
     def test_a_plan_no_single_move_brings_within_the_limit_is_repaired_by_neighbourhoods(self):
         # Three pairs whose mixed choices are forbidden, all live at once, every node on its
         # large strategy: moving one node of a pair alone is forbidden, so the greedy repair
         # stops (as it did on the priced rounds' plans of contest instance S at 0.95 of its
         # limit); neighbourhoods move both nodes of a pair and reach the cheapest plan that fits.
-        n = 6
-        costs, usages = [[0.0, 5.0]] * n, [[10.0, 1.0]] * n
-        edges = [(0, 1), (2, 3), (4, 5)]
-        matrices = [np.array([[0.0, math.inf], [math.inf, 0.0]])] * len(edges)
-        problem = StrategyProblem(costs, usages, [[0, 1]] * n, edges, matrices, usage_limit=25.0)
-        reduced = reduce_module.Reduced(problem)
-        reduced.reduce(problem.usage_limit, deadline=0.0)  # (every node kept)
-        search = search_module.Search(reduced, seed=0)
+        problem, search = pairs_forbidden_apart()
+        n = len(search.nodes)
         search.assign(np.zeros(n, dtype=np.int64))
         assert not search.repair(time.perf_counter() + 1.0) and search.violation() > 0
         search.assign(np.zeros(n, dtype=np.int64))
@@ -283,15 +276,8 @@ class TestExactness:
     def test_the_rounds_hand_back_the_plan_their_repair_left_nearest_the_limit(self):
         # With no time to repair a round's plan, the rounds return the cheaper plan above the
         # limit (for ``_Run.repair_nearest``: repaired with more time after the rounds).
-        n = 6
-        costs, usages = [[0.0, 5.0]] * n, [[10.0, 1.0]] * n
-        edges = [(0, 1), (2, 3), (4, 5)]
-        matrices = [np.array([[0.0, math.inf], [math.inf, 0.0]])] * len(edges)
-        problem = StrategyProblem(costs, usages, [[0, 1]] * n, edges, matrices, usage_limit=25.0)
-        reduced = reduce_module.Reduced(problem)
-        reduced.reduce(problem.usage_limit, deadline=0.0)
-        main = search_module.Search(reduced, seed=0)
-        main.assign(np.ones(n, dtype=np.int64))  # every node small: fits, costs 30
+        problem, main = pairs_forbidden_apart()
+        main.assign(np.ones(len(main.nodes), dtype=np.int64))  # every node small: fits, costs 30
         saved = search_module._REPAIR_SECONDS
         search_module._REPAIR_SECONDS = 0.0
         try:
@@ -304,6 +290,20 @@ class TestExactness:
         main.assign_full(nearest)
         assert search_module._repaired(main, time.perf_counter() + 1.0, time.perf_counter() + 5.0)
         assert main.objective() == 20.0
+
+
+def pairs_forbidden_apart():
+    """Three pairs of nodes, each node large (usage 10, cost 0) or small (usage 1, cost 5), a
+    pair's mixed choices forbidden, all live at once under a limit of 25 (the cheapest plan that
+    fits: two pairs small, cost 20); and its search, every node kept."""
+    n = 6
+    costs, usages = [[0.0, 5.0]] * n, [[10.0, 1.0]] * n
+    edges = [(0, 1), (2, 3), (4, 5)]
+    matrices = [np.array([[0.0, math.inf], [math.inf, 0.0]])] * len(edges)
+    problem = StrategyProblem(costs, usages, [[0, 1]] * n, edges, matrices, usage_limit=25.0)
+    reduced = reduce_module.Reduced(problem)
+    reduced.reduce(problem.usage_limit, deadline=0.0)  # (the first steps only: every node kept)
+    return problem, search_module.Search(reduced, seed=0)
 
 
 @contextlib.contextmanager
