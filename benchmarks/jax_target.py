@@ -25,8 +25,8 @@ program, both lowered with ``lower_to_jax`` (4 virtual CPU devices).
    The 1.1x target against the fused program is not met (1.63x and 1.13x). At the small
    width the split alone, which torch's autograd asks of any backend (the forward returns
    before the backward is asked for), costs JAX itself 1.28x its fused step (both with the
-   gradients gathered to host); torch's own per-call
-   machinery is 1.0 ms of hops_jax's 5.9. Against the split by hand: 1.17x and 0.92x.
+   gradients gathered to host); torch's own per-call machinery is 1.0 ms of hops_jax's 5.9.
+   Against the split by hand: 1.17x and 0.92x.
 2. Compile: ``make_fx`` of the loss and gradients of N blocks (``hops.scan`` over stacked weights,
    or a Python loop), ``lower_to_jax``, ``jax.jit(...).lower(...).compile()``, N = 4 and 64.
    Target: T(64) / T(4) <= 1.5 for the scan.
