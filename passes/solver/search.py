@@ -1036,8 +1036,10 @@ def _wcsp_phase(
         runs[-1]["cost"] = search.objective()
         if not fits and search.objective() < search.big and (nearest is None or search.violation() < nearest[0]):
             nearest = (search.violation(), search.s.copy())
-        if not fits and search.repair(deadline):
-            search.descend(deadline)
+        if not fits:
+            # (Greedily only: neighbourhoods would run HiGHS in this thread, on the core the
+            # neighbourhood search beside it has.)
+            _repaired(search, deadline, neighbourhoods_until=0.0)
         if search.violation() == 0 and search.objective() < best:
             best, best_s = search.objective(), search.s.copy()
             if incumbent is not None:
