@@ -15,18 +15,19 @@ program, both lowered with ``lower_to_jax`` (4 virtual CPU devices).
    conversions around them (``JaxGraph.__call__`` less the programs), and the rest, torch's:
    Dynamo's guards, AOTAutograd's runtime wrapper, the autograd engine (every backend pays it).
 
-   Measured (torch 2.13, jax 0.10.2, 2 cores, idle), ms per step:
+   Measured (torch 2.13, jax 0.10.2, 2 cores, idle), ms per step, two runs:
 
    | width | hops_jax | JAX fused | JAX fused, grads to host | JAX split, to host | eager |
    |---|---|---|---|---|---|
-   | 64 / 128 | 5.93 | 3.65 | 3.95 | 5.05 | 3.14 |
-   | 256 / 512 | 73.6 | 65.3 | 63.9 | 80.2 | 80.5 |
+   | 64 / 128 | 4.09-4.87 | 2.98-3.50 | 3.17-3.79 | 4.07-5.26 | 2.62-2.90 |
+   | 256 / 512 | 56.9-58.7 | 55.1-56.4 | 58.0 | 76.0-77.5 | 66.7-76.3 |
 
-   The 1.1x target against the fused program is not met (1.63x and 1.13x). At the small
-   width the split alone, which torch's autograd asks of any backend (the forward returns
-   before the backward is asked for), costs JAX itself 1.28x its fused step (both with the
-   gradients gathered to host); torch's own per-call machinery is 1.0 ms of hops_jax's 5.9.
-   Against the split by hand: 1.17x and 0.92x.
+   From its second step, hops_jax runs the backward in the forward's program (``_Fused`` in
+   ``passes/jax/backend.py``; before, split: 5.93 and 73.6 ms). At 256 / 512 the target is met
+   (1.03-1.04x). At 64 / 128 it is not (1.38-1.39x; 1.28-1.29x against the fused program with the
+   gradients gathered to host): the program itself takes what JAX's does, and the rest is
+   per-call work, ours (the tensors' views, the gradients to torch: 0.5-0.6 ms) and torch's
+   (Dynamo's guards, AOTAutograd's wrapper, the autograd engine: 0.3-0.5 ms).
 2. Compile: ``make_fx`` of the loss and gradients of N blocks (``hops.scan`` over stacked weights,
    or a Python loop), ``lower_to_jax``, ``jax.jit(...).lower(...).compile()``, N = 4 and 64.
    Target: T(64) / T(4) <= 1.5 for the scan.
@@ -104,6 +105,8 @@ def breakdown(step, graphs, repeats=30) -> dict[str, float]:
 
     spent = {"programs": 0.0, "graph calls": 0.0}
     call = JaxGraph.__call__
+    # (a forward's program with its backward fused in, once the backward has run: ``_Fused``)
+    graphs = [*graphs, *(g.fused for g in graphs if g.fused is not None)]
     functions = [g.function for g in graphs]
 
     def timed_program(function):
@@ -143,6 +146,7 @@ def breakdown(step, graphs, repeats=30) -> dict[str, float]:
 def step_times(batch: int = BATCH, dim: int = DIM) -> tuple[dict[str, float], dict[str, float]]:
     from passes.jax import backend
 
+    torch._dynamo.reset()  # each width compiled with static shapes, as in a process of its own
     torch.manual_seed(0)
     h = torch.randn(batch, dim)
     ups = [(torch.randn(dim, 2 * dim) / dim**0.5).requires_grad_() for _ in range(LAYERS)]

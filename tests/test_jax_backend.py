@@ -8,6 +8,8 @@ buffer); one over a mesh counts the copies it makes; Dynamo's other backends sti
 
 from __future__ import annotations
 
+import unittest.mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,7 +99,8 @@ class TestHopsJax(TestCase):
 
     def _step_with_residuals(self):
         """A compiled loss over the mesh, its forward and backward graphs (compiled by one step)
-        and a step function returning the gradients."""
+        and a step function returning the gradients; the forward split from its backward (as
+        torch's autograd runs them: ``TestFusedBackward`` tests them fused)."""
         compiled = torch.compile(lambda x, w: hops.annotate_sharding(torch.tanh(x @ w), ROWS).square().sum(), backend=hops_jax)
         x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
 
@@ -106,6 +109,7 @@ class TestHopsJax(TestCase):
 
         step()
         forward, backward = backend.COMPILED[-2:]
+        forward.fused, forward.speculate = None, False
         reference = torch.autograd.grad(torch.tanh(x @ w).square().sum(), (x, w))
         return forward, backward, step, reference
 
@@ -321,6 +325,115 @@ class TestHopsJax(TestCase):
         torch._dynamo.reset()
         x = torch.randn(4, 4)
         torch.testing.assert_close(torch.compile(lambda v: hops.annotate_sharding(v * 3, ROWS).cos(), backend="aot_eager")(x), (x * 3).cos())
+
+
+def with_loss(program):
+    """``program``'s floating outputs reduced to one loss, each weighted by its position."""
+    import torch.utils._pytree as pytree
+
+    def loss(*inputs):
+        outputs = [o for o in pytree.tree_leaves(program(*inputs)) if o.is_floating_point()]
+        return sum((o * (i + 1)).sum() for i, o in enumerate(outputs))
+
+    return loss
+
+
+class TestFusedBackward(TestCase):
+    """A forward whose backward has run once computes the backward in the same program at a
+    cotangent of one (the loss's, in a training step); its backward reads those gradients."""
+
+    def setUp(self):
+        torch._dynamo.reset()
+
+    def steps(self, program, inputs, count=3, cotangents=None, **options):
+        """``count`` steps of ``program`` compiled, each checked against eager (loss, gradients of
+        the inputs that require them, at ``cotangents[step]``); its forward graph."""
+        compiled = torch.compile(program, backend=hops_jax, fullgraph=True, **options)
+        wrt = [t for t in inputs if t.requires_grad]
+        for step in range(count):
+            cotangent = torch.tensor(1.0 if cotangents is None else cotangents[step])
+            loss = compiled(*inputs)
+            grads = torch.autograd.grad(loss, wrt, cotangent, allow_unused=True)
+            expected = program(*inputs)
+            expected_grads = torch.autograd.grad(expected, wrt, cotangent, allow_unused=True)
+            torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+            for got, want in zip(grads, expected_grads):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return next(g for g in reversed(backend.COMPILED) if g.stand_ins or g.speculate)
+
+    def test_every_sample_with_its_loss_compiled_runs_fused_from_its_second_step(self):
+        for sample in SAMPLES:
+            with self.subTest(sample=sample.name):
+                torch._dynamo.reset()
+                forward = self.steps(with_loss(sample.program), sample.inputs(2))
+                self.assertEqual((forward.fused.hits, forward.fused.misses), (2, 0))
+
+    def test_dropout_fused_draws_a_mask_per_step_and_its_residuals_are_recomputed_with_the_same_key(self):
+        w = torch.rand(64, requires_grad=True) + 1
+        compiled = torch.compile(lambda w: F.dropout(w, 0.5, training=True).sum(), backend=hops_jax)
+        masks = []
+        for step, cotangent in enumerate([1.0, 1.0, 1.0, 2.0]):
+            torch.manual_seed(step % 3)  # (the last step repeats the first's draw)
+            loss = compiled(w)
+            (grad,) = torch.autograd.grad(loss, w, torch.tensor(cotangent))
+            masks.append(grad != 0)
+            torch.testing.assert_close(grad, masks[-1] * 2.0 * cotangent, rtol=0, atol=0)  # kept: scaled by 1/(1-p)
+            torch.testing.assert_close(loss, (masks[-1] * 2.0 * w).sum())  # the loss of the same mask
+        forward = backend.COMPILED[-2]
+        self.assertEqual((forward.fused.hits, forward.fused.misses), (2, 1))  # the last step ran split, recomputed
+        self.assertFalse(torch.equal(masks[1], masks[2]))
+        self.assertTrue(torch.equal(masks[0], masks[3]))
+
+    def test_another_cotangent_runs_the_backwards_program_then_splits_after_two(self):
+        x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+        program = lambda x, w: hops.annotate_sharding(torch.tanh(x @ w), ROWS).square().sum()  # noqa: E731
+        forward = self.steps(program, (x, w), count=6, cotangents=[1.0, 1.0, 3.0, -0.5, 1.0, 1.0])
+        self.assertEqual((forward.fused.hits, forward.fused.misses), (1, 2))  # off after the two misses
+        self.assertFalse(forward.fused.on)
+
+    def test_a_second_backward_of_one_step_recomputes_its_residuals(self):
+        x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+        compiled = torch.compile(lambda x, w: torch.tanh(x @ w).square().sum(), backend=hops_jax)
+        expected = torch.autograd.grad(torch.tanh(x @ w).square().sum(), (x, w))
+        with unittest.mock.patch.object(torch._functorch.config, "donated_buffer", False):  # (torch's, for retain_graph)
+            for _ in range(2):
+                loss = compiled(x, w)
+                first = torch.autograd.grad(loss, (x, w), retain_graph=True)
+                second = torch.autograd.grad(loss, (x, w))
+                for got in (*first, *second):
+                    self.assertFalse(got.requires_grad)
+                torch.testing.assert_close([*first, *second], [*expected, *expected])
+        self.assertEqual(backend.COMPILED[-2].fused.hits, 1)
+
+    def test_forwards_without_backward_stop_fusing(self):
+        x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
+        program = lambda x, w: (x @ w).sin().sum()  # noqa: E731
+        forward = self.steps(program, (x, w), count=2)
+        for _ in range(3):
+            torch.compile(program, backend=hops_jax)(x, w)  # (the same graph: Dynamo's cache) no backward
+        self.assertFalse(forward.fused.on)
+        self.steps(program, (x, w), count=2)  # split again, still eager's gradients
+
+    def test_a_batch_norm_writing_its_running_statistics_runs_split(self):
+        norm = torch.nn.BatchNorm1d(4)
+        x = torch.randn(8, 4, requires_grad=True)
+        compiled = torch.compile(lambda x: norm(x).square().sum(), backend=hops_jax)
+        eager = torch.nn.BatchNorm1d(4)
+        for step, cotangent in enumerate([1.0, 1.0, 2.0]):
+            (grad,) = torch.autograd.grad(compiled(x), x, torch.tensor(cotangent))
+            (expected,) = torch.autograd.grad(eager(x).square().sum(), x, torch.tensor(cotangent))
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(norm.running_mean, eager.running_mean)
+        self.assertIsNone(backend.COMPILED[-2].fused)
+
+    def test_an_input_modified_in_place_before_another_cotangents_backward_is_refused(self):
+        x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
+        program = lambda x, w: (x @ w).sin().sum()  # noqa: E731
+        self.steps(program, (x, w), count=2)
+        loss = torch.compile(program, backend=hops_jax)(x, w)  # (the same graph: Dynamo's cache)
+        x.add_(1)
+        with self.assertRaisesRegex(RuntimeError, "hops_jax: an input of the compiled forward was modified in place"):
+            torch.autograd.grad(loss, w, torch.tensor(2.0))
 
 
 BIG = torch.tensor([[2**40 + 3, -5, 7], [1, 2**33, -(2**35)]])  # int64 values past int32's range

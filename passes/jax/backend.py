@@ -13,6 +13,13 @@ never cross: they stay jax arrays, carried to the backward by stand-in tensors (
 made a step 6x the hand-written JAX step; numpy views, ~2x while residuals were gathered to torch
 tensors after the forward and placed on the mesh again before the backward.)
 
+A forward whose backward has run once then computes that backward too, in one program with it,
+at the cotangent a loss gets (one); its backward reads those gradients (``_Fused``, ``_Link``):
+JAX's fused step, where torch's autograd asks for two calls. Exact: another cotangent, or a
+second backward, runs the backward's own program on residuals recomputed from the forward's
+inputs (an input modified in place by then is refused, as autograd refuses a saved tensor so
+modified), and a forward whose gradients go unclaimed twice in a row runs split from then on.
+
 Results and gradients have eager's dtypes and values: each call runs under jax's 64-bit mode,
 scoped to it (``hops.lowering.jax_x64``; the caller's jax config is left as it is), so int64,
 float64 and complex128 tensors cross, are computed and come back as themselves (without x64 jax
@@ -116,8 +123,7 @@ _HELD = "_hops_jax_value"  # the attribute of a stand-in tensor naming the jax a
 def _stand_in(value: Any, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of ``value``'s shape holding no data of its own (one element, zero strides) that
     carries the jax array: a forward's residual for the backward, which reads the array back."""
-    shape = tuple(value.shape)
-    tensor = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype)
+    tensor = _blank(tuple(value.shape), dtype)
     setattr(tensor, _HELD, value)
     return tensor
 
@@ -142,6 +148,15 @@ def _saved_dtypes(gm: fx.GraphModule) -> dict[int, torch.dtype]:
         if isinstance(value, torch.Tensor):
             saved[index] = value.dtype
     return saved
+
+
+def _writes_inputs() -> bool:
+    """Whether the graph AOTAutograd compiles writes into (or changes the metadata of) an input."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None) if context is not None else None
+    return bool(getattr(metadata, "mutated_inp_runtime_indices", None))
 
 
 class JaxGraph:
@@ -185,6 +200,14 @@ class JaxGraph:
         self.stand_ins = tuple(self.saved.items())
         self.results_hooked = tuple((i, i in self.numbers, dtypes[i]) for i in range(len(results)))
         self.results = tuple(result for result in self.results_hooked if result[0] not in self.saved)
+        self.lowered, self.static, self.graph = lowered, static, gm.graph
+        # A forward's backward run in the same program (``_Fused``): set at its backward's first call.
+        self.fused: _Fused | None = None
+        # (False: never fused. A backward taking sizes reads them first, before the residuals: a
+        # forward with sizes is never fused; nor one whose inputs AOTAutograd writes after it (a
+        # batch norm's running statistics): a recomputation would read them written. A test of
+        # the split path sets it.)
+        self.speculate = forward and not static and not _writes_inputs()
 
     def __call__(self, *args: Any) -> list[Any]:
         # jax's 64-bit mode for this call only (the caller's jax config is left as it is): torch's
@@ -196,6 +219,31 @@ class JaxGraph:
     def _call(self, args: tuple) -> list[Any]:
         # Per call only what the arguments change: which outputs are residuals, numbers or tensors
         # was worked out at compile time, and an input's name is spelt on error only.
+        link = getattr(args[0], _LINK, None) if args and isinstance(args[0], torch.Tensor) else None
+        if link is not None:  # a backward: its gradients, if its forward's program computed them
+            gradients, args = link.claim(self, args)
+            if gradients is not None:
+                return self._to_torch(gradients, self.results_hooked)
+        inputs = self._inputs(args)
+        keep = self.stand_ins and not caller_saved_tensors_hooks()
+        if keep and self.fused is not None and self.fused.on:
+            return self._to_torch(self.fused.run(self, args, inputs), self.results)
+        outputs = list(self.function(*inputs))
+        # The residuals' stand-ins first: they read only shapes, so they are made while the program
+        # still runs; the results torch reads (which wait for it) after.
+        for i, dtype in self.stand_ins if keep else ():
+            outputs[i] = _stand_in(outputs[i], dtype)
+        if keep and self.speculate and self.fused is None:  # (tells the backward where it came from: pairs them)
+            setattr(outputs[self.stand_ins[0][0]], _LINK, _Link(self))
+        return self._to_torch(outputs, self.results if keep else self.results_hooked)
+
+    def _to_torch(self, outputs: list[Any], results: tuple) -> list[Any]:
+        copies = self.copies
+        for i, number, dtype in results:
+            outputs[i] = _number(outputs[i]) if number else _to_torch(outputs[i], copies, dtype)
+        return outputs
+
+    def _inputs(self, args: tuple) -> list[Any]:
         if self.placement is None:
             inputs = [_held(a, _to_jax, self.copies, i) for i, a in enumerate(args)]
         else:
@@ -210,16 +258,134 @@ class JaxGraph:
             import jax
 
             inputs = [jax.random.key(int(torch.randint(0, 2**31 - 1, ()))), *inputs]
+        return inputs
+
+
+# A training step hands the backward the loss's cotangent, one. Once a forward's backward has run,
+# each call of the forward computes that backward too, in the same program (``_Fused``), and the
+# backward only reads the gradients (``_Link.claim``). Measured (``benchmarks/jax_target.py``):
+# split, JAX itself takes 1.28x its fused step at batch 64 / dim 128, and torch's autograd asks
+# any backend for the split (the forward returns before the backward is asked for). Exact: the
+# gradients are the backward graph's at the cotangent it is given; given another (or a second
+# backward), the backward's program runs on residuals the forward's program recomputes.
+_LINK = "_hops_jax_link"  # the attribute of a forward's first stand-in naming its ``_Link``
+# A fused forward whose gradients went unclaimed (no backward, or another cotangent) this many
+# times in a row runs split from then on: the backward's work is not done for nothing each step.
+_MISSES = 2
+
+
+class _Link:
+    """What one call of a forward hands its backward: the forward; for a fused call, the
+    gradients (until claimed), and the inputs and their versions (to recompute the residuals)."""
+
+    __slots__ = ("forward", "gradients", "inputs", "args", "versions")
+
+    def __init__(self, forward: JaxGraph, gradients: list[Any] | None = None, inputs=None, args=()) -> None:
+        self.forward, self.gradients, self.inputs, self.args = forward, gradients, inputs, args
+        self.versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+
+    def claim(self, backward: JaxGraph, args: tuple) -> tuple[list[Any] | None, tuple]:
+        """(the gradients, or None: ``backward``'s program runs on the arguments returned). The
+        forward is paired with ``backward`` at its first call."""
+        forward = self.forward
+        if forward.fused is None and forward.speculate:
+            forward.fused = _Fused.of(forward, backward)
+            forward.speculate = forward.fused is not None
+        if self.inputs is None:  # split: the residuals are the stand-ins' arrays
+            return None, args
+        gradients, self.gradients = self.gradients, None
+        if gradients is not None and _is_one(args[-1]):
+            forward.fused.misses = 0
+            forward.fused.hits += 1
+            return gradients, args
+        if gradients is not None:
+            forward.fused.misses += 1
+        if [a._version if isinstance(a, torch.Tensor) else None for a in self.args] != self.versions:
+            raise RuntimeError(
+                "hops_jax: an input of the compiled forward was modified in place before this backward, which "
+                "needs its values as the forward saw them (as autograd refuses a saved tensor modified in place)"
+            )
+        residuals = forward.function(*self.inputs)[forward.stand_ins[0][0] :]
+        return None, (*residuals, *args[len(residuals) :])
+
+    def __del__(self) -> None:
+        # The autograd graph holding this call's stand-ins was freed without its backward.
+        if self.gradients is not None:
+            self.forward.fused.misses += 1
+
+
+def _is_one(tangent: Any) -> bool:
+    return isinstance(tangent, torch.Tensor) and tangent.dim() == 0 and not tangent.requires_grad and tangent.item() == 1
+
+
+class _Fused:
+    """A forward and its backward (at a cotangent of one) as one jitted program, returning the
+    forward's outputs torch sees and the backward's gradients (not the residuals: returning them
+    made the program 1.1x as long at batch 256 / dim 512, each a buffer of its own)."""
+
+    def __init__(self, function: Callable[..., Any], residuals: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
+        self.function, self.residuals = function, residuals
+        self.hits = self.misses = 0  # gradients claimed; unclaimed in a row
+        # The stand-ins of the residuals after the first are shared by every call (they carry
+        # nothing); the first, carrying the call's ``_Link``, is made per call.
+        self.blanks = [_blank(shape, dtype) for shape, dtype in residuals[1:]]
+
+    @property
+    def on(self) -> bool:
+        return self.misses < _MISSES
+
+    def run(self, forward: JaxGraph, args: tuple, inputs: list[Any]) -> list[Any]:
+        """The forward's outputs (residuals as blank stand-ins, the first linking its backward to
+        the gradients)."""
         outputs = list(self.function(*inputs))
-        # The residuals' stand-ins first: they read only shapes, so they are made while the program
-        # still runs; the results torch reads (which wait for it) after.
-        keep = self.stand_ins and not caller_saved_tensors_hooks()
-        for i, dtype in self.stand_ins if keep else ():
-            outputs[i] = _stand_in(outputs[i], dtype)
-        copies = self.copies
-        for i, number, dtype in self.results if keep else self.results_hooked:
-            outputs[i] = _number(outputs[i]) if number else _to_torch(outputs[i], copies, dtype)
+        first = forward.stand_ins[0][0]
+        gradients = outputs[first:]
+        link = _blank(*self.residuals[0])
+        setattr(link, _LINK, _Link(forward, gradients, inputs, args))
+        outputs[first:] = [link, *self.blanks]
         return outputs
+
+    @classmethod
+    def of(cls, forward: JaxGraph, backward: JaxGraph) -> _Fused | None:
+        """The fused program, or None where the pair does not fit it: a backward drawing random
+        numbers, sizes as arguments, other placements, numbers among the residuals, or a
+        backward taking more than one tangent (not a scalar loss's). A forward drawing random
+        numbers takes its key first, as its own program does (recomputed residuals draw the same)."""
+        import jax
+        import jax.numpy as jnp
+
+        from passes.jax.aten import jax_dtype
+
+        placeholders = list(backward.graph.find_nodes(op="placeholder"))
+        first = forward.stand_ins[0][0]
+        tangent = placeholders[-1].meta.get("val") if placeholders else None
+        if (
+            backward.random
+            or backward.static
+            or forward.placement != backward.placement
+            or [i for i, _ in forward.stand_ins] != list(range(first, len(forward.results_hooked)))
+            or len(placeholders) != len(forward.stand_ins) + 1
+            or not placeholders[-1].name.startswith("tangents")
+            or not isinstance(tangent, torch.Tensor)
+            or tangent.dim() != 0
+            or not tangent.is_floating_point()
+        ):
+            return None
+        run_forward = _keyed(forward.lowered) if forward.random else forward.lowered
+        run_backward, dtype = backward.lowered, jax_dtype(tangent.dtype)
+
+        def forward_and_backward(*inputs: Any) -> tuple:
+            outputs = run_forward(*inputs)
+            return (*outputs[:first], *run_backward(*outputs[first:], jnp.ones((), dtype)))
+
+        output = next(iter(forward.graph.find_nodes(op="output"))).args[0]
+        residuals = [(tuple(output[i].meta["val"].shape), dtype_) for i, dtype_ in forward.stand_ins]
+        return cls(jax.jit(forward_and_backward), residuals)
+
+
+def _blank(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` holding one element (zero strides): a residual's stand-in."""
+    return torch.empty_strided(shape, (0,) * len(shape), dtype=dtype)
 
 
 def _draws_random_numbers(gm: fx.GraphModule) -> bool:
