@@ -384,11 +384,13 @@ class TestFusedBackward(TestCase):
         self.assertFalse(torch.equal(masks[1], masks[2]))
         self.assertTrue(torch.equal(masks[0], masks[3]))
 
-    def test_another_cotangent_runs_the_backwards_program_then_splits_after_two(self):
+    def test_another_cotangent_runs_the_backwards_program_and_is_the_next_steps(self):
         x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
         program = lambda x, w: hops.annotate_sharding(torch.tanh(x @ w), ROWS).square().sum()  # noqa: E731
-        forward = self.steps(program, (x, w), count=6, cotangents=[1.0, 1.0, 3.0, -0.5, 1.0, 1.0])
-        self.assertEqual((forward.fused.hits, forward.fused.misses), (1, 2))  # off after the two misses
+        # (a loss accumulated over three steps, then a scale that changes every step)
+        cotangents = [1.0, 1.0, 1 / 3, 1 / 3, 1 / 3, 0.5, 2.0, 2.0, 2.0]
+        forward = self.steps(program, (x, w), count=len(cotangents), cotangents=cotangents)
+        self.assertEqual((forward.fused.hits, forward.fused.misses), (3, 2))  # off after two misses in a row
         self.assertFalse(forward.fused.on)
 
     def test_a_second_backward_of_one_step_recomputes_its_residuals(self):
@@ -419,21 +421,37 @@ class TestFusedBackward(TestCase):
         x = torch.randn(8, 4, requires_grad=True)
         compiled = torch.compile(lambda x: norm(x).square().sum(), backend=hops_jax)
         eager = torch.nn.BatchNorm1d(4)
-        for step, cotangent in enumerate([1.0, 1.0, 2.0]):
+        for cotangent in [1.0, 1.0, 2.0]:
             (grad,) = torch.autograd.grad(compiled(x), x, torch.tensor(cotangent))
             (expected,) = torch.autograd.grad(eager(x).square().sum(), x, torch.tensor(cotangent))
             torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(norm.running_mean, eager.running_mean)
         self.assertIsNone(backend.COMPILED[-2].fused)
 
-    def test_an_input_modified_in_place_before_another_cotangents_backward_is_refused(self):
+    def test_an_input_saved_for_the_backward_and_modified_in_place_is_refused_as_autograd_does(self):
         x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
-        program = lambda x, w: (x @ w).sin().sum()  # noqa: E731
-        self.steps(program, (x, w), count=2)
-        loss = torch.compile(program, backend=hops_jax)(x, w)  # (the same graph: Dynamo's cache)
-        x.add_(1)
-        with self.assertRaisesRegex(RuntimeError, "hops_jax: an input of the compiled forward was modified in place"):
-            torch.autograd.grad(loss, w, torch.tensor(2.0))
+        program = lambda x, w: (x @ w).sin().sum()  # noqa: E731  (saves x, the input, and x @ w)
+        compiled = torch.compile(program, backend=hops_jax)
+        for step, cotangent in enumerate([1.0, 1.0, 2.0]):  # split, fused, recomputed
+            for run in (program, compiled):
+                with self.subTest(step=step, run=run):
+                    loss = run(x, w)
+                    with torch.no_grad():
+                        x.add_(1)
+                    with self.assertRaisesRegex(RuntimeError, "modified by an inplace operation"):
+                        torch.autograd.grad(loss, w, torch.tensor(cotangent))
+        fused = backend.COMPILED[-2].fused
+        self.assertEqual((fused.hits, fused.misses), (1, 1))  # each path taken: fused, recomputed
+
+    def test_an_input_not_saved_may_be_modified_in_place_before_the_backward(self):
+        x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
+        compiled = torch.compile(lambda x, w: (x @ w).sum(), backend=hops_jax)  # saves x only
+        for _ in range(3):
+            loss = compiled(x, w)
+            with torch.no_grad():
+                w.mul_(2)
+            (grad,) = torch.autograd.grad(loss, w)
+            torch.testing.assert_close(grad, x.sum(0, keepdim=True).T.expand(4, 4))
 
 
 BIG = torch.tensor([[2**40 + 3, -5, 7], [1, 2**33, -(2**35)]])  # int64 values past int32's range

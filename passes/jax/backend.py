@@ -14,11 +14,12 @@ made a step 6x the hand-written JAX step; numpy views, ~2x while residuals were 
 tensors after the forward and placed on the mesh again before the backward.)
 
 A forward whose backward has run once then computes that backward too, in one program with it,
-at the cotangent a loss gets (one); its backward reads those gradients (``_Fused``, ``_Link``):
-JAX's fused step, where torch's autograd asks for two calls. Exact: another cotangent, or a
-second backward, runs the backward's own program on residuals recomputed from the forward's
-inputs (an input modified in place by then is refused, as autograd refuses a saved tensor so
-modified), and a forward whose gradients go unclaimed twice in a row runs split from then on.
+at the cotangent its backward was last given (a loss's one; ``1 / k`` for an accumulated loss; a
+gradient scaler's scale); its backward reads those gradients (``_Fused``, ``_Link``): JAX's fused
+step, where torch's autograd asks for two calls. Exact: another cotangent, or a second backward,
+runs the backward's own program on residuals recomputed from the forward's inputs (an input
+modified in place by then is refused, as autograd refuses a saved tensor so modified), and a
+forward whose gradients go unclaimed twice in a row runs split from then on.
 
 Results and gradients have eager's dtypes and values: each call runs under jax's 64-bit mode,
 scoped to it (``hops.lowering.jax_x64``; the caller's jax config is left as it is), so int64,
@@ -150,6 +151,13 @@ def _saved_dtypes(gm: fx.GraphModule) -> dict[int, torch.dtype]:
     return saved
 
 
+def _saved_inputs(gm: fx.GraphModule, saved: dict[int, torch.dtype]) -> tuple[int, ...]:
+    """The positions of a forward's inputs it returns as residuals (saved for the backward as they are)."""
+    positions = {node: i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    results = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    return tuple(sorted({positions[results[i]] for i in saved if results[i] in positions}))
+
+
 def _writes_inputs() -> bool:
     """Whether the graph AOTAutograd compiles writes into (or changes the metadata of) an input."""
     from torch._guards import TracingContext
@@ -207,7 +215,11 @@ class JaxGraph:
         # forward with sizes is never fused; nor one whose inputs AOTAutograd writes after it (a
         # batch norm's running statistics): a recomputation would read them written. A test of
         # the split path sets it.)
-        self.speculate = forward and not static and not _writes_inputs()
+        # Each call of a forward links its backward (``_Link``), which checks the inputs saved for
+        # it were not modified in place (as autograd checks the tensors it saves).
+        self.linked = forward and not static and not _writes_inputs()
+        self.speculate = self.linked
+        self.saved_inputs = _saved_inputs(gm, self.saved) if self.linked else ()
 
     def __call__(self, *args: Any) -> list[Any]:
         # jax's 64-bit mode for this call only (the caller's jax config is left as it is): torch's
@@ -233,8 +245,8 @@ class JaxGraph:
         # still runs; the results torch reads (which wait for it) after.
         for i, dtype in self.stand_ins if keep else ():
             outputs[i] = _stand_in(outputs[i], dtype)
-        if keep and self.speculate and self.fused is None:  # (tells the backward where it came from: pairs them)
-            setattr(outputs[self.stand_ins[0][0]], _LINK, _Link(self))
+        if keep and self.linked:
+            setattr(outputs[self.stand_ins[0][0]], _LINK, _Link(self, args=args))
         return self._to_torch(outputs, self.results if keep else self.results_hooked)
 
     def _to_torch(self, outputs: list[Any], results: tuple) -> list[Any]:
@@ -261,9 +273,11 @@ class JaxGraph:
         return inputs
 
 
-# A training step hands the backward the loss's cotangent, one. Once a forward's backward has run,
-# each call of the forward computes that backward too, in the same program (``_Fused``), and the
-# backward only reads the gradients (``_Link.claim``). Measured (``benchmarks/jax_target.py``):
+# A training step hands the backward the loss's cotangent, each step the same (one; ``1 / k``
+# where k steps accumulate; a gradient scaler's scale, changed every few thousand steps). Once a
+# forward's backward has run, each call of the forward computes that backward too, at the
+# cotangent last given, in the same program (``_Fused``), and the backward only reads the
+# gradients (``_Link.claim``). Measured (``benchmarks/jax_target.py``):
 # split, JAX itself takes 1.28x its fused step at batch 64 / dim 128, and torch's autograd asks
 # any backend for the split (the forward returns before the backward is asked for). Exact: the
 # gradients are the backward graph's at the cotangent it is given; given another (or a second
@@ -275,14 +289,16 @@ _MISSES = 2
 
 
 class _Link:
-    """What one call of a forward hands its backward: the forward; for a fused call, the
-    gradients (until claimed), and the inputs and their versions (to recompute the residuals)."""
+    """What one call of a forward hands its backward: the forward, its arguments and their
+    versions; for a fused call, the gradients (until claimed) and the inputs as the program took
+    them (to recompute the residuals)."""
 
-    __slots__ = ("forward", "gradients", "inputs", "args", "versions")
+    __slots__ = ("forward", "gradients", "inputs", "args", "versions", "cotangent")
 
-    def __init__(self, forward: JaxGraph, gradients: list[Any] | None = None, inputs=None, args=()) -> None:
+    def __init__(self, forward: JaxGraph, gradients: list[Any] | None = None, inputs: list[Any] | None = None, args: tuple = ()) -> None:
         self.forward, self.gradients, self.inputs, self.args = forward, gradients, inputs, args
         self.versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+        self.cotangent = forward.fused.cotangent if gradients is not None else None  # (the gradients')
 
     def claim(self, backward: JaxGraph, args: tuple) -> tuple[list[Any] | None, tuple]:
         """(the gradients, or None: ``backward``'s program runs on the arguments returned). The
@@ -291,22 +307,33 @@ class _Link:
         if forward.fused is None and forward.speculate:
             forward.fused = _Fused.of(forward, backward)
             forward.speculate = forward.fused is not None
-        if self.inputs is None:  # split: the residuals are the stand-ins' arrays
-            return None, args
         gradients, self.gradients = self.gradients, None
-        if gradients is not None and _is_one(args[-1]):
-            forward.fused.misses = 0
-            forward.fused.hits += 1
-            return gradients, args
         if gradients is not None:
-            forward.fused.misses += 1
-        if [a._version if isinstance(a, torch.Tensor) else None for a in self.args] != self.versions:
-            raise RuntimeError(
-                "hops_jax: an input of the compiled forward was modified in place before this backward, which "
-                "needs its values as the forward saw them (as autograd refuses a saved tensor modified in place)"
-            )
+            fused, cotangent = forward.fused, _scalar(args[-1])
+            if cotangent == self.cotangent:
+                fused.misses, fused.hits = 0, fused.hits + 1
+                self.unchanged(forward.saved_inputs)
+                return gradients, args
+            fused.misses += 1
+            fused.expect(cotangent)
+        if self.inputs is None:  # split: the residuals are the stand-ins' arrays
+            self.unchanged(forward.saved_inputs)
+            return None, args
+        self.unchanged(range(len(self.args)))  # (the residuals are recomputed from every input)
         residuals = forward.function(*self.inputs)[forward.stand_ins[0][0] :]
         return None, (*residuals, *args[len(residuals) :])
+
+    def unchanged(self, positions: Any) -> None:
+        """``RuntimeError`` (autograd's words) if an argument at ``positions`` was modified in
+        place since the forward: the backward would read it as the forward did not see it."""
+        for i in positions:
+            value, version = self.args[i], self.versions[i]
+            if isinstance(value, torch.Tensor) and value._version != version:
+                raise RuntimeError(
+                    f"hops_jax: input {i} of the compiled forward, needed for gradient computation, has been modified "
+                    f"by an inplace operation: [{value.dtype} {list(value.shape)}] is at version {value._version}; "
+                    f"expected version {version} instead"
+                )
 
     def __del__(self) -> None:
         # The autograd graph holding this call's stand-ins was freed without its backward.
@@ -314,18 +341,23 @@ class _Link:
             self.forward.fused.misses += 1
 
 
-def _is_one(tangent: Any) -> bool:
-    return isinstance(tangent, torch.Tensor) and tangent.dim() == 0 and not tangent.requires_grad and tangent.item() == 1
+def _scalar(tangent: Any) -> float | None:
+    """The value of a cotangent the fused program can take (a 0-d tensor), else None."""
+    if isinstance(tangent, torch.Tensor) and tangent.dim() == 0 and not tangent.requires_grad:
+        return tangent.item()
+    return None
 
 
 class _Fused:
-    """A forward and its backward (at a cotangent of one) as one jitted program, returning the
-    forward's outputs torch sees and the backward's gradients (not the residuals: returning them
-    made the program 1.1x as long at batch 256 / dim 512, each a buffer of its own)."""
+    """A forward and its backward as one jitted program of the forward's inputs and the
+    cotangent, returning the forward's outputs torch sees and the backward's gradients (not the
+    residuals: returning them made the program 1.1x as long at batch 256 / dim 512, each a buffer
+    of its own). Called at the cotangent the backward was last given (one at first)."""
 
-    def __init__(self, function: Callable[..., Any], residuals: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
-        self.function, self.residuals = function, residuals
+    def __init__(self, function: Callable[..., Any], residuals: list[tuple[tuple[int, ...], torch.dtype]], dtype: Any) -> None:
+        self.function, self.residuals, self.dtype = function, residuals, dtype
         self.hits = self.misses = 0  # gradients claimed; unclaimed in a row
+        self.expect(1.0)
         # The stand-ins of the residuals after the first are shared by every call (they carry
         # nothing); the first, carrying the call's ``_Link``, is made per call.
         self.blanks = [_blank(shape, dtype) for shape, dtype in residuals[1:]]
@@ -334,10 +366,17 @@ class _Fused:
     def on(self) -> bool:
         return self.misses < _MISSES
 
+    def expect(self, cotangent: float | None) -> None:
+        """The cotangent the next calls compute the gradients at (None, a cotangent it cannot take: kept)."""
+        if cotangent is not None and cotangent == cotangent:  # (not NaN: it equals nothing)
+            import numpy as np
+
+            self.cotangent, self.cotangent_array = cotangent, np.asarray(cotangent, dtype=self.dtype)
+
     def run(self, forward: JaxGraph, args: tuple, inputs: list[Any]) -> list[Any]:
         """The forward's outputs (residuals as blank stand-ins, the first linking its backward to
         the gradients)."""
-        outputs = list(self.function(*inputs))
+        outputs = list(self.function(*inputs, self.cotangent_array))
         first = forward.stand_ins[0][0]
         gradients = outputs[first:]
         link = _blank(*self.residuals[0])
@@ -352,7 +391,6 @@ class _Fused:
         backward taking more than one tangent (not a scalar loss's). A forward drawing random
         numbers takes its key first, as its own program does (recomputed residuals draw the same)."""
         import jax
-        import jax.numpy as jnp
 
         from passes.jax.aten import jax_dtype
 
@@ -375,12 +413,12 @@ class _Fused:
         run_backward, dtype = backward.lowered, jax_dtype(tangent.dtype)
 
         def forward_and_backward(*inputs: Any) -> tuple:
-            outputs = run_forward(*inputs)
-            return (*outputs[:first], *run_backward(*outputs[first:], jnp.ones((), dtype)))
+            outputs = run_forward(*inputs[:-1])
+            return (*outputs[:first], *run_backward(*outputs[first:], inputs[-1]))
 
         output = next(iter(forward.graph.find_nodes(op="output"))).args[0]
         residuals = [(tuple(output[i].meta["val"].shape), dtype_) for i, dtype_ in forward.stand_ins]
-        return cls(jax.jit(forward_and_backward), residuals)
+        return cls(jax.jit(forward_and_backward), residuals, dtype)
 
 
 def _blank(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
