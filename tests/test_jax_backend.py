@@ -393,6 +393,20 @@ class TestFusedBackward(TestCase):
         self.assertEqual((forward.fused.hits, forward.fused.misses), (3, 2))  # off after two misses in a row
         self.assertFalse(forward.fused.on)
 
+    def test_a_loss_returned_beside_other_outputs_fuses_where_only_the_loss_is_differentiated(self):
+        x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
+        program = lambda x, w: ((x @ w).sin().sum(), {"logits": x @ w, "scaled": 2 * w})  # noqa: E731  (as HF's outputs)
+        compiled = torch.compile(program, backend=hops_jax)
+        for uses_logits in (False, False, False, True, False):
+            loss, outputs = compiled(x, w)
+            expected_loss, expected_outputs = program(x, w)
+            total = loss + outputs["logits"].square().sum() if uses_logits else loss
+            expected_total = expected_loss + expected_outputs["logits"].square().sum() if uses_logits else expected_loss
+            torch.testing.assert_close(torch.autograd.grad(total, w), torch.autograd.grad(expected_total, w))
+            torch.testing.assert_close(outputs, expected_outputs)
+        fused = backend.COMPILED[-2].fused
+        self.assertEqual((fused.hits, fused.misses, fused.count), (3, 0, 3))  # the miss (logits used) reset by a hit
+
     def test_a_second_backward_of_one_step_recomputes_its_residuals(self):
         x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
         compiled = torch.compile(lambda x, w: torch.tanh(x @ w).square().sum(), backend=hops_jax)

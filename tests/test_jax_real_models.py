@@ -86,3 +86,30 @@ def test_scanned_layers_compile_with_the_hops_jax_backend(name):
         loss.backward()
         assert_same(loss.detach(), scanned.grads_by_plain_name(), expected_loss, expected_grads, rtol=1e-4, atol=1e-5)
     assert [graph.fused.hits for graph in backend.COMPILED if graph.fused is not None][-1:] == [1]
+
+
+@pytest.mark.parametrize("name", some("hf_llama_sdpa"))
+def test_an_hf_model_compiled_as_users_do_runs_its_backward_fused_from_the_second_step(name):
+    """``torch.compile(model, backend="hops_jax")`` and ``model(ids, labels=ids).loss.backward()``:
+    the graph returns the loss and the logits; the logits' cotangent is autograd's zeros, so the
+    forward's program computes the backward from the second step (``backend._Fused``)."""
+    import copy
+
+    from passes.jax import backend
+
+    real = build(name)
+    (ids, _), _ = reference(real)
+    model, eager = real.model, copy.deepcopy(real.model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="hops_jax")
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+        loss = compiled(ids, labels=ids).loss
+        loss.backward()
+        expected = eager(ids, labels=ids).loss
+        expected.backward()
+        torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-5)
+        for (parameter, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=parameter)
+    assert [(graph.fused.hits, graph.fused.count) for graph in backend.COMPILED if graph.fused is not None][-1:] == [(2, 2)]

@@ -15,8 +15,10 @@ tensors after the forward and placed on the mesh again before the backward.)
 
 A forward whose backward has run once then computes that backward too, in one program with it,
 at the cotangent its backward was last given (a loss's one; ``1 / k`` for an accumulated loss; a
-gradient scaler's scale); its backward reads those gradients (``_Fused``, ``_Link``): JAX's fused
-step, where torch's autograd asks for two calls. Exact: another cotangent, or a second backward,
+gradient scaler's scale), other outputs' zeros (HF's logits beside its loss); its backward reads
+those gradients (``_Fused``, ``_Link``): JAX's fused step, where torch's autograd asks for two
+calls. An input saved for the backward and modified in place since the forward is refused, as
+autograd refuses it. Exact: another cotangent, or a second backward,
 runs the backward's own program on residuals recomputed from the forward's inputs (an input
 modified in place by then is refused, as autograd refuses a saved tensor so modified), and a
 forward whose gradients go unclaimed twice in a row runs split from then on.
@@ -309,8 +311,10 @@ class _Link:
             forward.speculate = forward.fused is not None
         gradients, self.gradients = self.gradients, None
         if gradients is not None:
-            fused, cotangent = forward.fused, _scalar(args[-1])
-            if cotangent == self.cotangent:
+            fused = forward.fused
+            tangents = args[len(args) - fused.count :]
+            cotangent = _scalar(tangents[fused.loss])
+            if cotangent == self.cotangent and fused.zeros_beside_the_loss(tangents):
                 fused.misses, fused.hits = 0, fused.hits + 1
                 self.unchanged(forward.saved_inputs)
                 return gradients, args
@@ -349,13 +353,18 @@ def _scalar(tangent: Any) -> float | None:
 
 
 class _Fused:
-    """A forward and its backward as one jitted program of the forward's inputs and the
+    """A forward and its backward as one jitted program of the forward's inputs and the loss's
     cotangent, returning the forward's outputs torch sees and the backward's gradients (not the
     residuals: returning them made the program 1.1x as long at batch 256 / dim 512, each a buffer
-    of its own). Called at the cotangent the backward was last given (one at first)."""
+    of its own). Called at the cotangent the backward was last given (one at first); the other
+    outputs' cotangents zeros (autograd's for outputs the loss does not use: HF's logits beside
+    its loss)."""
 
-    def __init__(self, function: Callable[..., Any], residuals: list[tuple[tuple[int, ...], torch.dtype]], dtype: Any) -> None:
+    def __init__(
+        self, function: Callable[..., Any], residuals: list[tuple[tuple[int, ...], torch.dtype]], dtype: Any, loss: int, count: int
+    ) -> None:
         self.function, self.residuals, self.dtype = function, residuals, dtype
+        self.loss, self.count = loss, count  # the loss's position among the backward's tangents; their number
         self.hits = self.misses = 0  # gradients claimed; unclaimed in a row
         self.expect(1.0)
         # The stand-ins of the residuals after the first are shared by every call (they carry
@@ -373,6 +382,10 @@ class _Fused:
 
             self.cotangent, self.cotangent_array = cotangent, np.asarray(cotangent, dtype=self.dtype)
 
+    def zeros_beside_the_loss(self, tangents: tuple) -> bool:
+        """Whether each of ``tangents`` but the loss's is zeros, as the program computed them."""
+        return not any(k != self.loss and isinstance(t, torch.Tensor) and bool(t.any()) for k, t in enumerate(tangents))
+
     def run(self, forward: JaxGraph, args: tuple, inputs: list[Any]) -> list[Any]:
         """The forward's outputs (residuals as blank stand-ins, the first linking its backward to
         the gradients)."""
@@ -387,38 +400,42 @@ class _Fused:
     @classmethod
     def of(cls, forward: JaxGraph, backward: JaxGraph) -> _Fused | None:
         """The fused program, or None where the pair does not fit it: a backward drawing random
-        numbers, sizes as arguments, other placements, numbers among the residuals, or a
-        backward taking more than one tangent (not a scalar loss's). A forward drawing random
+        numbers, sizes as arguments, other placements, numbers among the residuals, or tangents
+        other than one scalar's (the loss's) and floating tensors'. A forward drawing random
         numbers takes its key first, as its own program does (recomputed residuals draw the same)."""
         import jax
+        import jax.numpy as jnp
 
         from passes.jax.aten import jax_dtype
 
         placeholders = list(backward.graph.find_nodes(op="placeholder"))
         first = forward.stand_ins[0][0]
-        tangent = placeholders[-1].meta.get("val") if placeholders else None
+        tangents = [node.meta.get("val") for node in placeholders[len(forward.stand_ins) :]]
+        scalars = [k for k, t in enumerate(tangents) if isinstance(t, torch.Tensor) and t.dim() == 0]
         if (
             backward.random
             or backward.static
             or forward.placement != backward.placement
             or [i for i, _ in forward.stand_ins] != list(range(first, len(forward.results_hooked)))
-            or len(placeholders) != len(forward.stand_ins) + 1
-            or not placeholders[-1].name.startswith("tangents")
-            or not isinstance(tangent, torch.Tensor)
-            or tangent.dim() != 0
-            or not tangent.is_floating_point()
+            or not all(node.name.startswith("tangents") for node in placeholders[len(forward.stand_ins) :])
+            or not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tangents)
+            or len(scalars) != 1
         ):
             return None
         run_forward = _keyed(forward.lowered) if forward.random else forward.lowered
-        run_backward, dtype = backward.lowered, jax_dtype(tangent.dtype)
+        loss, run_backward = scalars[0], backward.lowered
+        zeros = [(k, tuple(t.shape), jax_dtype(t.dtype)) for k, t in enumerate(tangents) if k != loss]
 
         def forward_and_backward(*inputs: Any) -> tuple:
             outputs = run_forward(*inputs[:-1])
-            return (*outputs[:first], *run_backward(*outputs[first:], inputs[-1]))
+            given = [inputs[-1]] * len(tangents)
+            for k, shape, dtype in zeros:
+                given[k] = jnp.zeros(shape, dtype)
+            return (*outputs[:first], *run_backward(*outputs[first:], *given))
 
         output = next(iter(forward.graph.find_nodes(op="output"))).args[0]
         residuals = [(tuple(output[i].meta["val"].shape), dtype_) for i, dtype_ in forward.stand_ins]
-        return cls(jax.jit(forward_and_backward), residuals, dtype)
+        return cls(jax.jit(forward_and_backward), residuals, jax_dtype(tangents[loss].dtype), loss, len(tangents))
 
 
 def _blank(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
