@@ -211,14 +211,13 @@ class JaxGraph:
         self.results_hooked = tuple((i, i in self.numbers, dtypes[i]) for i in range(len(results)))
         self.results = tuple(result for result in self.results_hooked if result[0] not in self.saved)
         self.lowered, self.static, self.graph = lowered, static, gm.graph
-        # A forward's backward run in the same program (``_Fused``): set at its backward's first call.
+        # Each call of a forward links its backward (``_Link``): the backward checks the inputs saved
+        # for it were not modified in place (as autograd checks the tensors it saves), and from its
+        # first call the two may run as one program (``fused``, set then; ``speculate``: whether
+        # they still may, cleared by a test of the split path). Not where the backward takes sizes
+        # (it reads them before the residuals), nor where AOTAutograd writes an input after the
+        # forward (a batch norm's running statistics: a recomputation would read them written).
         self.fused: _Fused | None = None
-        # (False: never fused. A backward taking sizes reads them first, before the residuals: a
-        # forward with sizes is never fused; nor one whose inputs AOTAutograd writes after it (a
-        # batch norm's running statistics): a recomputation would read them written. A test of
-        # the split path sets it.)
-        # Each call of a forward links its backward (``_Link``), which checks the inputs saved for
-        # it were not modified in place (as autograd checks the tensors it saves).
         self.linked = forward and not static and not _writes_inputs()
         self.speculate = self.linked
         self.saved_inputs = _saved_inputs(gm, self.saved) if self.linked else ()
