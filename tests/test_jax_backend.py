@@ -387,11 +387,12 @@ class TestFusedBackward(TestCase):
     def test_another_cotangent_runs_the_backwards_program_and_is_the_next_steps(self):
         x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
         program = lambda x, w: hops.annotate_sharding(torch.tanh(x @ w), ROWS).square().sum()  # noqa: E731
-        # (a loss accumulated over three steps, then a scale that changes every step)
-        cotangents = [1.0, 1.0, 1 / 3, 1 / 3, 1 / 3, 0.5, 2.0, 2.0, 2.0]
+        # (a loss accumulated over three steps, then a scale that changes twice, then stays)
+        cotangents = [1.0, 1.0, 1 / 3, 1 / 3, 1 / 3, 0.5, 2.0, 2.0, 2.0, 2.0]
         forward = self.steps(program, (x, w), count=len(cotangents), cotangents=cotangents)
-        self.assertEqual((forward.fused.hits, forward.fused.misses), (3, 2))  # off after two misses in a row
-        self.assertFalse(forward.fused.on)
+        # steps 1, 3, 4 and 9 fused; off after the two misses in a row (5, 6), on again after two
+        # split steps (7, 8) given the cotangent it would have used
+        self.assertEqual((forward.fused.hits, forward.fused.misses), (4, 0))
 
     def test_a_loss_returned_beside_other_outputs_fuses_where_only_the_loss_is_differentiated(self):
         x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
@@ -421,14 +422,17 @@ class TestFusedBackward(TestCase):
                 torch.testing.assert_close([*first, *second], [*expected, *expected])
         self.assertEqual(backend.COMPILED[-2].fused.hits, 1)
 
-    def test_forwards_without_backward_stop_fusing(self):
+    def test_forwards_without_backward_stop_fusing_until_training_resumes(self):
         x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
         program = lambda x, w: (x @ w).sin().sum()  # noqa: E731
         forward = self.steps(program, (x, w), count=2)
-        for _ in range(3):
+        for _ in range(3):  # (evaluating with gradients enabled)
             torch.compile(program, backend=hops_jax)(x, w)  # (the same graph: Dynamo's cache) no backward
         self.assertFalse(forward.fused.on)
-        self.steps(program, (x, w), count=2)  # split again, still eager's gradients
+        self.steps(program, (x, w), count=2)  # split, eager's gradients: the program would have served both
+        self.assertTrue(forward.fused.on)
+        self.steps(program, (x, w), count=2)
+        self.assertEqual((forward.fused.hits, forward.fused.misses), (3, 0))
 
     def test_a_batch_norm_writing_its_running_statistics_runs_split(self):
         norm = torch.nn.BatchNorm1d(4)

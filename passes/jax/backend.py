@@ -21,7 +21,8 @@ calls. An input saved for the backward and modified in place since the forward i
 autograd refuses it. Exact: another cotangent, or a second backward,
 runs the backward's own program on residuals recomputed from the forward's inputs (an input
 modified in place by then is refused, as autograd refuses a saved tensor so modified), and a
-forward whose gradients go unclaimed twice in a row runs split from then on.
+forward whose gradients go unclaimed twice in a row runs split until two backwards in a row
+would have claimed them.
 
 Results and gradients have eager's dtypes and values: each call runs under jax's 64-bit mode,
 scoped to it (``hops.lowering.jax_x64``; the caller's jax config is left as it is), so int64,
@@ -285,7 +286,8 @@ class JaxGraph:
 # backward), the backward's program runs on residuals the forward's program recomputes.
 _LINK = "_hops_jax_link"  # the attribute of a forward's first stand-in naming its ``_Link``
 # A fused forward whose gradients went unclaimed (no backward, or another cotangent) this many
-# times in a row runs split from then on: the backward's work is not done for nothing each step.
+# times in a row runs split (the backward's work is not done for nothing each call) until as many
+# split backwards in a row were given the cotangents the program would have used.
 _MISSES = 2
 
 
@@ -309,8 +311,8 @@ class _Link:
             forward.fused = _Fused.of(forward, backward)
             forward.speculate = forward.fused is not None
         gradients, self.gradients = self.gradients, None
+        fused = forward.fused
         if gradients is not None:
-            fused = forward.fused
             tangents = args[len(args) - fused.count :]
             cotangent = _scalar(tangents[fused.loss])
             if cotangent == self.cotangent and fused.zeros_beside_the_loss(tangents):
@@ -319,6 +321,8 @@ class _Link:
                 return gradients, args
             fused.misses += 1
             fused.expect(cotangent)
+        elif fused is not None and not fused.on:
+            fused.would_have(args[len(args) - fused.count :])
         if self.inputs is None:  # split: the residuals are the stand-ins' arrays
             self.unchanged(forward.saved_inputs)
             return None, args
@@ -365,6 +369,7 @@ class _Fused:
         self.function, self.residuals, self.dtype = function, residuals, dtype
         self.loss, self.count = loss, count  # the loss's position among the backward's tangents; their number
         self.hits = self.misses = 0  # gradients claimed; unclaimed in a row
+        self.would = 0  # split backwards in a row the program would have served, while off
         self.expect(1.0)
         # The stand-ins of the residuals after the first are shared by every call (they carry
         # nothing); the first, carrying the call's ``_Link``, is made per call.
@@ -373,6 +378,19 @@ class _Fused:
     @property
     def on(self) -> bool:
         return self.misses < _MISSES
+
+    def would_have(self, tangents: tuple) -> None:
+        """A split backward given ``tangents`` while fusing is off: fusing is on again after
+        ``_MISSES`` in a row the program would have computed (a training loop back from
+        evaluating with gradients enabled)."""
+        cotangent = _scalar(tangents[self.loss])
+        if cotangent == self.cotangent and self.zeros_beside_the_loss(tangents):
+            self.would += 1
+            if self.would >= _MISSES:
+                self.misses = self.would = 0
+        else:
+            self.would = 0
+            self.expect(cotangent)
 
     def expect(self, cotangent: float | None) -> None:
         """The cotangent the next calls compute the gradients at (None, a cotangent it cannot take: kept)."""
