@@ -339,8 +339,9 @@ def with_loss(program):
 
 
 class TestFusedBackward(TestCase):
-    """A forward whose backward has run once computes the backward in the same program at a
-    cotangent of one (the loss's, in a training step); its backward reads those gradients."""
+    """A forward whose backward has run once computes the backward in the same program, at the
+    cotangent its backward was last given (one at first: a loss's); the backward reads those
+    gradients where its cotangents are those, else runs its own program."""
 
     def setUp(self):
         torch._dynamo.reset()
