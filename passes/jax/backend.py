@@ -136,11 +136,7 @@ def _saved_dtypes(gm: fx.GraphModule) -> dict[int, torch.dtype]:
     """The positions (and dtypes) of a forward graph's outputs AOTAutograd saves for the backward
     only (after its ``num_forward_returns`` user-visible ones); {} outside an AOTAutograd compile
     or for an inference graph."""
-    from torch._guards import TracingContext
-
-    context = TracingContext.try_get()
-    metadata = getattr(context, "fw_metadata", None) if context is not None else None
-    returns = getattr(metadata, "num_forward_returns", None)
+    returns = getattr(_aot_metadata(), "num_forward_returns", None)
     output = next(iter(gm.graph.find_nodes(op="output")))
     results = output.args[0]
     if returns is None or not isinstance(results, (tuple, list)):
@@ -163,11 +159,15 @@ def _saved_inputs(gm: fx.GraphModule, saved: dict[int, torch.dtype]) -> tuple[in
 
 def _writes_inputs() -> bool:
     """Whether the graph AOTAutograd compiles writes into (or changes the metadata of) an input."""
+    return bool(getattr(_aot_metadata(), "mutated_inp_runtime_indices", None))
+
+
+def _aot_metadata() -> Any:
+    """AOTAutograd's metadata of the graph it is compiling (None outside such a compile)."""
     from torch._guards import TracingContext
 
     context = TracingContext.try_get()
-    metadata = getattr(context, "fw_metadata", None) if context is not None else None
-    return bool(getattr(metadata, "mutated_inp_runtime_indices", None))
+    return getattr(context, "fw_metadata", None) if context is not None else None
 
 
 class JaxGraph:
