@@ -24,9 +24,10 @@ program, both lowered with ``lower_to_jax`` (4 virtual CPU devices).
 
    From its second step, hops_jax runs the backward in the forward's program (``_Fused`` in
    ``passes/jax/backend.py``; before, split: 5.93 and 73.6 ms). At 256 / 512 the target is met
-   (1.03-1.04x). At 64 / 128 it is not (1.38-1.39x; 1.28-1.29x against the fused program with the
-   gradients gathered to host): the program itself takes what JAX's does, and the rest is
-   per-call work, ours (the tensors' views, the gradients to torch: 0.5-0.6 ms) and torch's
+   (1.03-1.04x in the runs above; 1.01-1.08x in two later runs with the in-place checks, the
+   machine less quiet). At 64 / 128 it is not (1.30-1.39x; 1.17-1.29x against the fused program
+   with the gradients gathered to host): the program itself takes what JAX's does, and the rest
+   is per-call work, ours (the tensors' views, the gradients to torch: 0.5-0.6 ms) and torch's
    (Dynamo's guards, AOTAutograd's wrapper, the autograd engine: 0.3-0.5 ms).
 2. Compile: ``make_fx`` of the loss and gradients of N blocks (``hops.scan`` over stacked weights,
    or a Python loop), ``lower_to_jax``, ``jax.jit(...).lower(...).compile()``, N = 4 and 64.
