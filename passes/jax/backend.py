@@ -17,12 +17,11 @@ A forward whose backward has run once then computes that backward too, in one pr
 at the cotangent its backward was last given (a loss's one; ``1 / k`` for an accumulated loss; a
 gradient scaler's scale), other outputs' zeros (HF's logits beside its loss); its backward reads
 those gradients (``_Fused``, ``_Link``): JAX's fused step, where torch's autograd asks for two
-calls. An input saved for the backward and modified in place since the forward is refused, as
-autograd refuses it. Exact: another cotangent, or a second backward,
-runs the backward's own program on residuals recomputed from the forward's inputs (an input
-modified in place by then is refused, as autograd refuses a saved tensor so modified), and a
-forward whose gradients go unclaimed twice in a row runs split until two backwards in a row
-would have claimed them.
+calls. Exact: another cotangent, or a second backward, runs the backward's own program on
+residuals recomputed from the forward's inputs; and a forward whose gradients go unclaimed twice
+in a row runs split until two backwards in a row would have claimed them. On every path an input
+saved for the backward (every input, where it recomputes) and modified in place since the
+forward is refused, as autograd refuses a saved tensor so modified.
 
 Results and gradients have eager's dtypes and values: each call runs under jax's 64-bit mode,
 scoped to it (``hops.lowering.jax_x64``; the caller's jax config is left as it is), so int64,
@@ -137,8 +136,7 @@ def _saved_dtypes(gm: fx.GraphModule) -> dict[int, torch.dtype]:
     only (after its ``num_forward_returns`` user-visible ones); {} outside an AOTAutograd compile
     or for an inference graph."""
     returns = getattr(_aot_metadata(), "num_forward_returns", None)
-    output = next(iter(gm.graph.find_nodes(op="output")))
-    results = output.args[0]
+    results = _results(gm.graph)
     if returns is None or not isinstance(results, (tuple, list)):
         return {}
     saved = {}
@@ -153,8 +151,13 @@ def _saved_dtypes(gm: fx.GraphModule) -> dict[int, torch.dtype]:
 def _saved_inputs(gm: fx.GraphModule, saved: dict[int, torch.dtype]) -> tuple[int, ...]:
     """The positions of a forward's inputs it returns as residuals (saved for the backward as they are)."""
     positions = {node: i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
-    results = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    results = _results(gm.graph)
     return tuple(sorted({positions[results[i]] for i in saved if results[i] in positions}))
+
+
+def _results(graph: fx.Graph) -> Any:
+    """What ``graph`` returns (its output node's argument)."""
+    return next(iter(graph.find_nodes(op="output"))).args[0]
 
 
 def _writes_inputs() -> bool:
@@ -197,7 +200,7 @@ class JaxGraph:
             self.function = jax.jit(_keyed(lowered), static_argnums=tuple(i + 1 for i in static))
         else:
             self.function = jax.jit(lowered, static_argnums=static)
-        results = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+        results = _results(gm.graph)
         results = results if isinstance(results, (tuple, list)) else [results]
         self.numbers = {i for i, node in enumerate(results) if isinstance(node, fx.Node) and _is_number(node.meta.get("val"))}
         # Each tensor result's dtype as traced (AOTAutograd's example values): what torch gets back.
@@ -313,16 +316,15 @@ class _Link:
         gradients, self.gradients = self.gradients, None
         fused = forward.fused
         if gradients is not None:
-            tangents = args[len(args) - fused.count :]
-            cotangent = _scalar(tangents[fused.loss])
-            if cotangent == self.cotangent and fused.zeros_beside_the_loss(tangents):
+            served, cotangent = fused.serves(args, self.cotangent)
+            if served:
                 fused.misses, fused.hits = 0, fused.hits + 1
                 self.unchanged(forward.saved_inputs)
                 return gradients, args
             fused.misses += 1
             fused.expect(cotangent)
         elif fused is not None and not fused.on:
-            fused.would_have(args[len(args) - fused.count :])
+            fused.would_have(args)
         if self.inputs is None:  # split: the residuals are the stand-ins' arrays
             self.unchanged(forward.saved_inputs)
             return None, args
@@ -379,12 +381,12 @@ class _Fused:
     def on(self) -> bool:
         return self.misses < _MISSES
 
-    def would_have(self, tangents: tuple) -> None:
-        """A split backward given ``tangents`` while fusing is off: fusing is on again after
-        ``_MISSES`` in a row the program would have computed (a training loop back from
+    def would_have(self, args: tuple) -> None:
+        """A split backward called with ``args`` while fusing is off: fusing is on again after
+        ``_MISSES`` in a row the program would have served (a training loop back from
         evaluating with gradients enabled)."""
-        cotangent = _scalar(tangents[self.loss])
-        if cotangent == self.cotangent and self.zeros_beside_the_loss(tangents):
+        served, cotangent = self.serves(args, self.cotangent)
+        if served:
             self.would += 1
             if self.would >= _MISSES:
                 self.misses = self.would = 0
@@ -399,9 +401,15 @@ class _Fused:
 
             self.cotangent, self.cotangent_array = cotangent, np.asarray(cotangent, dtype=self.dtype)
 
-    def zeros_beside_the_loss(self, tangents: tuple) -> bool:
-        """Whether each of ``tangents`` but the loss's is zeros, as the program computed them."""
-        return not any(k != self.loss and isinstance(t, torch.Tensor) and bool(t.any()) for k, t in enumerate(tangents))
+    def serves(self, args: tuple, cotangent: float | None) -> tuple[bool, float | None]:
+        """Whether gradients the program computed at ``cotangent`` are those of a backward called
+        with ``args`` (its tangents last: the loss's that cotangent, each other's zeros); and the
+        loss's cotangent it was given."""
+        tangents = args[len(args) - self.count :]
+        given = _scalar(tangents[self.loss])
+        if given != cotangent:
+            return False, given
+        return not any(k != self.loss and isinstance(t, torch.Tensor) and bool(t.any()) for k, t in enumerate(tangents)), given
 
     def run(self, forward: JaxGraph, args: tuple, inputs: list[Any]) -> list[Any]:
         """The forward's outputs (residuals as blank stand-ins, the first linking its backward to
@@ -450,7 +458,7 @@ class _Fused:
                 given[k] = jnp.zeros(shape, dtype)
             return (*outputs[:first], *run_backward(*outputs[first:], *given))
 
-        output = next(iter(forward.graph.find_nodes(op="output"))).args[0]
+        output = _results(forward.graph)
         residuals = [(tuple(output[i].meta["val"].shape), dtype_) for i, dtype_ in forward.stand_ins]
         return cls(jax.jit(forward_and_backward), residuals, jax_dtype(tangents[loss].dtype), loss, len(tangents))
 
