@@ -327,6 +327,76 @@ class TestHopsJax(TestCase):
         torch.testing.assert_close(torch.compile(lambda v: hops.annotate_sharding(v * 3, ROWS).cos(), backend="aot_eager")(x), (x * 3).cos())
 
 
+# Programs taking an index tensor ``i`` of 3 elements into ``x`` (5 x 4), with the size of the
+# dim it indexes: ``TestIndexChecks`` runs each on generated indices, in range and out of it.
+INDEXING = {
+    "embedding": (lambda x, i: F.embedding(i, x), 5),
+    "index_select, dim 1": (lambda x, i: x.index_select(1, i), 4),
+    "gather": (lambda x, i: x.gather(1, i.view(1, 3).expand(5, 3)), 4),
+    "x[i]": (lambda x, i: x[i], 5),
+    "x[:, i]": (lambda x, i: x[:, i] * 2, 4),
+    "index_put": (lambda x, i: x.index_put((i,), torch.ones(3, 4)), 5),
+    "index_put, accumulating": (lambda x, i: torch.ops.aten.index_put(x, [None, i], torch.ones(5, 3), True), 4),
+    "scatter": (lambda x, i: x.scatter(0, i.view(3, 1).expand(3, 4), 1.0), 5),
+    "scatter_add": (lambda x, i: x.scatter_add(0, i.view(3, 1).expand(3, 4), torch.ones(3, 4)), 5),
+    "scatter_reduce": (lambda x, i: x.scatter_reduce(1, i.view(1, 3).expand(5, 3), -x[:, :3], "amax"), 4),
+    "index_add": (lambda x, i: x.index_add(0, i, torch.ones(3, 4), alpha=2), 5),
+    "index_copy": (lambda x, i: x.index_copy(1, i, -x[:, :3]), 4),
+    "take": (lambda x, i: x.take(i * 4), 5),
+    "max_unpool2d": (lambda x, i: F.max_unpool2d(x[:1, :3].reshape(1, 1, 1, 3), i.view(1, 1, 1, 3), 2, output_size=(2, 6)), 12),
+    "embedding in a scan": (lambda x, i: hops.scan(lambda c, j: (c + F.embedding(j, x).sum(0), None), torch.zeros(4), i.view(3, 1))[0], 5),
+}
+
+
+class TestIndexChecks(TestCase):
+    """An index out of range: torch raises, a jax program would clamp or drop it. Each program
+    runs on generated indices against eager: where eager raises, the compiled program raises
+    ``IndexOutOfRange`` (an ``IndexError`` and a ``RuntimeError``, torch's two); elsewhere values
+    and gradients are eager's."""
+
+    def indices(self, size, generator):
+        # unique picks in range (repeats make index_copy / max_unpool nondeterministic in eager),
+        # negative ones among them, then one past each end of torch's ranges
+        picks = torch.randperm(size, generator=generator)[:3]
+        yield picks
+        yield picks - size * (picks % 2)
+        for bad in (size, -size - 1, -1):
+            position = int(torch.randint(0, 3, (), generator=generator))
+            yield picks.index_put((torch.tensor(position),), torch.tensor(bad))
+
+    def test_indices_out_of_range_raise_as_eager_does_in_range_give_eagers_values(self):
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(5, 4, generator=generator)
+        for name, (program, size) in INDEXING.items():
+            torch._dynamo.reset()
+            compiled = torch.compile(program, backend=hops_jax, fullgraph=True)
+            for i in self.indices(size, generator):
+                with self.subTest(program=name, index=i.tolist()):
+                    try:
+                        expected = program(x, i)
+                    except (IndexError, RuntimeError) as error:
+                        with self.assertRaisesRegex(IndexError, r"hops_jax: aten\.\w+.*index -?\d+ is out of bounds") as raised:
+                            compiled(x, i)
+                        self.assertIsInstance(raised.exception, RuntimeError, msg=f"eager raised {error!r}")
+                        continue
+                    leaf = x.clone().requires_grad_()
+                    got = compiled(leaf, i)
+                    torch.testing.assert_close(got, expected)
+                    (grad,) = torch.autograd.grad(got.square().sum(), leaf)
+                    leaf = x.clone().requires_grad_()
+                    torch.testing.assert_close(grad, torch.autograd.grad(program(leaf, i).square().sum(), leaf)[0])
+
+    def test_an_index_out_of_range_in_a_fused_training_step_raises(self):
+        # from the second step the backward runs in the forward's program: still checked
+        model = torch.nn.Embedding(10, 4)
+        compiled = torch.compile(lambda ids: model(ids).square().mean(), backend=hops_jax, fullgraph=True)
+        for _ in range(3):
+            compiled(torch.tensor([1, 9])).backward()
+        self.assertGreater(backend.COMPILED[-2].fused.hits, 0)
+        with self.assertRaisesRegex(IndexError, r"aten\.embedding: index 10 is out of bounds \(expected 0 <= index < 10\)"):
+            compiled(torch.tensor([1, 10])).backward()
+
+
 def with_loss(program):
     """``program``'s floating outputs reduced to one loss, each weighted by its position."""
     import torch.utils._pytree as pytree

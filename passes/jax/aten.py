@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from passes._infra import PassError
+from passes.jax.checks import in_range
 
 aten = torch.ops.aten
 
@@ -563,7 +564,15 @@ def _select_backward(grad, input_sizes, dim, index):
 
 @register(aten.index_select)
 def _index_select(x, dim, index):
+    in_range(index, 0, _size(x, dim), f"aten.index_select, dim {dim}")
+    if x.ndim == 0:  # (its one element, a 0-d result, as torch gives)
+        return x
     return jnp().take(x, index, axis=dim)
+
+
+def _size(x: Any, dim: int) -> int:
+    """``x.size(dim)`` as torch's index ops read it: a 0-d tensor's one element along dim 0 or -1."""
+    return x.shape[dim] if x.ndim else 1
 
 
 def _along(index: Any, dim: int) -> tuple:
@@ -579,12 +588,14 @@ def _along(index: Any, dim: int) -> tuple:
 
 @register(aten.gather)
 def _gather(x, dim, index, sparse_grad=False):
+    in_range(index, 0, _size(x, dim), f"aten.gather, dim {dim}")
     return x[_along(index, dim % max(x.ndim, 1))]
 
 
 @register(aten.scatter_add)
 def _scatter_add(x, dim, index, source):
     # (torch reads only the part of ``source`` that ``index`` covers)
+    in_range(index, 0, _size(x, dim), f"aten.scatter_add, dim {dim}")
     covered = source[tuple(slice(0, size) for size in index.shape)]
     return x.at[_along(index, dim % max(x.ndim, 1))].add(covered)
 
@@ -627,6 +638,7 @@ def _flip(x, dims):
 
 @register(aten.embedding)
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    in_range(indices, 0, weight.shape[0], "aten.embedding")
     return jnp().take(weight, indices, axis=0)
 
 
@@ -1045,25 +1057,79 @@ def _complex(real, imag):
 # ---------------------------------------------------------------- indexing (int64 indices as jax's ints)
 
 
-def _index_tuple(indices: Any) -> tuple:
-    # torch's advanced indexing is numpy's: ``None`` in the list is a full slice of that dim
+def _index_tuple(indices: Any, x: Any = None, what: str = "") -> tuple:
+    # torch's advanced indexing is numpy's: ``None`` in the list is a full slice of that dim.
+    # With ``x``: each integer index in torch's range for its dim, negative ones counting from the end.
+    dim = 0
+    for index in indices if x is not None else ():
+        if index is not None and jnp().issubdtype(index.dtype, jnp().bool_):
+            dim += index.ndim  # (a mask: the dims it covers)
+            continue
+        if index is not None:
+            in_range(index, -x.shape[dim], x.shape[dim], f"{what}, dim {dim}")
+        dim += 1
     return tuple(slice(None) if index is None else index for index in indices)
 
 
-@register(aten.index, aten._unsafe_index)
+@register(aten.index)
 def _index(x, indices):
+    return x[_index_tuple(indices, x, "aten.index")]
+
+
+@register(aten._unsafe_index)
+def _unsafe_index(x, indices):
     return x[_index_tuple(indices)]
 
 
-@register(aten.index_put, aten._unsafe_index_put)
+@register(aten.index_put)
 def _index_put(x, indices, values, accumulate=False):
-    where = x.at[_index_tuple(indices)]
-    values = jnp().asarray(values, dtype=x.dtype)
+    return _put(x.at[_index_tuple(indices, x, "aten.index_put")], values, x.dtype, accumulate)
+
+
+@register(aten._unsafe_index_put)
+def _unsafe_index_put(x, indices, values, accumulate=False):
+    return _put(x.at[_index_tuple(indices)], values, x.dtype, accumulate)
+
+
+def _put(where: Any, values: Any, dtype: Any, accumulate: bool) -> Any:
+    values = jnp().asarray(values, dtype=dtype)
     return where.add(values) if accumulate else where.set(values)
+
+
+@register(aten.put)
+def _put_flat(x, index, source, accumulate=False):
+    # (``take``'s backward) ``source`` written at the flat ``index`` of ``x``, negative ones from the end
+    size = math.prod(x.shape)
+    in_range(index, -size, size, "aten.put")
+    flat = jnp().reshape(index, -1)
+    flat = jnp().where(flat < 0, flat + size, flat)
+    return _put(jnp().reshape(x, -1).at[flat], jnp().reshape(source, -1), x.dtype, accumulate).reshape(x.shape)
+
+
+@register(aten.index_add)
+def _index_add(x, dim, index, source, *, alpha=1):
+    in_range(index, 0, _size(x, dim), f"aten.index_add, dim {dim}")
+    if x.ndim == 0:  # (one entry: index and source hold one element)
+        return x + jnp().sum(source) * alpha
+    return x.at[_at_dim(x, dim, index)].add(source if alpha == 1 else source * alpha)
+
+
+@register(aten.index_copy)
+def _index_copy(x, dim, index, source):
+    in_range(index, 0, _size(x, dim), f"aten.index_copy, dim {dim}")
+    if x.ndim == 0:
+        return jnp().reshape(source, ()).astype(x.dtype)
+    return x.at[_at_dim(x, dim, index)].set(source)
+
+
+def _at_dim(x: Any, dim: int, index: Any) -> tuple:
+    """The index of the entries ``index`` picks along ``dim`` of ``x``."""
+    return (slice(None),) * (dim % x.ndim) + (index,)
 
 
 @register(aten.scatter)
 def _scatter(x, dim, index, source, *, reduce=None):
+    in_range(index, 0, _size(x, dim), f"aten.scatter, dim {dim}")
     where = x.at[_along(index, dim % max(x.ndim, 1))]
     if isinstance(source, (int, float, bool)) or getattr(source, "ndim", 1) == 0:
         values = jnp().broadcast_to(jnp().asarray(source, x.dtype), index.shape)
@@ -1080,6 +1146,7 @@ def _scatter(x, dim, index, source, *, reduce=None):
 
 @register(aten.scatter_reduce)
 def _scatter_reduce(x, dim, index, source, reduce, *, include_self=True):
+    in_range(index, 0, _size(x, dim), f"aten.scatter_reduce, dim {dim}")
     grid = _along(index, dim % max(x.ndim, 1))
     values = source[tuple(slice(0, size) for size in index.shape)]
     identity = {"sum": 0, "mean": 0, "prod": 1, "amax": -jnp().inf, "amin": jnp().inf}.get(reduce)
@@ -1401,8 +1468,9 @@ def _max_unpool(spatial: int) -> Callable[..., Any]:
     def rule(x, indices, output_size, *stride_and_padding):
         # Each value written at its flat index within its output plane, zeros elsewhere (not
         # torch's decomposition: it checks that the indices are int64, which jax's are not
-        # without x64). torch raises on an index past the plane; a jax program cannot, and drops
-        # it. Of repeated indices torch keeps either value (nondeterministic), as jax does.
+        # without x64). torch raises on an index outside the plane (``in_range``; elsewhere jax
+        # drops it). Of repeated indices torch keeps either value (nondeterministic), as jax does.
+        in_range(indices, 0, math.prod(output_size), f"aten.max_unpool{spatial}d")
         lead = x.shape[: x.ndim - spatial]
         rows = math.prod(lead)
         flat = jnp().zeros((rows, math.prod(output_size)), x.dtype)

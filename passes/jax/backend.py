@@ -27,7 +27,9 @@ Results and gradients have eager's dtypes and values: each call runs under jax's
 scoped to it (``hops.lowering.jax_x64``; the caller's jax config is left as it is), so int64,
 float64 and complex128 tensors cross, are computed and come back as themselves (without x64 jax
 takes an int64 tensor as int32, its values past 2**31 wrapped, and float64 as float32); and each
-tensor comes back as the dtype AOTAutograd traced for it (``_to_torch``).
+tensor comes back as the dtype AOTAutograd traced for it (``_to_torch``). An index out of range
+(``embedding``, ``gather``, ``x[i]``, a scatter, ...) raises ``IndexOutOfRange`` after the call,
+as torch raises, where the program alone would clamp or drop it (``passes/jax/checks.py``).
 
 Found by name (``backend="hops_jax"``) through the ``torch_dynamo_backends`` entry point. A
 first slice: CPU tensors only (a tensor on another device is refused, naming it); one mesh per
@@ -183,7 +185,6 @@ class JaxGraph:
     checkpointing) that may read or replace what is saved, residuals are real tensors again."""
 
     def __init__(self, gm: fx.GraphModule, forward: bool = False) -> None:
-        import jax
 
         from passes.jax import lower_to_jax
 
@@ -197,9 +198,9 @@ class JaxGraph:
         if self.random:
             # A key per call, drawn from torch's generator (torch.manual_seed reproduces a run):
             # the jitted function's first argument.
-            self.function = jax.jit(_keyed(lowered), static_argnums=tuple(i + 1 for i in static))
+            self.function = _jitted(_keyed(lowered), tuple(i + 1 for i in static))
         else:
-            self.function = jax.jit(lowered, static_argnums=static)
+            self.function = _jitted(lowered, static)
         results = _results(gm.graph)
         results = results if isinstance(results, (tuple, list)) else [results]
         self.numbers = {i for i, node in enumerate(results) if isinstance(node, fx.Node) and _is_number(node.meta.get("val"))}
@@ -428,7 +429,6 @@ class _Fused:
         numbers, sizes as arguments, other placements, numbers among the residuals, or tangents
         other than one scalar's (the loss's) and floating tensors'. A forward drawing random
         numbers takes its key first, as its own program does (recomputed residuals draw the same)."""
-        import jax
         import jax.numpy as jnp
 
         from passes.jax.aten import jax_dtype
@@ -460,7 +460,7 @@ class _Fused:
 
         output = _results(forward.graph)
         residuals = [(tuple(output[i].meta["val"].shape), dtype_) for i, dtype_ in forward.stand_ins]
-        return cls(jax.jit(forward_and_backward), residuals, jax_dtype(tangents[loss].dtype), loss, len(tangents))
+        return cls(_jitted(forward_and_backward, ()), residuals, jax_dtype(tangents[loss].dtype), loss, len(tangents))
 
 
 def _blank(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -474,6 +474,18 @@ def _draws_random_numbers(gm: fx.GraphModule) -> bool:
     from passes.jax.aten import is_random
 
     return any(is_random(node.target) for module in graph_modules(gm) for node in module.graph.nodes)
+
+
+def _jitted(function: Callable[..., Any], static: tuple[int, ...]) -> Callable[..., Any]:
+    """``jax.jit(function)`` with its rules' index checks made (``passes/jax/checks.py``): an
+    index out of range raises ``IndexOutOfRange`` after the call, as torch raises, where the
+    program would clamp or drop it. (A program without such an op pays nothing: measured, a
+    step of ``benchmarks/jax_target.py`` and an HF Llama's first step took as long.)"""
+    import jax
+
+    from passes.jax.checks import checked, raising
+
+    return raising(jax.jit(checked(function, static), static_argnums=static))
 
 
 def _keyed(function: Callable[..., Any]) -> Callable[..., Any]:
