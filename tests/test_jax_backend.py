@@ -386,6 +386,17 @@ class TestIndexChecks(TestCase):
                     leaf = x.clone().requires_grad_()
                     torch.testing.assert_close(grad, torch.autograd.grad(program(leaf, i).square().sum(), leaf)[0])
 
+    def test_an_index_out_of_range_in_a_local_map_region_raises(self):
+        # (the region is a shard_map: each block checks its own indices)
+        lookup = hops.local_map(
+            lambda ids, w: F.embedding(ids, w) * 2, mesh=MESH, in_placements=((Shard(0), Replicate()), (Replicate(), Replicate())), out_placements=(Shard(0), Replicate())
+        )
+        compiled = torch.compile(lookup, backend=hops_jax, fullgraph=True)
+        w, ids = torch.randn(10, 4), torch.tensor([1, 2, 3, 9, 0, 5, 6, 7])
+        torch.testing.assert_close(compiled(ids, w), F.embedding(ids, w) * 2)
+        with self.assertRaisesRegex(IndexError, r"aten\.embedding: index 10 is out of bounds \(expected 0 <= index < 10\)"):
+            compiled(ids.index_fill(0, torch.tensor(7), 10), w)
+
     def test_an_index_out_of_range_in_a_fused_training_step_raises(self):
         # from the second step the backward runs in the forward's program: still checked
         model = torch.nn.Embedding(10, 4)

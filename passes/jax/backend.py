@@ -185,7 +185,6 @@ class JaxGraph:
     checkpointing) that may read or replace what is saved, residuals are real tensors again."""
 
     def __init__(self, gm: fx.GraphModule, forward: bool = False) -> None:
-
         from passes.jax import lower_to_jax
 
         lowered = lower_to_jax(gm)
