@@ -348,11 +348,12 @@ INDEXING = {
 }
 
 
-class TestIndexChecks(TestCase):
-    """An index out of range: torch raises, a jax program would clamp or drop it. Each program
-    runs on generated indices against eager: where eager raises, the compiled program raises
-    ``IndexOutOfRange`` (an ``IndexError`` and a ``RuntimeError``, torch's two); elsewhere values
-    and gradients are eager's."""
+class TestRuntimeChecks(TestCase):
+    """An index out of range, an integer divided by zero: torch raises, a jax program would clamp,
+    drop or make up a value. Each program runs on generated inputs against eager: where eager
+    raises, the compiled program raises (``IndexOutOfRange``: an ``IndexError`` and a
+    ``RuntimeError``, torch's two; ``IntegerDivisionByZero``); elsewhere values (and gradients)
+    are eager's."""
 
     def indices(self, size, generator):
         # unique picks in range (repeats make index_copy / max_unpool nondeterministic in eager),
@@ -385,6 +386,35 @@ class TestIndexChecks(TestCase):
                     (grad,) = torch.autograd.grad(got.square().sum(), leaf)
                     leaf = x.clone().requires_grad_()
                     torch.testing.assert_close(grad, torch.autograd.grad(program(leaf, i).square().sum(), leaf)[0])
+
+    def test_an_integer_divided_by_zero_raises_as_eager_does_floats_divide_as_eagers(self):
+        programs = {
+            "//": lambda x, y: x // y,
+            "%": lambda x, y: x % y,
+            "fmod": torch.fmod,
+            "div, floor": lambda x, y: torch.div(x, y, rounding_mode="floor"),
+            "div, trunc": lambda x, y: torch.div(x, y, rounding_mode="trunc"),
+            "/": lambda x, y: x / y,
+            "// by a number": lambda x, y: (x + y) // 0,
+            "% in a scan": lambda x, y: hops.scan(lambda c, v: (c + x % v, None), torch.zeros_like(x), y.view(3, 1))[0],
+        }
+        generator = torch.Generator().manual_seed(0)
+        for name, program in programs.items():
+            torch._dynamo.reset()
+            compiled = torch.compile(program, backend=hops_jax, fullgraph=True)
+            for dtype in (torch.int64, torch.int32, torch.float32):
+                x = torch.randint(-9, 9, (3,), generator=generator).to(dtype)
+                for y in (torch.tensor([2, -3, 5], dtype=dtype), torch.tensor([2, 0, 5], dtype=dtype)):
+                    with self.subTest(program=name, dtype=dtype, divisor=y.tolist()):
+                        try:
+                            expected = program(x, y)
+                        except RuntimeError as error:
+                            self.assertIn("ZeroDivisionError", str(error))
+                            with self.assertRaisesRegex(ZeroDivisionError, r"hops_jax: aten\.\w+.*an integer divided by zero") as raised:
+                                compiled(x, y)
+                            self.assertIsInstance(raised.exception, RuntimeError)
+                            continue
+                        torch.testing.assert_close(compiled(x, y), expected, equal_nan=True)
 
     def test_an_index_out_of_range_in_a_local_map_region_raises(self):
         # (the region is a shard_map: each block checks its own indices)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from passes._infra import PassError
-from passes.jax.checks import in_range
+from passes.jax.checks import in_range, nonzero
 
 aten = torch.ops.aten
 
@@ -270,6 +270,8 @@ def _mul(x, y):
 
 @register(aten.div)
 def _div(x, y, rounding_mode=None):
+    if rounding_mode is not None:
+        nonzero(x, y, f"aten.div, rounding_mode={rounding_mode!r}")
     if rounding_mode == "floor":
         return jnp().floor_divide(x, y)
     quotient = jnp().true_divide(x, y)
@@ -304,7 +306,6 @@ for _op, _name in (
     (aten.logical_or, "logical_or"),
     (aten.bitwise_and, "bitwise_and"),
     (aten.bitwise_or, "bitwise_or"),
-    (aten.remainder, "remainder"),
     (aten.atan2, "arctan2"),
 ):
     ATEN[_op] = _binary(_name)
@@ -1018,7 +1019,6 @@ for _op, _name in ((aten.erfc, "erfc"), (aten.erfinv, "erfinv"), (aten.lgamma, "
     ATEN[_op] = _special(_name)
 
 for _op, _name in (
-    (aten.fmod, "fmod"),
     (aten.bitwise_xor, "bitwise_xor"),
     (aten.bitwise_left_shift, "left_shift"),
     (aten.__lshift__, "left_shift"),
@@ -1030,11 +1030,24 @@ for _op, _name in (
     (aten.logaddexp2, "logaddexp2"),
     (aten.nextafter, "nextafter"),
     (aten.logical_xor, "logical_xor"),
-    (aten.floor_divide, "floor_divide"),
     (aten.fmax, "fmax"),
     (aten.fmin, "fmin"),
 ):
     ATEN[_op] = _binary(_name)
+
+
+def _dividing(op: Any, name: str) -> Callable[..., Any]:
+    """The rule of a binary op dividing ``x`` by ``y``: torch raises on an integer divided by zero."""
+
+    def rule(x, y):
+        nonzero(x, y, str(op))
+        return getattr(jnp(), name)(x, y)
+
+    return rule
+
+
+for _op, _name in ((aten.remainder, "remainder"), (aten.fmod, "fmod"), (aten.floor_divide, "floor_divide")):
+    ATEN[_op] = _dividing(_op, _name)
 
 
 @register(aten.polygamma)

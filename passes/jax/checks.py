@@ -1,10 +1,12 @@
-"""Index checks: torch raises on an index out of range (``embedding``, ``gather``, ``x[i]``, ...),
-where a jax program clamps it (a gather) or drops it (a scatter) and goes on, its result silently
-wrong. The rules of the ops torch checks (``passes/jax/aten.py``) state their ranges with
-``in_range``; a function run under ``checked`` turns those statements into ``checkify`` checks,
-which ``raising`` raises after the call as ``IndexOutOfRange`` (the ``hops_jax`` backend runs every
-graph so). Elsewhere (``lower_to_jax``'s function as a user jits it) ``in_range`` states nothing:
-the function is jax's own, with jax's indexing.
+"""Checks torch makes at run time that a jax program does not: an index out of range
+(``embedding``, ``gather``, ``x[i]``, a scatter, ...), which a jax program clamps (a gather) or
+drops (a scatter), and an integer divided by zero, which gives jax an arbitrary value; either way
+the program goes on, its result silently wrong, where torch raises. The rules of the ops torch
+checks (``passes/jax/aten.py``) state what must hold with ``in_range`` / ``nonzero``; a function
+run under ``checked`` turns those statements into ``checkify`` checks, which ``raising`` raises
+after the call, as torch's error (the ``hops_jax`` backend runs every graph so). Elsewhere
+(``lower_to_jax``'s function as a user jits it) they state nothing: the function is jax's own,
+with jax's semantics.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import contextlib
 import contextvars
 from typing import Any, Callable
 
-__all__ = ["IndexOutOfRange", "in_range", "checked", "raising"]
+__all__ = ["IndexOutOfRange", "IntegerDivisionByZero", "in_range", "nonzero", "checked", "raising"]
 
 
 class IndexOutOfRange(IndexError, RuntimeError):
@@ -21,7 +23,13 @@ class IndexOutOfRange(IndexError, RuntimeError):
     these ops, ``RuntimeError`` for others: this is both)."""
 
 
-_CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("hops_jax_index_checks", default=False)
+class IntegerDivisionByZero(ZeroDivisionError, RuntimeError):
+    """An integer divided by zero in a compiled program (torch raises a ``RuntimeError`` saying
+    ``ZeroDivisionError``: this is both)."""
+
+
+_KINDS = {kind.__name__: kind for kind in (IndexOutOfRange, IntegerDivisionByZero)}
+_CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("hops_jax_checks", default=False)
 
 
 def in_range(index: Any, low: int, high: int, what: str) -> None:
@@ -34,7 +42,21 @@ def in_range(index: Any, low: int, high: int, what: str) -> None:
 
     outside = (index < low) | (index >= high)
     first = jnp.ravel(index)[jnp.argmax(jnp.ravel(outside))]
-    checkify.check(~jnp.any(outside), f"{what}: index {{index}} is out of bounds (expected {low} <= index < {high})", index=first)
+    message = f"IndexOutOfRange: {what}: index {{index}} is out of bounds (expected {low} <= index < {high})"
+    checkify.check(~jnp.any(outside), message, index=first)
+
+
+def nonzero(x: Any, divisor: Any, what: str) -> None:
+    """State that ``divisor`` holds no zero where ``x`` / ``divisor`` divides integers (torch raises
+    there; floats divide to inf or NaN in both). A no-op outside ``checked``."""
+    if not _CHECKING.get():
+        return
+    import jax.numpy as jnp
+    from jax.experimental import checkify
+
+    if not jnp.issubdtype(jnp.result_type(x, divisor), jnp.integer) or getattr(divisor, "size", 1) == 0:
+        return
+    checkify.check(jnp.all(jnp.asarray(divisor) != 0), f"IntegerDivisionByZero: {what}: ZeroDivisionError (an integer divided by zero)")
 
 
 @contextlib.contextmanager
@@ -47,8 +69,8 @@ def _checking():
 
 
 def checked(function: Callable[..., Any], static: tuple[int, ...] = ()) -> Callable[..., Any]:
-    """``function`` returning ``(checkify error, its result)``, the ``in_range`` statements of the
-    rules it runs checked. ``static``: positions of arguments ``jax.jit`` takes as static (sizes),
+    """``function`` returning ``(checkify error, its result)``, the ``in_range`` / ``nonzero``
+    statements of the rules it runs checked. ``static``: positions of arguments ``jax.jit`` takes as static (sizes),
     passed through as they are."""
     from jax.experimental import checkify
 
@@ -66,14 +88,17 @@ def checked(function: Callable[..., Any], static: tuple[int, ...] = ()) -> Calla
 
 
 def raising(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` (a jitted ``checked`` function) returning its result alone, raising
-    ``IndexOutOfRange`` where a check failed (waiting for the program to tell)."""
+    """``function`` (a jitted ``checked`` function) returning its result alone, raising the
+    error of a check that failed (waiting for the program to tell)."""
 
     def call(*args: Any) -> Any:
         error, result = function(*args)
         message = error.get()
         if message is not None:
-            raise IndexOutOfRange(f"hops_jax: {message.split(' (`check` failed)')[0]}")
+            message = message.split(" (`check` failed)")[0]
+            # (checkify may put where in a mapped region first: "at mapped index 2: ...")
+            kind = next(name for name in _KINDS if f"{name}: " in message)
+            raise _KINDS[kind](f"hops_jax: {message.replace(f'{kind}: ', '', 1)}")
         return result
 
     return call
