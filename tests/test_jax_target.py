@@ -33,6 +33,7 @@ from hypothesis import strategies as st  # noqa: E402
 import hops  # noqa: E402
 import passes  # noqa: E402
 from hops import Mesh, Partial, Replicate, Shard, ShardingSpec  # noqa: E402
+from hops.lowering import jax_x64  # noqa: E402
 from passes.jax import NoJaxRule, lower_to_jax  # noqa: E402
 from tests.helpers.hop_db import COLUMNS, MESH, ROWS, SAMPLES, forward_backward, fresh  # noqa: E402
 from tests.helpers.snapshot import TestCase  # noqa: E402
@@ -277,6 +278,39 @@ class TestAtenTable(TestCase):
         graph = make_fx(joint(program), tracing_mode="fake")(x.requires_grad_(), y.requires_grad_())
         close(self, lower_to_jax(graph)(*arrays((x, y))), joint(program)(*fresh((x, y))), f"program {choices}", rtol=1e-4)
 
+    def test_roll_and_searchsorted_as_torch(self):
+        # roll flat, along one dim and two (and its gradient, a roll back); searchsorted on a 1-d and
+        # a batched sequence with a tie, both sides, int32, a sorter, a number
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, 5, generator=g)
+
+        def rolled(x, y):
+            return torch.roll(x, 7) * y + torch.roll(x, (1, -3), (0, 2)) + torch.roll(x, -1, 1).sin()
+
+        graph = make_fx(joint(rolled), tracing_mode="fake")(x.requires_grad_(), y.requires_grad_())
+        close(self, lower_to_jax(graph)(*arrays((x, y))), joint(rolled)(*fresh((x, y))), "roll", rtol=1e-5)
+
+        row, rows = torch.sort(torch.randn(7, generator=g)).values, torch.sort(torch.randn(3, 4, 7, generator=g), -1).values
+        rows[0, 0, 2] = rows[0, 0, 3]
+        values = torch.randn(3, 4, 5, generator=g)
+        values[0, 0, 0] = rows[0, 0, 2]
+        order = torch.randn(3, 4, 7, generator=g).argsort(-1)
+        shuffled = torch.empty_like(rows).scatter_(-1, order, rows)  # shuffled[order] == rows
+
+        def searched(row, rows, shuffled, order, values):
+            return (
+                torch.searchsorted(row, values),
+                torch.searchsorted(row, values, right=True, out_int32=True),
+                torch.searchsorted(rows, values),
+                torch.searchsorted(rows, values, side="right"),
+                torch.searchsorted(shuffled, values, sorter=order),
+                torch.searchsorted(row, 0.1),
+            )
+
+        inputs = (row, rows, shuffled, order, values)
+        with jax_x64():  # (int64 results as int64)
+            close(self, lower_to_jax(make_fx(searched)(*inputs))(*arrays(inputs)), searched(*inputs), "searchsorted", rtol=0)
+
     def test_prims_convert_element_type_casts_as_torch(self):
         # Recorded by decompositions under dynamic shapes (a float Dynamo passes as a tensor).
         def program(x):
@@ -337,7 +371,6 @@ class TestAtenTable(TestCase):
         # The caller's jax config decides, as for any JAX function (lower_to_jax's docstring): with
         # x64 on, int64 values past int32's range and float64's digits are exact, and a tensor the
         # program makes of Python numbers (full, arange) has torch's dtype, not jax's 64-bit guess.
-        from hops.lowering import jax_x64
 
         with jax_x64():
             for name, program, x in self.DTYPE_CASES:
@@ -366,7 +399,6 @@ class TestAtenTable(TestCase):
         # A tensor constant of the graph is made a jax array the first time the function runs; a
         # caller who switches x64 between calls gets each mode's array, not the first call's
         # (an int64 constant made as int32 would wrap 2**40 + 3 to 3 under x64).
-        from hops.lowering import jax_x64
 
         big = torch.tensor([2**40 + 3, -(2**35)])
         function = lower_to_jax(make_fx(lambda v: v + big)(torch.tensor([1, 2])))

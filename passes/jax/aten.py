@@ -273,7 +273,7 @@ def _div(x, y, rounding_mode=None):
     if rounding_mode is not None:
         nonzero(x, y, f"aten.div, rounding_mode={rounding_mode!r}")
     if rounding_mode == "floor":
-        return jnp().floor_divide(x, y)
+        return _floor_divide(x, y)
     quotient = jnp().true_divide(x, y)
     if rounding_mode == "trunc":
         quotient = jnp().trunc(quotient)
@@ -630,6 +630,30 @@ def _unbind(x, dim=0):
 def _split_with_sizes(x, sizes, dim=0):
     points = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
     return list(jnp().split(x, points, axis=dim))
+
+
+@register(aten.roll)
+def _roll(x, shifts, dims=()):
+    if not dims:  # (the tensor rolled as one flat row, its shape kept)
+        return jnp().roll(jnp().reshape(x, -1), shifts[0]).reshape(x.shape)
+    return jnp().roll(x, tuple(shifts), axis=tuple(dims))
+
+
+@register(aten.searchsorted)
+def _searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
+    import jax
+
+    if sorter is not None:
+        sorted_sequence = jnp().take_along_axis(sorted_sequence, sorter, axis=-1)
+    side = side or ("right" if right else "left")
+
+    def search(row, row_values):
+        return jnp().searchsorted(row, row_values, side=side)
+
+    # (an N-d sequence: each row of its last dim searched for the same row of ``values``)
+    for _ in range(sorted_sequence.ndim - 1):
+        search = jax.vmap(search)
+    return search(sorted_sequence, jnp().asarray(values)).astype(jax_dtype(torch.int32 if out_int32 else torch.int64))
 
 
 @register(aten.flip)
@@ -1036,18 +1060,26 @@ for _op, _name in (
     ATEN[_op] = _binary(_name)
 
 
-def _dividing(op: Any, name: str) -> Callable[..., Any]:
+def _floor_divide(x: Any, y: Any) -> Any:
+    # torch's: a float over zero is x / 0 (an inf; NaN for 0 / 0), which jax 0.7's floor_divide makes NaN
+    quotient = jnp().floor_divide(x, y)
+    if jnp().issubdtype(quotient.dtype, jnp().floating):
+        quotient = jnp().where(jnp().asarray(y) == 0, jnp().true_divide(x, y), quotient)
+    return quotient
+
+
+def _dividing(op: Any, divide: Callable[..., Any]) -> Callable[..., Any]:
     """The rule of a binary op dividing ``x`` by ``y``: torch raises on an integer divided by zero."""
 
     def rule(x, y):
         nonzero(x, y, str(op))
-        return getattr(jnp(), name)(x, y)
+        return divide(x, y)
 
     return rule
 
 
-for _op, _name in ((aten.remainder, "remainder"), (aten.fmod, "fmod"), (aten.floor_divide, "floor_divide")):
-    ATEN[_op] = _dividing(_op, _name)
+for _op, _divide in ((aten.remainder, lambda x, y: jnp().remainder(x, y)), (aten.fmod, lambda x, y: jnp().fmod(x, y)), (aten.floor_divide, _floor_divide)):
+    ATEN[_op] = _dividing(_op, _divide)
 
 
 @register(aten.polygamma)
