@@ -27,7 +27,7 @@ ACCELERATOR_BEFORE_JAX = torch.accelerator.current_accelerator()
 jax = pytest.importorskip("jax", reason="target 'jax' needs jax (the 'jax' extra)")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import assume, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import hops  # noqa: E402
@@ -277,6 +277,31 @@ class TestAtenTable(TestCase):
         x, y = torch.randn(3, 3, generator=g), torch.randn(3, 3, generator=g)
         graph = make_fx(joint(program), tracing_mode="fake")(x.requires_grad_(), y.requires_grad_())
         close(self, lower_to_jax(graph)(*arrays((x, y))), joint(program)(*fresh((x, y))), f"program {choices}", rtol=1e-4)
+
+    @settings(max_examples=10, deadline=None, derandomize=True)
+    @given(
+        st.integers(1, 3),
+        st.integers(1, 2),
+        st.lists(st.tuples(*[st.integers(1, 3)] * 3, st.integers(0, 2), st.integers(0, 2), st.integers(2, 4)), min_size=3, max_size=3),
+    )
+    def test_transposed_convolutions_and_their_gradients_as_torch(self, spatial, groups, dims):
+        # per dim (stride, dilation, kernel, padding, output padding, input size); torch takes an
+        # output padding below the stride or the dilation, so past the stride where the dilation is larger
+        dims = [(s, d, k, p, o % max(s, d), n) for s, d, k, p, o, n in dims[:spatial]]
+        assume(all((n - 1) * s - 2 * p + d * (k - 1) + o + 1 > 0 for s, d, k, p, o, n in dims))
+        stride, dilation, kernel, padding, output_padding, size = (tuple(column) for column in zip(*dims))
+        g = torch.Generator().manual_seed(spatial * 10 + groups)
+        x = torch.randn(2, 2 * groups, *size, generator=g)
+        w, b = torch.randn(2 * groups, 3, *kernel, generator=g), torch.randn(3 * groups, generator=g)
+        convolve = getattr(torch.nn.functional, f"conv_transpose{spatial}d")
+
+        def program(x, w, b):
+            out = convolve(x, w, b, stride, padding, output_padding, groups, dilation)
+            return out * torch.linspace(-1, 1, out.numel()).view(out.shape)  # (a cotangent other than ones)
+
+        inputs = (x.requires_grad_(), w.requires_grad_(), b.requires_grad_())
+        graph = make_fx(joint(program), tracing_mode="fake")(*inputs)
+        close(self, lower_to_jax(graph)(*arrays(inputs)), joint(program)(*fresh(inputs)), f"conv_transpose{spatial}d {dims} groups {groups}", rtol=1e-4)
 
     def test_roll_and_searchsorted_as_torch(self):
         # roll flat, along one dim and two (and its gradient, a roll back); searchsorted on a 1-d and

@@ -1324,8 +1324,6 @@ ATEN[aten.cummin] = _running("cummin")
 
 
 def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    import jax
-
     spatial = x.ndim - 2
     stride, padding, dilation = (tuple(v) * (spatial if len(v) == 1 else 1) for v in (stride, padding, dilation))
     letters = "DHW"[-spatial:] if spatial <= 3 else None
@@ -1333,23 +1331,25 @@ def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_
         raise NotImplementedError(f"lower_to_jax: aten.convolution over {spatial} spatial dims has no rule")
     numbers = ("NC" + letters, "OI" + letters, "NC" + letters)
 
-    def forward(y, w):
-        return lax().conv_general_dilated(
-            y, w, stride, [(p, p) for p in padding], rhs_dilation=dilation, dimension_numbers=numbers, feature_group_count=groups
-        )
-
     if not transposed:
-        out = forward(x, weight)
-    else:
-        # the transposed convolution is the forward one's gradient with respect to its input
-        # (torch's weight layout for it, (in, out / groups, k...), is that forward's)
-        output_padding = tuple(output_padding) * (spatial if len(output_padding) == 1 else 1)
-        size = tuple(
-            (n - 1) * s - 2 * p + d * (k - 1) + o + 1
-            for n, s, p, d, k, o in zip(x.shape[2:], stride, padding, dilation, weight.shape[2:], output_padding)
+        out = lax().conv_general_dilated(
+            x, weight, stride, [(p, p) for p in padding], rhs_dilation=dilation, dimension_numbers=numbers, feature_group_count=groups
         )
-        shape = (x.shape[0], weight.shape[1] * groups, *size)
-        out = jax.linear_transpose(lambda y: forward(y, weight), jax.ShapeDtypeStruct(shape, x.dtype))(x)[0]
+    else:
+        # A transposed convolution as a forward one over ``x`` dilated by the stride, with the
+        # kernel flipped and its in / out swapped within each group (torch's layout for it is
+        # (in, out / groups, k...)), padded by d (k - 1) - p, plus the output padding at the end.
+        # (Not as the forward convolution's transpose: with an output padding past the stride,
+        # torch allows it below the dilation, the forward one does not reach the rows it adds.)
+        output_padding = tuple(output_padding) * (spatial if len(output_padding) == 1 else 1)
+        k = weight.shape[2:]
+        kernel = weight.reshape(groups, weight.shape[0] // groups, *weight.shape[1:])
+        kernel = jnp().swapaxes(kernel, 1, 2).reshape(weight.shape[1] * groups, weight.shape[0] // groups, *k)
+        kernel = jnp().flip(kernel, axis=tuple(range(2, 2 + spatial)))
+        pads = [(d * (n - 1) - p, d * (n - 1) - p + o) for n, p, d, o in zip(k, padding, dilation, output_padding)]
+        out = lax().conv_general_dilated(
+            x, kernel, (1,) * spatial, pads, lhs_dilation=stride, rhs_dilation=dilation, dimension_numbers=numbers, feature_group_count=groups
+        )
     if bias is not None:
         out = out + bias.reshape((-1,) + (1,) * spatial)
     return out
