@@ -303,6 +303,24 @@ class TestAtenTable(TestCase):
         graph = make_fx(joint(program), tracing_mode="fake")(*inputs)
         close(self, lower_to_jax(graph)(*arrays(inputs)), joint(program)(*fresh(inputs)), f"conv_transpose{spatial}d {dims} groups {groups}", rtol=1e-4)
 
+    def test_reductions_scans_and_sorts_of_a_0d_tensor_along_its_dim_0_as_torch(self):
+        # torch reads dim 0 / -1 of a 0-d tensor as a dim of one element (a loss reduced again
+        # along -1; a scalar a reduction kept 0-d); squeeze of an empty dim list squeezes none
+        along = [
+            torch.sum, torch.mean, torch.prod, torch.amax, torch.amin, torch.logsumexp, torch.cumsum, torch.cumprod, torch.logcumsumexp,
+            torch.softmax, torch.log_softmax, torch.nansum, torch.count_nonzero, torch.argmax, torch.argmin,
+            lambda x, d: torch.max(x, d), lambda x, d: torch.min(x, d), lambda x, d: torch.cummax(x, d), lambda x, d: torch.sort(x, d),
+            lambda x, d: torch.var(x, d, correction=0), lambda x, d: torch.std(x, d, keepdim=True, correction=0), lambda x, d: torch.aminmax(x, dim=d),
+            lambda x, d: torch.any(x > 0, d), lambda x, d: torch.all(x > 0, d, keepdim=True), lambda x, d: torch.sum(x, (d,), keepdim=True),
+        ]
+        x, y = torch.tensor(0.7), torch.ones(1, 3, 1)
+
+        def program(x, y):
+            return [f(x, d) for f in along for d in (0, -1)], torch.squeeze(y, ()), torch.squeeze(y, (0, -1)), torch.squeeze(x, 0)
+
+        with jax_x64():  # (int64 results as int64)
+            close(self, lower_to_jax(make_fx(program)(x, y))(*arrays((x, y))), program(x, y), "0-d reductions", rtol=1e-6)
+
     def test_roll_and_searchsorted_as_torch(self):
         # roll flat, along one dim and two (and its gradient, a roll back); searchsorted on a 1-d and
         # a batched sequence with a tie, both sides, int32, a sorter, a number

@@ -521,9 +521,10 @@ def _unsqueeze(x, dim):
 
 @register(aten.squeeze)
 def _squeeze(x, dim=None):
-    dims = _dims(dim, x.ndim)
-    if dims is None:
+    if dim is None:
         return jnp().squeeze(x)
+    # (an empty list of dims squeezes none, unlike a reduction's; a 0-d tensor has none to squeeze)
+    dims = [d % x.ndim for d in ((dim,) if isinstance(dim, int) else dim)] if x.ndim else []
     return jnp().squeeze(x, axis=tuple(d for d in dims if x.shape[d] == 1))
 
 
@@ -1264,7 +1265,7 @@ def _topk(x, k, dim=-1, largest=True, sorted=True):
     moved = jnp().moveaxis(x, dim, -1)
     values, indices = lax().top_k(moved if largest else -moved, k)
     values = values if largest else -values
-    return jnp().moveaxis(values, -1, dim), jnp().moveaxis(indices, -1, dim)
+    return jnp().moveaxis(values, -1, dim), jnp().moveaxis(indices, -1, dim).astype(_int64())
 
 
 def _with_indices(reduce: str, arg: str) -> Callable[..., Any]:
@@ -1310,7 +1311,7 @@ def _running(name: str) -> Callable[..., Any]:
         dim = dim % max(x.ndim, 1)
         values = getattr(lax(), name)(x, axis=dim)
         # torch's index: the last position holding the running extreme
-        positions = lax().broadcasted_iota(jnp().int32, x.shape, dim)
+        positions = lax().broadcasted_iota(_int64(), x.shape, dim)
         return values, lax().cummax(jnp().where(x == values, positions, -1), axis=dim)
 
     return rule
@@ -1318,6 +1319,26 @@ def _running(name: str) -> Callable[..., Any]:
 
 ATEN[aten.cummax] = _running("cummax")
 ATEN[aten.cummin] = _running("cummin")
+
+
+def _scalar_as_vector(rule: Callable[..., Any]) -> Callable[..., Any]:
+    """``rule`` taking a 0-d ``x`` as a vector of one element, its results made 0-d again: torch
+    reads dim 0 (or -1) of a 0-d tensor as a dim of size one; jax has no axis there."""
+
+    def scalar_as_vector(x, *args, **kwargs):
+        if getattr(x, "ndim", None) != 0:
+            return rule(x, *args, **kwargs)
+        out = rule(jnp().reshape(x, (1,)), *args, **kwargs)
+        return tuple(jnp().reshape(o, ()) for o in out) if isinstance(out, (tuple, list)) else jnp().reshape(out, ())
+
+    return scalar_as_vector
+
+
+# (the reductions, scans and sorts along a dim)
+for _op in (aten.sum, aten.mean, aten.prod, aten.amax, aten.amin, aten.argmax, aten.argmin, aten.var, aten.any, aten.all):
+    ATEN[_op] = _scalar_as_vector(ATEN[_op])
+for _op in (aten.max.dim, aten.min.dim, aten.cumsum, aten.cumprod, aten.logcumsumexp, aten.cummax, aten.cummin, aten._softmax, aten._log_softmax, aten.sort):
+    ATEN[_op] = _scalar_as_vector(ATEN[_op])
 
 
 # ---------------------------------------------------------------- convolution
