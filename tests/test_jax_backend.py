@@ -349,7 +349,7 @@ INDEXING = {
 
 
 class TestRuntimeChecks(TestCase):
-    """An index out of range, an integer divided by zero: torch raises, a jax program would clamp,
+    """An index out of range, an integer divided by zero, a tensor assertion: torch raises, a jax program would clamp,
     drop or make up a value. Each program runs on generated inputs against eager: where eager
     raises, the compiled program raises (``IndexOutOfRange``: an ``IndexError`` and a
     ``RuntimeError``, torch's two; ``IntegerDivisionByZero``); elsewhere values (and gradients)
@@ -415,6 +415,35 @@ class TestRuntimeChecks(TestCase):
                             self.assertIsInstance(raised.exception, RuntimeError)
                             continue
                         torch.testing.assert_close(compiled(x, y), expected, equal_nan=True)
+
+    def test_a_users_assert_on_tensors_raises_as_under_other_backends(self):
+        # Dynamo makes ``assert cond, msg`` on a tensor torch._assert_async: aot_eager and inductor
+        # raise RuntimeError(msg) when it is false; so does hops_jax, in a scan body too. (The
+        # program is compiled from text: pytest rewrites this module's asserts into branches.)
+        source = """
+def program(x, scale):
+    assert (scale > 0).all(), "scale must be positive {per row}"
+
+    def step(carry, row):
+        torch._assert_async(row.abs().max() < 100, "a row past 100")  # (a body's assert is a branch to Dynamo)
+        return carry + row * scale, None
+
+    return hops.scan(step, torch.zeros(3), x)[0]
+"""
+        scope = {"torch": torch, "hops": hops}
+        exec(compile(source, "user_program.py", "exec"), scope)
+        program = scope["program"]
+
+        compiled = torch.compile(program, backend=hops_jax, fullgraph=True)
+        x, scale = torch.randn(4, 3), torch.rand(3) + 0.5
+        torch.testing.assert_close(compiled(x, scale), program(x, scale))
+        for bad, message in (((x, -scale), r"scale must be positive \{per row\}"), ((x.index_fill(0, torch.tensor(2), 200.0), scale), "a row past 100")):
+            with self.subTest(message=message):
+                with self.assertRaisesRegex(RuntimeError, f"hops_jax: {message}$") as raised:
+                    compiled(*bad)
+                self.assertIsInstance(raised.exception, AssertionError)
+                with self.assertRaisesRegex(RuntimeError, message):
+                    torch.compile(program, backend="aot_eager", fullgraph=True)(*bad)
 
     def test_an_index_out_of_range_in_a_local_map_region_raises(self):
         # (the region is a shard_map: each block checks its own indices)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from passes._infra import PassError
-from passes.jax.checks import in_range, nonzero
+from passes.jax.checks import holds, in_range, nonzero
 
 aten = torch.ops.aten
 
@@ -1749,9 +1749,17 @@ for _spatial, (_forward, _backward) in {
 # ---------------------------------------------------------------- checks and storage-less creation
 
 
-@register(aten._assert_async, aten._assert_scalar, aten.sym_constrain_range, aten.sym_constrain_range_for_size, aten._assert_tensor_metadata)
+@register(aten._assert_scalar, aten.sym_constrain_range, aten.sym_constrain_range_for_size, aten._assert_tensor_metadata)
 def _check(*args, **kwargs):
-    return None  # a run-time check of torch's: a jax program has no host check in its path
+    return None  # a check of sizes and metadata: in a jax program they are fixed when it is traced
+
+
+@register(aten._assert_async)
+def _assert_async(condition, message="Expected Tensor with single nonzero value, but got zero"):
+    # a tensor condition (Dynamo's reading of a Python ``assert``): raised after the call under
+    # hops_jax (``holds``), as torch raises
+    holds(condition, message)
+    return None
 
 
 @register(aten.empty_strided)

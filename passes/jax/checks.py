@@ -1,8 +1,10 @@
 """Checks torch makes at run time that a jax program does not: an index out of range
 (``embedding``, ``gather``, ``x[i]``, a scatter, ...), which a jax program clamps (a gather) or
-drops (a scatter), and an integer divided by zero, which gives jax an arbitrary value; either way
-the program goes on, its result silently wrong, where torch raises. The rules of the ops torch
-checks (``passes/jax/aten.py``) state what must hold with ``in_range`` / ``nonzero``; a function
+drops (a scatter); an integer divided by zero, which gives jax an arbitrary value; a condition
+asserted on tensors (``torch._assert_async``: what Dynamo makes of a Python ``assert``), which a jax
+program has no host check for. Either way the program goes on, its result silently wrong, where
+torch raises. The rules of the ops torch checks (``passes/jax/aten.py``) state what must hold with
+``in_range`` / ``nonzero`` / ``holds``; a function
 run under ``checked`` turns those statements into ``checkify`` checks, which ``raising`` raises
 after the call, as torch's error (the ``hops_jax`` backend runs every graph so). Elsewhere
 (``lower_to_jax``'s function as a user jits it) they state nothing: the function is jax's own,
@@ -15,7 +17,7 @@ import contextlib
 import contextvars
 from typing import Any, Callable
 
-__all__ = ["IndexOutOfRange", "IntegerDivisionByZero", "in_range", "nonzero", "checked", "raising"]
+__all__ = ["IndexOutOfRange", "IntegerDivisionByZero", "AssertionFailed", "in_range", "nonzero", "holds", "checked", "raising"]
 
 
 class IndexOutOfRange(IndexError, RuntimeError):
@@ -28,7 +30,12 @@ class IntegerDivisionByZero(ZeroDivisionError, RuntimeError):
     ``ZeroDivisionError``: this is both)."""
 
 
-_KINDS = {kind.__name__: kind for kind in (IndexOutOfRange, IntegerDivisionByZero)}
+class AssertionFailed(AssertionError, RuntimeError):
+    """A condition asserted on tensors in a compiled program was false (torch raises a
+    ``RuntimeError`` with the assertion's message; eager Python, an ``AssertionError``: this is both)."""
+
+
+_KINDS = {kind.__name__: kind for kind in (IndexOutOfRange, IntegerDivisionByZero, AssertionFailed)}
 _CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("hops_jax_checks", default=False)
 
 
@@ -59,6 +66,18 @@ def nonzero(x: Any, divisor: Any, what: str) -> None:
     checkify.check(jnp.all(jnp.asarray(divisor) != 0), f"IntegerDivisionByZero: {what}: ZeroDivisionError (an integer divided by zero)")
 
 
+def holds(condition: Any, message: str) -> None:
+    """State that every element of ``condition`` is true (nonzero); ``message`` is the error's. A
+    no-op outside ``checked``."""
+    if not _CHECKING.get():
+        return
+    import jax.numpy as jnp
+    from jax.experimental import checkify
+
+    # (checkify formats the message: a brace of the user's is a brace)
+    checkify.check(jnp.all(jnp.asarray(condition) != 0), "AssertionFailed: " + message.replace("{", "{{").replace("}", "}}"))
+
+
 @contextlib.contextmanager
 def _checking():
     token = _CHECKING.set(True)
@@ -69,8 +88,8 @@ def _checking():
 
 
 def checked(function: Callable[..., Any], static: tuple[int, ...] = ()) -> Callable[..., Any]:
-    """``function`` returning ``(checkify error, its result)``, the ``in_range`` / ``nonzero``
-    statements of the rules it runs checked. ``static``: positions of arguments ``jax.jit`` takes as static (sizes),
+    """``function`` returning ``(checkify error, its result)``, the ``in_range`` / ``nonzero`` /
+    ``holds`` statements of the rules it runs checked. ``static``: positions of arguments ``jax.jit`` takes as static (sizes),
     passed through as they are."""
     from jax.experimental import checkify
 
