@@ -310,6 +310,57 @@ class TestHopsJax(TestCase):
             expected = torch.zeros(2, 3, 120).scatter_add_(2, indices.long().flatten(2), torch.ones(2, 3, 16)).view(x.shape)
             torch.testing.assert_close(grad, expected, rtol=0, atol=0)
 
+    def test_fourier_transforms_and_their_gradients_as_eager(self):
+        # torch's FFT ops (r2c, c2c, c2r) with each normalization, sizes given, and through stft
+        transforms = [
+            lambda x: torch.fft.rfft(x).abs(),
+            lambda x: torch.fft.fft(x, norm="ortho").real,
+            lambda x: torch.fft.fft2(x, norm="forward").imag,
+            lambda x: torch.fft.irfft(torch.fft.rfft(x, dim=1), n=6, dim=1),
+            lambda x: torch.fft.irfftn(torch.fft.rfftn(x), s=x.shape),
+            lambda x: torch.fft.ifft(x.to(torch.complex64) * 2).real,
+            lambda x: torch.fft.hfft(torch.fft.ihfft(x), n=8),
+            lambda x: torch.fft.ihfft2(x).real,
+            lambda x: torch.stft(x.reshape(-1), 16, hop_length=4, window=torch.hann_window(16), return_complex=True).abs(),
+        ]
+        x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
+        for i, transform in enumerate(transforms):
+            with self.subTest(transform=i):
+                torch._dynamo.reset()
+                results = []
+                for run in (torch.compile(transform, backend=hops_jax, fullgraph=True), transform):
+                    leaf = x.clone().requires_grad_()
+                    out = run(leaf)
+                    results.append((out, *torch.autograd.grad((out * out.detach().sin()).sum(), leaf)))
+                torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)
+
+    def test_randint_and_normal_draw_from_torchs_seed_in_their_ranges_and_dtypes(self):
+        def program(x, mean, std):
+            return (
+                torch.randint(3, 9, (4000,)),
+                torch.randint_like(x, 5),
+                torch.randint(7, (4000,), dtype=torch.float32),
+                torch.normal(mean, std),
+                torch.normal(2.0, 3.0, (4000,)),
+                torch.normal(mean, 0.5),
+            )
+
+        compiled = torch.compile(program, backend=hops_jax, fullgraph=True)
+        inputs = (torch.zeros(4000, dtype=torch.int32), torch.full((4000,), 1.0), torch.full((4000,), 2.0))
+        runs = []
+        for seed in (0, 0, 1):
+            torch.manual_seed(seed)
+            runs.append(compiled(*inputs))
+        torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+        self.assertFalse(torch.equal(runs[0][0], runs[2][0]))
+        eager = program(*inputs)
+        for got, want, (low, high) in zip(runs[0][:3], eager[:3], ((3, 8), (0, 4), (0, 6))):
+            self.assertEqual(got.dtype, want.dtype)
+            self.assertEqual((got.min().item(), got.max().item()), (low, high))  # every value of the range, none past it
+        for got, (mean, std) in zip(runs[0][3:], ((1.0, 2.0), (2.0, 3.0), (1.0, 0.5))):
+            self.assertAlmostEqual(got.mean().item(), mean, delta=4 * std / 4000**0.5)
+            self.assertAlmostEqual(got.std().item(), std, delta=0.05 * std)
+
     def test_a_tensor_on_another_device_is_refused_naming_it(self):
         with self.assertRaisesRegex(ValueError, r"hops_jax: input 0 is a meta tensor; this backend runs on CPU tensors"):
             backend._to_jax(torch.empty(2, device="meta"), {"in": 0}, "input 0")

@@ -321,6 +321,22 @@ class TestAtenTable(TestCase):
         with jax_x64():  # (int64 results as int64)
             close(self, lower_to_jax(make_fx(program)(x, y))(*arrays((x, y))), program(x, y), "0-d reductions", rtol=1e-6)
 
+    def test_cosine_windows_as_torch(self):
+        def windows():
+            return [
+                torch.hann_window(16),
+                torch.hann_window(7, periodic=False),
+                torch.hamming_window(9),
+                torch.hamming_window(9, False, 0.5, 0.4),
+                torch.blackman_window(12),
+                torch.blackman_window(5, periodic=False, dtype=torch.float64),
+                torch.hann_window(1),
+                torch.hann_window(0),
+            ]
+
+        with jax_x64():
+            close(self, lower_to_jax(make_fx(windows)())(), windows(), "windows", rtol=1e-6)
+
     def test_roll_and_searchsorted_as_torch(self):
         # roll flat, along one dim and two (and its gradient, a roll back); searchsorted on a 1-d and
         # a batched sequence with a tie, both sides, int32, a sorter, a number

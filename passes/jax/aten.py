@@ -896,7 +896,7 @@ def _view_as_real(x):
     return jnp().stack([jnp().real(x), jnp().imag(x)], axis=-1)
 
 
-@register(aten._conj, aten.conj_physical)
+@register(aten._conj, aten.conj_physical, aten._conj_physical)
 def _conj(x):
     return jnp().conj(x)
 
@@ -1339,6 +1339,66 @@ for _op in (aten.sum, aten.mean, aten.prod, aten.amax, aten.amin, aten.argmax, a
     ATEN[_op] = _scalar_as_vector(ATEN[_op])
 for _op in (aten.max.dim, aten.min.dim, aten.cumsum, aten.cumprod, aten.logcumsumexp, aten.cummax, aten.cummin, aten._softmax, aten._log_softmax, aten.sort):
     ATEN[_op] = _scalar_as_vector(ATEN[_op])
+
+
+# ---------------------------------------------------------------- Fourier transforms
+#
+# torch's FFT ops transform over ``dim`` unnormalized and then scale by ``normalization``: 0 none,
+# 1 one over the root of the signal's size, 2 one over its size (an inverse transform with the
+# default norm is ``normalization=2``).
+
+
+def _fft_scaled(out: Any, sizes: Any, normalization: int) -> Any:
+    n = math.prod(sizes)
+    return out if normalization == 0 else out * (1 / math.sqrt(n) if normalization == 1 else 1 / n)
+
+
+@register(aten._fft_r2c)
+def _fft_r2c(x, dim, normalization, onesided):
+    axes = tuple(d % x.ndim for d in dim)
+    out = jnp().fft.rfftn(x, axes=axes) if onesided else jnp().fft.fftn(x, axes=axes)
+    return _fft_scaled(out, [x.shape[d] for d in axes], normalization)
+
+
+@register(aten._fft_c2c)
+def _fft_c2c(x, dim, normalization, forward):
+    axes = tuple(d % x.ndim for d in dim)
+    out = jnp().fft.fftn(x, axes=axes) if forward else jnp().fft.ifftn(x, axes=axes, norm="forward")
+    return _fft_scaled(out, [x.shape[d] for d in axes], normalization)
+
+
+@register(aten._fft_c2r)
+def _fft_c2r(x, dim, normalization, last_dim_size):
+    axes = tuple(d % x.ndim for d in dim)
+    sizes = [x.shape[d] for d in axes[:-1]] + [last_dim_size]
+    return _fft_scaled(jnp().fft.irfftn(x, s=sizes, axes=axes, norm="forward"), sizes, normalization)
+
+
+# Cosine windows (torch 2.9 does not decompose them): sums of cos(k * 2 pi n / (N - 1)); a periodic
+# window is the symmetric one of length + 1 less its last point.
+
+
+def _cosine_window(length: int, periodic: bool, terms: tuple, kwargs: dict) -> Any:
+    dtype = _creation_dtype(kwargs)
+    if length <= 1:
+        return jnp().ones((length,), dtype)
+    angle = 2 * math.pi * jnp().arange(length, dtype=dtype) / (length if periodic else length - 1)
+    return sum(c * jnp().cos(k * angle) for k, c in enumerate(terms)).astype(dtype)
+
+
+@register(aten.hann_window)
+def _hann_window(length, periodic=True, **kwargs):
+    return _cosine_window(length, periodic, (0.5, -0.5), kwargs)
+
+
+@register(aten.hamming_window)
+def _hamming_window(length, periodic=True, alpha=0.54, beta=0.46, **kwargs):
+    return _cosine_window(length, periodic, (alpha, -beta), kwargs)
+
+
+@register(aten.blackman_window)
+def _blackman_window(length, periodic=True, **kwargs):
+    return _cosine_window(length, periodic, (0.42, -0.5, 0.08), kwargs)
 
 
 # ---------------------------------------------------------------- convolution
@@ -1875,6 +1935,44 @@ def _rand(size, **kwargs):
 @register(aten.rand_like)
 def _rand_like(x, **kwargs):
     return _uniform(aten.rand_like, x.shape, _creation_dtype(kwargs, x.dtype))
+
+
+@register(aten.randint)
+def _randint(*args, **kwargs):
+    # randint(high, size) / randint.low(low, high, size)
+    low, high, size = (0, *args) if len(args) == 2 else args
+    return _integers(aten.randint, tuple(size), low, high, _creation_dtype(kwargs, _int64()))
+
+
+@register(aten.randint_like)
+def _randint_like(x, *args, **kwargs):
+    # randint_like(x, high) / randint_like.low_dtype(x, low, high)
+    low, high = (0, *args) if len(args) == 1 else args
+    return _integers(aten.randint_like, x.shape, low, high, _creation_dtype(kwargs, x.dtype))
+
+
+def _integers(op: Any, shape: tuple, low: Any, high: Any, dtype: Any) -> Any:
+    """Integers uniform in ``[low, high)`` of ``dtype`` (drawn as int64 where it is a float's, as torch's are)."""
+    import jax
+
+    drawn = dtype if jnp().issubdtype(dtype, jnp().integer) else _int64()
+    return jax.random.randint(_next_key(op), shape, low, high, drawn).astype(dtype)
+
+
+@register(aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor)
+def _normal(mean, std=1.0, **kwargs):
+    import jax
+
+    shape = jnp().broadcast_shapes(jnp().shape(mean), jnp().shape(std))
+    dtype = jnp().result_type(mean, std) if hasattr(mean, "dtype") or hasattr(std, "dtype") else jnp().float32
+    return mean + std * jax.random.normal(_next_key(aten.normal), shape, dtype)
+
+
+@register(aten.normal.float_float)
+def _normal_of_size(mean, std, size, **kwargs):
+    import jax
+
+    return mean + std * jax.random.normal(_next_key(aten.normal), tuple(size), _creation_dtype(kwargs))
 
 
 @register(aten.randn)
