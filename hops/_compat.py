@@ -704,6 +704,11 @@ DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF = (
     else frozenset()
 )
 DTENSOR_ADDS_REPLICATE_TO_PARTIAL_LOCALLY = TORCH_VERSION >= (2, 13)
+# torch 2.9's ``_linalg_solve_ex`` returns the LU factors of A's transpose where A is real and
+# row-major (LAPACK's column-major view of it), of A otherwise; its backward solves with them
+# accordingly. 2.13 and 2.15 return A's. The jax target returns what each version's backward reads
+# for a real A (it sees no strides: a column-major A on 2.9 is not told apart).
+SOLVE_RETURNS_TRANSPOSED_FACTORS = TORCH_VERSION < (2, 13)
 
 # Private torch symbols the package (hops/, passes/) names that some supported torch lacks,
 # with the first version that has it; the code reaching each is guarded by that version or by

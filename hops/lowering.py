@@ -48,7 +48,7 @@ Autograd: ``caller_saved_tensors_hooks()``: whether the caller has saved-tensor 
 
 Torch versions (facts kept in ``hops._compat``, with the version each holds for and why) a
 target works around: ``DTENSOR_RUNS_FILL_SCALAR``, ``DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF``,
-``DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT``; and a jax difference: ``jax_x64()``, jax's
+``DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT``, ``SOLVE_RETURNS_TRANSPOSED_FACTORS``; and a jax difference: ``jax_x64()``, jax's
 64-bit mode scoped to a target's own calls (``jax.enable_x64`` / ``jax.experimental.enable_x64``).
 """
 
@@ -62,6 +62,7 @@ from hops._compat import (
     DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF,
     DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT,
     DTENSOR_RUNS_FILL_SCALAR,
+    SOLVE_RETURNS_TRANSPOSED_FACTORS,
     caller_saved_tensors_hooks,
     jax_x64,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF",
     "DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT",
     "DTENSOR_RUNS_FILL_SCALAR",
+    "SOLVE_RETURNS_TRANSPOSED_FACTORS",
     "across_calls_key",
     "at_boundary",
     "body_name",

@@ -334,6 +334,45 @@ class TestHopsJax(TestCase):
                     results.append((out, *torch.autograd.grad((out * out.detach().sin()).sum(), leaf)))
                 torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)
 
+    def test_linear_algebra_and_its_gradients_as_eager(self):
+        # torch.linalg's factorizations and solves: values, statuses and gradients (at a cotangent
+        # other than ones); det / slogdet / solve's backwards read the LU factors the forward returns,
+        # inv / cholesky / solve check their status in an effect-ordered op
+        spd = lambda a: a @ a.mT + 3 * torch.eye(4)  # noqa: E731
+        programs = [
+            lambda a, b: torch.linalg.inv(a),
+            lambda a, b: torch.linalg.inv_ex(a),
+            lambda a, b: torch.linalg.cholesky(spd(a), upper=True),
+            lambda a, b: torch.linalg.cholesky_ex(spd(a)),
+            lambda a, b: torch.linalg.det(a),
+            lambda a, b: torch.linalg.slogdet(a),
+            lambda a, b: torch.linalg.solve(a, b),
+            lambda a, b: torch.linalg.solve(a, b[..., 0]),
+            lambda a, b: torch.linalg.solve(a, b[0, :, 0]) + torch.linalg.solve(a[:1], b).sum(-1),  # (batch dims broadcast)
+            lambda a, b: torch.linalg.solve(a, b.mT, left=False),
+            lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b, adjoint=True),
+            lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b.mT, left=False),
+            lambda a, b: torch.lu_unpack(*torch.linalg.lu_factor(a[:, :3])),
+            lambda a, b: torch.linalg.solve_triangular(torch.tril(a), b.mT, upper=False, left=False, unitriangular=True),
+            lambda a, b: (lambda w, v: v @ torch.diag_embed(w) @ v.mT)(*torch.linalg.eigh(a + a.mT)),
+            lambda a, b: (lambda u, s, vh: u @ torch.diag_embed(s) @ vh)(*torch.linalg.svd(a, full_matrices=False)),
+            lambda a, b: (lambda q, r: q @ r.abs())(*torch.linalg.qr(a)),
+            lambda a, b: torch.linalg.cond(a),
+            lambda a, b: torch.diagonal_scatter(a, b[..., 0][..., :3] * 2, 1, 1, 2) + torch.diag_embed(b[..., 1], -1, 0, 2).sum(1)[:4, :4],
+        ]
+        generator = torch.Generator().manual_seed(0)
+        a, b = torch.randn(3, 4, 4, generator=generator), torch.randn(3, 4, 2, generator=generator)
+        for i, program in enumerate(programs):
+            with self.subTest(program=i):
+                torch._dynamo.reset()
+                results = []
+                for run in (torch.compile(program, backend=hops_jax, fullgraph=True), program):
+                    leaves = (a.clone().requires_grad_(), b.clone().requires_grad_())
+                    outputs = torch.utils._pytree.tree_leaves(run(*leaves))
+                    loss = sum((o * torch.linspace(0.5, 1.5, o.numel()).view(o.shape)).sum() for o in outputs if o.is_floating_point())
+                    results.append((outputs, [g for g in torch.autograd.grad(loss, leaves, allow_unused=True) if g is not None]))
+                torch.testing.assert_close(results[0], results[1], rtol=2e-3, atol=2e-3)
+
     def test_randint_and_normal_draw_from_torchs_seed_in_their_ranges_and_dtypes(self):
         def program(x, mean, std):
             return (
@@ -495,6 +534,31 @@ def program(x, scale):
                 self.assertIsInstance(raised.exception, AssertionError)
                 with self.assertRaisesRegex(RuntimeError, message):
                     torch.compile(program, backend="aot_eager", fullgraph=True)(*bad)
+
+    def test_a_singular_or_indefinite_matrix_raises_linalg_error_as_torch_compile_does(self):
+        # where torch.compile (aot_eager) raises torch.linalg.LinAlgError on a singular / indefinite
+        # input (2.13 on: the check is an effect-ordered op in the graph; 2.9's graphs drop it), so
+        # does hops_jax; the _ex ones return eager's status
+        singular, indefinite = torch.zeros(2, 3, 3), torch.stack([torch.eye(3), -torch.eye(3)])
+        for program, bad in (
+            (torch.linalg.inv, singular),
+            (torch.linalg.cholesky, indefinite),
+            (lambda a: torch.linalg.solve(a, torch.ones(3)), singular),
+            (lambda a: torch.linalg.lu_factor(a)[0], singular),
+        ):
+            torch._dynamo.reset()
+            try:
+                torch.compile(program, backend="aot_eager", fullgraph=True)(bad)
+            except RuntimeError:
+                torch._dynamo.reset()
+                with self.assertRaisesRegex(torch.linalg.LinAlgError, r"hops_jax: .*(singular|not positive-definite)"):
+                    torch.compile(program, backend=hops_jax, fullgraph=True)(bad)
+            else:
+                torch._dynamo.reset()
+                torch.compile(program, backend=hops_jax, fullgraph=True)(bad)  # runs, as under aot_eager
+        for program, bad in ((lambda a: torch.linalg.inv_ex(a)[1], singular), (lambda a: torch.linalg.cholesky_ex(a)[1], indefinite)):
+            torch._dynamo.reset()
+            torch.testing.assert_close(torch.compile(program, backend=hops_jax, fullgraph=True)(bad), program(bad))
 
     def test_an_index_out_of_range_in_a_local_map_region_raises(self):
         # (the region is a shard_map: each block checks its own indices)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from passes._infra import PassError
-from passes.jax.checks import holds, in_range, nonzero
+from passes.jax.checks import factored, holds, in_range, nonzero
 
 aten = torch.ops.aten
 
@@ -1401,6 +1401,145 @@ def _blackman_window(length, periodic=True, **kwargs):
     return _cosine_window(length, periodic, (0.42, -0.5, 0.08), kwargs)
 
 
+# ---------------------------------------------------------------- linear algebra
+#
+# torch's linalg ops as jnp.linalg / jax.scipy.linalg computes them. Where torch also returns an LU
+# factorization (det, slogdet, solve: their backwards read it), it is jax's, its pivots 1-based as
+# torch's. ``info`` is torch's status, worked out from the factorization (jax has none): the first
+# zero on U's diagonal (1-based), else 0; for a Cholesky factor, 1 where jax's is NaN (jax does not
+# say which minor failed). ``_linalg_check_errors`` raises on it as torch does (``factored``).
+
+
+def _mT(x: Any) -> Any:
+    return jnp().swapaxes(x, -1, -2)
+
+
+def _lu(a: Any) -> tuple:
+    import jax.scipy.linalg
+
+    lu, pivots = jax.scipy.linalg.lu_factor(a)
+    return lu, (pivots + 1).astype(jnp().int32)
+
+
+def _lu_info(lu: Any) -> Any:
+    zero = jnp().diagonal(lu, axis1=-2, axis2=-1) == 0
+    return jnp().where(zero.any(-1), jnp().argmax(zero, -1) + 1, 0).astype(jnp().int32)
+
+
+@register(aten._linalg_check_errors)
+def _linalg_check_errors(info, api_name, *, is_matrix):
+    factored(info, api_name)
+    return None
+
+
+@register(aten.linalg_inv_ex)
+def _linalg_inv_ex(a, *, check_errors=False):
+    return jnp().linalg.inv(a), _lu_info(_lu(a)[0])
+
+
+@register(aten.linalg_cholesky_ex)
+def _linalg_cholesky_ex(a, *, upper=False, check_errors=False):
+    lower = jnp().linalg.cholesky(a)
+    info = jnp().isnan(lower).any((-2, -1)).astype(jnp().int32)
+    return (jnp().conj(jnp().swapaxes(lower, -1, -2)) if upper else lower), info
+
+
+# (det and slogdet return the LU factors of A's transpose, as torch's do: their backwards solve with them)
+@register(aten._linalg_det)
+def _linalg_det(a):
+    return (jnp().linalg.det(a), *_lu(_mT(a)))
+
+
+@register(aten._linalg_slogdet)
+def _linalg_slogdet(a):
+    sign, logabsdet = jnp().linalg.slogdet(a)
+    return (sign, logabsdet, *_lu(_mT(a)))
+
+
+@register(aten.linalg_lu_factor_ex)
+def _linalg_lu_factor_ex(a, *, pivot=True, check_errors=False):
+    lu, pivots = _lu(a)
+    return lu, pivots, _lu_info(lu)
+
+
+@register(aten.linalg_lu_solve)
+def _linalg_lu_solve(lu, pivots, b, *, left=True, adjoint=False):
+    if left:  # A X = B (A^H X = B)
+        return _lu_solve(lu, pivots, b, 2 if adjoint else 0)
+    # X A = B is A^T X^T = B^T; X A^H = B is A X^H = B^H
+    if adjoint:
+        return jnp().conj(_mT(_lu_solve(lu, pivots, jnp().conj(_mT(b)), 0)))
+    return _mT(_lu_solve(lu, pivots, _mT(b), 1))
+
+
+def _lu_solve(lu: Any, pivots: Any, b: Any, trans: int) -> Any:
+    """jax's LU solve, the batch dims of the factors and of ``b`` broadcast together, as torch's."""
+    import jax.scipy.linalg
+
+    batch = jnp().broadcast_shapes(lu.shape[:-2], b.shape[:-2])
+    lu, pivots = jnp().broadcast_to(lu, batch + lu.shape[-2:]), jnp().broadcast_to(pivots, batch + pivots.shape[-1:])
+    return jax.scipy.linalg.lu_solve((lu, pivots.astype(jnp().int32) - 1), jnp().broadcast_to(b, batch + b.shape[-2:]), trans=trans)
+
+
+@register(aten.lu_unpack)
+def _lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
+    import jax
+
+    m, n = lu.shape[-2:]
+    k = min(m, n)
+    # torch's P: A = P L U. jax's permutation lists the rows of A that L U's rows are.
+    order = jax.lax.linalg.lu_pivots_to_permutation(pivots.astype(jnp().int32) - 1, m)
+    permutation = jnp().swapaxes(jax.nn.one_hot(order, m, dtype=lu.dtype), -1, -2)
+    lower = jnp().tril(lu[..., :, :k], -1) + jnp().eye(m, k, dtype=lu.dtype)
+    upper = jnp().triu(lu[..., :k, :])
+    empty = jnp().zeros((0,), lu.dtype)
+    return (permutation if unpack_pivots else empty), (lower if unpack_data else empty), (upper if unpack_data else empty)
+
+
+@register(aten._linalg_solve_ex)
+def _linalg_solve_ex(a, b, *, left=True, check_errors=False):
+    from hops.lowering import SOLVE_RETURNS_TRANSPOSED_FACTORS
+
+    lu, pivots = _lu(a)
+    vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])  # (torch's reading: B (a batch of) vectors)
+    rhs = b[..., None] if vector else b
+    x = _linalg_lu_solve(lu, pivots, rhs, left=left)
+    if SOLVE_RETURNS_TRANSPOSED_FACTORS and not jnp().iscomplexobj(a):
+        lu, pivots = _lu(_mT(a))  # (what torch 2.9's backward reads)
+    return (x[..., 0] if vector else x), lu, pivots, _lu_info(lu)
+
+
+@register(aten.linalg_solve_triangular)
+def _linalg_solve_triangular(a, b, *, upper, left=True, unitriangular=False):
+    import jax.scipy.linalg
+
+    if left:
+        return jax.scipy.linalg.solve_triangular(a, b, lower=not upper, unit_diagonal=unitriangular)
+    # X A = B is A^T X^T = B^T
+    return _mT(jax.scipy.linalg.solve_triangular(a, _mT(b), lower=not upper, unit_diagonal=unitriangular, trans=1))
+
+
+@register(aten._linalg_eigh)
+def _linalg_eigh(a, UPLO="L", compute_v=True):
+    values, vectors = jnp().linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
+    return values, (vectors if compute_v else jnp().zeros((0,), a.dtype))
+
+
+@register(aten._linalg_svd)
+def _linalg_svd(a, full_matrices=False, compute_uv=True, driver=None):
+    if not compute_uv:
+        empty = jnp().zeros((0,), a.dtype)
+        return empty, jnp().linalg.svd(a, compute_uv=False), empty
+    return tuple(jnp().linalg.svd(a, full_matrices=full_matrices))
+
+
+@register(aten.linalg_qr)
+def _linalg_qr(a, mode="reduced"):
+    if mode == "r":
+        return jnp().zeros((0,), a.dtype), jnp().linalg.qr(a, mode="r")
+    return tuple(jnp().linalg.qr(a, mode=mode))
+
+
 # ---------------------------------------------------------------- convolution
 
 
@@ -1835,6 +1974,27 @@ def _new_empty_strided(x, size, stride, **kwargs):
 @register(aten.diagonal)
 def _diagonal(x, offset=0, dim1=0, dim2=1):
     return jnp().diagonal(x, offset, dim1 % x.ndim, dim2 % x.ndim)
+
+
+def _diagonal_positions(length: int, offset: int) -> tuple:
+    """(rows, columns) of the ``length`` elements of a matrix's diagonal at ``offset``."""
+    steps = jnp().arange(length)
+    return steps + max(-offset, 0), steps + max(offset, 0)
+
+
+@register(aten.diagonal_scatter)
+def _diagonal_scatter(x, source, offset=0, dim1=0, dim2=1):
+    moved = jnp().moveaxis(x, (dim1 % x.ndim, dim2 % x.ndim), (-2, -1))
+    rows, columns = _diagonal_positions(source.shape[-1], offset)
+    return jnp().moveaxis(moved.at[..., rows, columns].set(source), (-2, -1), (dim1 % x.ndim, dim2 % x.ndim))
+
+
+@register(aten.diag_embed)
+def _diag_embed(x, offset=0, dim1=-2, dim2=-1):
+    size = x.shape[-1] + abs(offset)
+    rows, columns = _diagonal_positions(x.shape[-1], offset)
+    out = jnp().zeros((*x.shape[:-1], size, size), x.dtype).at[..., rows, columns].set(x)
+    return jnp().moveaxis(out, (-2, -1), (dim1 % out.ndim, dim2 % out.ndim))
 
 
 @register(aten.diagonal_backward)

@@ -136,14 +136,15 @@ def _stand_in(value: Any, dtype: torch.dtype) -> torch.Tensor:
 
 def _saved_dtypes(gm: fx.GraphModule) -> dict[int, torch.dtype]:
     """The positions (and dtypes) of a forward graph's outputs AOTAutograd saves for the backward
-    only (after its ``num_forward_returns`` user-visible ones); {} outside an AOTAutograd compile
-    or for an inference graph."""
-    returns = getattr(_aot_metadata(), "num_forward_returns", None)
+    only (after its effect tokens, a linalg op's check orders by, and its ``num_forward``
+    user-visible ones); {} outside an AOTAutograd compile or for an inference graph."""
+    metadata = _aot_metadata()
+    returns = getattr(metadata, "num_forward", None)
     results = _results(gm.graph)
     if returns is None or not isinstance(results, (tuple, list)):
         return {}
     saved = {}
-    for index in range(returns, len(results)):
+    for index in range(len(getattr(metadata, "tokens", None) or ()) + returns, len(results)):
         node = results[index]
         value = node.meta.get("val") if isinstance(node, fx.Node) else None
         if isinstance(value, torch.Tensor):

@@ -2,9 +2,10 @@
 (``embedding``, ``gather``, ``x[i]``, a scatter, ...), which a jax program clamps (a gather) or
 drops (a scatter); an integer divided by zero, which gives jax an arbitrary value; a condition
 asserted on tensors (``torch._assert_async``: what Dynamo makes of a Python ``assert``), which a jax
-program has no host check for. Either way the program goes on, its result silently wrong, where
-torch raises. The rules of the ops torch checks (``passes/jax/aten.py``) state what must hold with
-``in_range`` / ``nonzero`` / ``holds``; a function
+program has no host check for; a linalg op's status (a singular matrix to invert, one not positive-
+definite to factor), which jax answers with inf / NaN. Either way the program goes on, where torch
+raises. The rules of the ops torch checks (``passes/jax/aten.py``) state what must hold with
+``in_range`` / ``nonzero`` / ``holds`` / ``factored``; a function
 run under ``checked`` turns those statements into ``checkify`` checks, which ``raising`` raises
 after the call, as torch's error (the ``hops_jax`` backend runs every graph so). Elsewhere
 (``lower_to_jax``'s function as a user jits it) they state nothing: the function is jax's own,
@@ -17,7 +18,9 @@ import contextlib
 import contextvars
 from typing import Any, Callable
 
-__all__ = ["IndexOutOfRange", "IntegerDivisionByZero", "AssertionFailed", "in_range", "nonzero", "holds", "checked", "raising"]
+import torch
+
+__all__ = ["IndexOutOfRange", "IntegerDivisionByZero", "AssertionFailed", "in_range", "nonzero", "holds", "factored", "checked", "raising"]
 
 
 class IndexOutOfRange(IndexError, RuntimeError):
@@ -35,7 +38,8 @@ class AssertionFailed(AssertionError, RuntimeError):
     ``RuntimeError`` with the assertion's message; eager Python, an ``AssertionError``: this is both)."""
 
 
-_KINDS = {kind.__name__: kind for kind in (IndexOutOfRange, IntegerDivisionByZero, AssertionFailed)}
+# (each check's message starts with its kind's name; torch's LinAlgError is named _LinAlgError)
+_KINDS = {kind.__name__: kind for kind in (IndexOutOfRange, IntegerDivisionByZero, AssertionFailed)} | {"LinAlgError": torch.linalg.LinAlgError}
 _CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("hops_jax_checks", default=False)
 
 
@@ -78,6 +82,21 @@ def holds(condition: Any, message: str) -> None:
     checkify.check(jnp.all(jnp.asarray(condition) != 0), "AssertionFailed: " + message.replace("{", "{{").replace("}", "}}"))
 
 
+def factored(info: Any, api_name: str) -> None:
+    """State that a linalg op's ``info`` (torch's status: 0, or the failing diagonal element / minor,
+    1-based) is zero everywhere; else ``torch.linalg.LinAlgError``, as torch raises. A no-op
+    outside ``checked``."""
+    if not _CHECKING.get() or getattr(info, "size", 1) == 0:
+        return
+    import jax.numpy as jnp
+    from jax.experimental import checkify
+
+    first = jnp.ravel(info)[jnp.argmax(jnp.ravel(info) != 0)]
+    problem = "is not positive-definite" if "cholesky" in api_name else "is singular"
+    message = f"LinAlgError: {api_name}: the input {problem} (info {{info}}: the failing diagonal element or leading minor)"
+    checkify.check(jnp.all(info == 0), message, info=first)
+
+
 @contextlib.contextmanager
 def _checking():
     token = _CHECKING.set(True)
@@ -116,7 +135,9 @@ def raising(function: Callable[..., Any]) -> Callable[..., Any]:
         if message is not None:
             message = message.split(" (`check` failed)")[0]
             # (checkify may put where in a mapped region first: "at mapped index 2: ...")
-            kind = next(name for name in _KINDS if f"{name}: " in message)
+            kind = next((name for name in _KINDS if f"{name}: " in message), None)
+            if kind is None:  # (a check of jax's own)
+                raise RuntimeError(f"hops_jax: {message}")
             raise _KINDS[kind](f"hops_jax: {message.replace(f'{kind}: ', '', 1)}")
         return result
 

@@ -107,6 +107,16 @@ def _in_place_rule(node: fx.Node) -> _InPlace:
     return _InPlace(rule_of(functional if functional is not None else target, node.format_node()))
 
 
+def _with_effects(rule: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's ``with_effects(token, op, *args)`` (an op AOTAutograd orders by a token: a linalg
+    op's check of its status) as ``(token, op's rule(*args))``: a jax program's order is its data's."""
+
+    def with_effects(token: Any, op: Any, *args: Any, **kwargs: Any) -> tuple:
+        return token, rule(*args, **kwargs)
+
+    return with_effects
+
+
 def jax_function(gm: fx.GraphModule) -> Callable[..., Any]:
     """The JAX function a lowered graph computes (made once per graph; see the module docstring)."""
     made = _FUNCTIONS.get(gm)
@@ -118,6 +128,8 @@ def jax_function(gm: fx.GraphModule) -> Callable[..., Any]:
             target = node.target
             if target in RUNNERS:
                 steps.append((node, target))
+            elif target is torch.ops.higher_order.with_effects:
+                steps.append((node, _with_effects(rule_of(node.args[1], node.format_node()))))
             elif isinstance(target, torch._ops.HigherOrderOperator):
                 raise PassError(f"lower_to_jax: {node.format_node()}: a HOP left in a lowered graph")
             elif _writes_first_argument(target):
