@@ -321,6 +321,20 @@ class TestAtenTable(TestCase):
         with jax_x64():  # (int64 results as int64)
             close(self, lower_to_jax(make_fx(program)(x, y))(*arrays((x, y))), program(x, y), "0-d reductions", rtol=1e-6)
 
+    def test_round_to_decimals_complex_of_broadcast_parts_and_an_empty_inverse_as_torch(self):
+        def program(x, y):
+            return (
+                torch.round(x * 1000, decimals=2),
+                torch.round(x * 1000, decimals=-2),
+                torch.round(torch.tensor([0.5, 1.5, 2.5, -0.5])),  # (half to even)
+                torch.complex(x, y[:1]),
+                torch.linalg.inv(x[:, :0, :0]),
+            )
+
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(2, 3, 3, generator=g), torch.randn(2, 3, 3, generator=g)
+        close(self, lower_to_jax(make_fx(program)(x, y))(*arrays((x, y))), program(x, y), "round / complex / empty inverse", rtol=1e-6)
+
     def test_cosine_windows_as_torch(self):
         def windows():
             return [

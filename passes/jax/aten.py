@@ -200,7 +200,6 @@ for _op, _name in (
     (aten.sgn, "sign"),
     (aten.floor, "floor"),
     (aten.ceil, "ceil"),
-    (aten.round, "round"),
     (aten.reciprocal, "reciprocal"),
     (aten.logical_not, "logical_not"),
     (aten.bitwise_not, "invert"),
@@ -1095,9 +1094,15 @@ def _polar(magnitude, angle):
     return lax().complex(magnitude * jnp().cos(angle), magnitude * jnp().sin(angle))
 
 
+@register(aten.round)
+def _round(x, *, decimals=0):
+    # half to even, as torch's; with ``decimals``, at that many places (negative: tens, hundreds)
+    return jnp().round(x, decimals)
+
+
 @register(aten.complex)
 def _complex(real, imag):
-    return lax().complex(real, imag)
+    return lax().complex(*jnp().broadcast_arrays(real, imag))  # (torch broadcasts the parts)
 
 
 # ---------------------------------------------------------------- indexing (int64 indices as jax's ints)
@@ -1423,6 +1428,8 @@ def _lu(a: Any) -> tuple:
 
 def _lu_info(lu: Any) -> Any:
     zero = jnp().diagonal(lu, axis1=-2, axis2=-1) == 0
+    if zero.shape[-1] == 0:  # (an empty matrix factors)
+        return jnp().zeros(zero.shape[:-1], jnp().int32)
     return jnp().where(zero.any(-1), jnp().argmax(zero, -1) + 1, 0).astype(jnp().int32)
 
 
