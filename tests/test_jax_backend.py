@@ -358,6 +358,8 @@ class TestHopsJax(TestCase):
             lambda a, b: (lambda u, s, vh: u @ torch.diag_embed(s) @ vh)(*torch.linalg.svd(a, full_matrices=False)),
             lambda a, b: (lambda q, r: q @ r.abs())(*torch.linalg.qr(a)),
             lambda a, b: torch.linalg.cond(a),
+            lambda a, b: (torch.linalg.pinv(a[:, :, :3]), torch.linalg.pinv(a[:, :3, :3] @ a[:, :3, :3].mT, atol=0.5)),
+            lambda a, b: torch.linalg.pinv(a + a.mT, hermitian=True),
             lambda a, b: torch.diagonal_scatter(a, b[..., 0][..., :3] * 2, 1, 1, 2) + torch.diag_embed(b[..., 1], -1, 0, 2).sum(1)[:4, :4],
         ]
         generator = torch.Generator().manual_seed(0)

@@ -1526,6 +1526,26 @@ def _linalg_solve_triangular(a, b, *, upper, left=True, unitriangular=False):
     return _mT(jax.scipy.linalg.solve_triangular(a, _mT(b), lower=not upper, unit_diagonal=unitriangular, trans=1))
 
 
+@register(aten.linalg_pinv)
+def _linalg_pinv(a, atol=None, rtol=None, hermitian=False):
+    # torch's cutoff: singular values at most max(atol, rtol * the largest) count as zero; rtol is
+    # eps * max(m, n) where neither is given, 0 where only atol is
+    if rtol is None:
+        rtol = 0.0 if atol is not None else float(jnp().finfo(a.dtype).eps) * max(a.shape[-2:])
+    if hermitian:
+        values, vectors = jnp().linalg.eigh(a, UPLO="L", symmetrize_input=False)  # (its lower triangle, as torch reads it)
+        singular = jnp().abs(values)
+    else:
+        left, singular, right = jnp().linalg.svd(a, full_matrices=False)
+    largest = singular.max(-1, keepdims=True, initial=0.0)
+    cutoff = jnp().maximum(jnp().asarray(0.0 if atol is None else atol)[..., None], jnp().asarray(rtol)[..., None] * largest)
+    if hermitian:
+        inverted = jnp().where(singular > cutoff, 1 / jnp().where(singular > cutoff, values, 1), 0)
+        return (vectors * inverted[..., None, :]) @ jnp().conj(_mT(vectors))
+    inverted = jnp().where(singular > cutoff, 1 / jnp().where(singular > cutoff, singular, 1), 0)
+    return (jnp().conj(_mT(right)) * inverted[..., None, :]) @ jnp().conj(_mT(left))
+
+
 @register(aten._linalg_eigh)
 def _linalg_eigh(a, UPLO="L", compute_v=True):
     values, vectors = jnp().linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
