@@ -48,8 +48,9 @@ Autograd: ``caller_saved_tensors_hooks()``: whether the caller has saved-tensor 
 
 Torch versions (facts kept in ``hops._compat``, with the version each holds for and why) a
 target works around: ``DTENSOR_RUNS_FILL_SCALAR``, ``DTENSOR_CACHE_IGNORES_SIZE_ARGS_OF``,
-``DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT``, ``SOLVE_RETURNS_TRANSPOSED_FACTORS``; and a jax difference: ``jax_x64()``, jax's
-64-bit mode scoped to a target's own calls (``jax.enable_x64`` / ``jax.experimental.enable_x64``).
+``DTENSOR_NORM_BACKWARD_KEEPS_PARAMETER_LAYOUT``, ``SOLVE_RETURNS_TRANSPOSED_FACTORS``; and a jax
+difference: ``jax_x64()``, jax's 64-bit mode scoped to a target's own calls (``jax.enable_x64`` /
+``jax.experimental.enable_x64``).
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ scoped to it (``hops.lowering.jax_x64``; the caller's jax config is left as it i
 float64 and complex128 tensors cross, are computed and come back as themselves (without x64 jax
 takes an int64 tensor as int32, its values past 2**31 wrapped, and float64 as float32); and each
 tensor comes back as the dtype AOTAutograd traced for it (``_to_torch``). An index out of range
-(``embedding``, ``gather``, ``x[i]``, a scatter, ...), an integer divided by zero and a false
-``assert`` on tensors raise after the call, as torch raises, where the program alone would go on
-with a wrong value (``passes/jax/checks.py``).
+(``embedding``, ``gather``, ``x[i]``, a scatter, ...), an integer divided by zero, a false
+``assert`` on tensors and a singular matrix to invert raise after the call, as torch raises, where
+the program alone would go on with a wrong value (``passes/jax/checks.py``).
 
 Found by name (``backend="hops_jax"``) through the ``torch_dynamo_backends`` entry point. A
 first slice: CPU tensors only (a tensor on another device is refused, naming it); one mesh per
@@ -478,10 +478,10 @@ def _draws_random_numbers(gm: fx.GraphModule) -> bool:
 
 
 def _jitted(function: Callable[..., Any], static: tuple[int, ...]) -> Callable[..., Any]:
-    """``jax.jit(function)`` with its rules' index checks made (``passes/jax/checks.py``): an
-    index out of range raises ``IndexOutOfRange`` after the call, as torch raises, where the
-    program would clamp or drop it. (A program without such an op pays nothing: measured, a
-    step of ``benchmarks/jax_target.py`` and an HF Llama's first step took as long.)"""
+    """``jax.jit(function)`` with the run-time checks its rules state made (``passes/jax/checks.py``):
+    an index out of range, an integer divided by zero, a false tensor assertion, a failed
+    factorization raise after the call, as torch raises. (A program without such an op pays
+    nothing: measured, a step of ``benchmarks/jax_target.py`` and an HF Llama's first step took as long.)"""
     import jax
 
     from passes.jax.checks import checked, raising

@@ -5,11 +5,10 @@ asserted on tensors (``torch._assert_async``: what Dynamo makes of a Python ``as
 program has no host check for; a linalg op's status (a singular matrix to invert, one not positive-
 definite to factor), which jax answers with inf / NaN. Either way the program goes on, where torch
 raises. The rules of the ops torch checks (``passes/jax/aten.py``) state what must hold with
-``in_range`` / ``nonzero`` / ``holds`` / ``factored``; a function
-run under ``checked`` turns those statements into ``checkify`` checks, which ``raising`` raises
-after the call, as torch's error (the ``hops_jax`` backend runs every graph so). Elsewhere
-(``lower_to_jax``'s function as a user jits it) they state nothing: the function is jax's own,
-with jax's semantics.
+``in_range`` / ``nonzero`` / ``holds`` / ``factored``; a function run under ``checked`` turns those
+statements into ``checkify`` checks, which ``raising`` raises after the call, as torch's error (the
+``hops_jax`` backend runs every graph so). Elsewhere (``lower_to_jax``'s function as a user jits
+it) they state nothing: the function is jax's own, with jax's semantics.
 """
 
 from __future__ import annotations
@@ -107,9 +106,9 @@ def _checking():
 
 
 def checked(function: Callable[..., Any], static: tuple[int, ...] = ()) -> Callable[..., Any]:
-    """``function`` returning ``(checkify error, its result)``, the ``in_range`` / ``nonzero`` /
-    ``holds`` statements of the rules it runs checked. ``static``: positions of arguments ``jax.jit`` takes as static (sizes),
-    passed through as they are."""
+    """``function`` returning ``(checkify error, its result)``, the statements of the rules it runs
+    checked. ``static``: positions of arguments ``jax.jit`` takes as static (sizes), passed through
+    as they are."""
     from jax.experimental import checkify
 
     def run(*args: Any) -> Any:
