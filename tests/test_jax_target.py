@@ -314,9 +314,11 @@ class TestAtenTable(TestCase):
             lambda x, d: torch.any(x > 0, d), lambda x, d: torch.all(x > 0, d, keepdim=True), lambda x, d: torch.sum(x, (d,), keepdim=True),
         ]
         x, y = torch.tensor(0.7), torch.ones(1, 3, 1)
+        index = torch.tensor([0])
 
         def program(x, y):
-            return [f(x, d) for f in along for d in (0, -1)], torch.squeeze(y, ()), torch.squeeze(y, (0, -1)), torch.squeeze(x, 0)
+            entries = [x.index_select(0, index), x.index_add(-1, index, y.sum(), alpha=2), x.index_copy(0, index, y.sum())]
+            return [f(x, d) for f in along for d in (0, -1)], entries, torch.squeeze(y, ()), torch.squeeze(y, (0, -1)), torch.squeeze(x, 0)
 
         with jax_x64():  # (int64 results as int64)
             close(self, lower_to_jax(make_fx(program)(x, y))(*arrays((x, y))), program(x, y), "0-d reductions", rtol=1e-6)

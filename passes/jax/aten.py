@@ -566,8 +566,6 @@ def _select_backward(grad, input_sizes, dim, index):
 @register(aten.index_select)
 def _index_select(x, dim, index):
     in_range(index, 0, _size(x, dim), f"aten.index_select, dim {dim}")
-    if x.ndim == 0:  # (its one element, a 0-d result, as torch gives)
-        return x
     return jnp().take(x, index, axis=dim)
 
 
@@ -1160,16 +1158,12 @@ def _put_flat(x, index, source, accumulate=False):
 @register(aten.index_add)
 def _index_add(x, dim, index, source, *, alpha=1):
     in_range(index, 0, _size(x, dim), f"aten.index_add, dim {dim}")
-    if x.ndim == 0:  # (one entry: index and source hold one element)
-        return x + jnp().sum(source) * alpha
     return x.at[_at_dim(x, dim, index)].add(source if alpha == 1 else source * alpha)
 
 
 @register(aten.index_copy)
 def _index_copy(x, dim, index, source):
     in_range(index, 0, _size(x, dim), f"aten.index_copy, dim {dim}")
-    if x.ndim == 0:
-        return jnp().reshape(source, ()).astype(x.dtype)
     return x.at[_at_dim(x, dim, index)].set(source)
 
 
@@ -1339,10 +1333,12 @@ def _scalar_as_vector(rule: Callable[..., Any]) -> Callable[..., Any]:
     return scalar_as_vector
 
 
-# (the reductions, scans and sorts along a dim)
+# (the reductions, scans and sorts along a dim; the index ops reading and writing entries along one)
 for _op in (aten.sum, aten.mean, aten.prod, aten.amax, aten.amin, aten.argmax, aten.argmin, aten.var, aten.any, aten.all):
     ATEN[_op] = _scalar_as_vector(ATEN[_op])
 for _op in (aten.max.dim, aten.min.dim, aten.cumsum, aten.cumprod, aten.logcumsumexp, aten.cummax, aten.cummin, aten._softmax, aten._log_softmax, aten.sort):
+    ATEN[_op] = _scalar_as_vector(ATEN[_op])
+for _op in (aten.index_select, aten.index_add, aten.index_copy):
     ATEN[_op] = _scalar_as_vector(ATEN[_op])
 
 
