@@ -1437,7 +1437,9 @@ def _linalg_check_errors(info, api_name, *, is_matrix):
 
 @register(aten.linalg_inv_ex)
 def _linalg_inv_ex(a, *, check_errors=False):
-    return jnp().linalg.inv(a), _lu_info(_lu(a)[0])
+    # (the inverse solved from the factors its status is read from: one factorization)
+    lu, pivots = _lu(a)
+    return _lu_solve(lu, pivots, jnp().eye(a.shape[-1], dtype=a.dtype), 0), _lu_info(lu)
 
 
 @register(aten.linalg_cholesky_ex)
@@ -1447,16 +1449,29 @@ def _linalg_cholesky_ex(a, *, upper=False, check_errors=False):
     return (jnp().conj(jnp().swapaxes(lower, -1, -2)) if upper else lower), info
 
 
-# (det and slogdet return the LU factors of A's transpose, as torch's do: their backwards solve with them)
+# det and slogdet return the LU factors of A's transpose, as torch's do (their backwards solve with
+# them), and are read from those factors (det(A) = det(A^T)): the product of U's diagonal, its sign
+# flipped by each row swap.
+def _signed_diagonal(lu: Any, pivots: Any) -> tuple:
+    """(the sign the row swaps give, U's diagonal) of an LU factorization with 1-based pivots."""
+    swaps = jnp().sum(pivots != jnp().arange(1, pivots.shape[-1] + 1, dtype=pivots.dtype), -1)
+    return jnp().where(swaps % 2 == 1, -1, 1).astype(lu.dtype), jnp().diagonal(lu, axis1=-2, axis2=-1)
+
+
 @register(aten._linalg_det)
 def _linalg_det(a):
-    return (jnp().linalg.det(a), *_lu(_mT(a)))
+    lu, pivots = _lu(_mT(a))
+    parity, diagonal = _signed_diagonal(lu, pivots)
+    return parity * jnp().prod(diagonal, -1), lu, pivots
 
 
 @register(aten._linalg_slogdet)
 def _linalg_slogdet(a):
-    sign, logabsdet = jnp().linalg.slogdet(a)
-    return (sign, logabsdet, *_lu(_mT(a)))
+    lu, pivots = _lu(_mT(a))
+    parity, diagonal = _signed_diagonal(lu, pivots)
+    size = jnp().abs(diagonal)
+    signs = jnp().where(size == 0, 0, diagonal / jnp().where(size == 0, 1, size))
+    return parity * jnp().prod(signs, -1), jnp().sum(jnp().log(size), -1), lu, pivots
 
 
 @register(aten.linalg_lu_factor_ex)
@@ -1503,12 +1518,12 @@ def _lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
 def _linalg_solve_ex(a, b, *, left=True, check_errors=False):
     from hops.lowering import SOLVE_RETURNS_TRANSPOSED_FACTORS
 
-    lu, pivots = _lu(a)
+    # (torch 2.9's backward reads the factors of A's transpose for a real A: solved with them, as
+    # the adjoint's, so one factorization serves)
+    transposed = SOLVE_RETURNS_TRANSPOSED_FACTORS and not jnp().iscomplexobj(a)
+    lu, pivots = _lu(_mT(a) if transposed else a)
     vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])  # (torch's reading: B (a batch of) vectors)
-    rhs = b[..., None] if vector else b
-    x = _linalg_lu_solve(lu, pivots, rhs, left=left)
-    if SOLVE_RETURNS_TRANSPOSED_FACTORS and not jnp().iscomplexobj(a):
-        lu, pivots = _lu(_mT(a))  # (what torch 2.9's backward reads)
+    x = _linalg_lu_solve(lu, pivots, b[..., None] if vector else b, left=left, adjoint=transposed)
     return (x[..., 0] if vector else x), lu, pivots, _lu_info(lu)
 
 
