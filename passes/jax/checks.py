@@ -47,38 +47,28 @@ def in_range(index: Any, low: int, high: int, what: str) -> None:
     names the op and dim in the error. A no-op outside ``checked``."""
     if not _CHECKING.get() or getattr(index, "size", 1) == 0:
         return
-    import jax.numpy as jnp
-    from jax.experimental import checkify
-
-    outside = (index < low) | (index >= high)
-    first = jnp.ravel(index)[jnp.argmax(jnp.ravel(outside))]
-    message = f"IndexOutOfRange: {what}: index {{index}} is out of bounds (expected {low} <= index < {high})"
-    checkify.check(~jnp.any(outside), message, index=first)
+    _check("IndexOutOfRange", (index < low) | (index >= high), f"{what}: index {{first}} is out of bounds (expected {low} <= index < {high})", index)
 
 
 def nonzero(x: Any, divisor: Any, what: str) -> None:
     """State that ``divisor`` holds no zero where ``x`` / ``divisor`` divides integers (torch raises
     there; floats divide to inf or NaN in both). A no-op outside ``checked``."""
-    if not _CHECKING.get():
-        return
     import jax.numpy as jnp
-    from jax.experimental import checkify
 
-    if not jnp.issubdtype(jnp.result_type(x, divisor), jnp.integer) or getattr(divisor, "size", 1) == 0:
+    if not _CHECKING.get() or not jnp.issubdtype(jnp.result_type(x, divisor), jnp.integer) or getattr(divisor, "size", 1) == 0:
         return
-    checkify.check(jnp.all(jnp.asarray(divisor) != 0), f"IntegerDivisionByZero: {what}: ZeroDivisionError (an integer divided by zero)")
+    _check("IntegerDivisionByZero", jnp.asarray(divisor) == 0, f"{what}: ZeroDivisionError (an integer divided by zero)")
 
 
 def holds(condition: Any, message: str) -> None:
     """State that every element of ``condition`` is true (nonzero); ``message`` is the error's. A
     no-op outside ``checked``."""
+    import jax.numpy as jnp
+
     if not _CHECKING.get():
         return
-    import jax.numpy as jnp
-    from jax.experimental import checkify
-
-    # (checkify formats the message: a brace of the user's is a brace)
-    checkify.check(jnp.all(jnp.asarray(condition) != 0), "AssertionFailed: " + message.replace("{", "{{").replace("}", "}}"))
+    # (the message is formatted: a brace of the user's is a brace)
+    _check("AssertionFailed", jnp.asarray(condition) == 0, message.replace("{", "{{").replace("}", "}}"))
 
 
 def factored(info: Any, api_name: str) -> None:
@@ -87,13 +77,19 @@ def factored(info: Any, api_name: str) -> None:
     outside ``checked``."""
     if not _CHECKING.get() or getattr(info, "size", 1) == 0:
         return
+    problem = "is not positive-definite" if "cholesky" in api_name else "is singular"
+    _check("LinAlgError", info != 0, f"{api_name}: the input {problem} (info {{first}}: the failing diagonal element or leading minor)", info)
+
+
+def _check(kind: str, failed: Any, template: str, among: Any = None) -> None:
+    """A checkify check that no element of ``failed`` is true, whose failure ``raising`` raises as
+    ``_KINDS[kind]``: the message is ``kind: template``, ``{first}`` in it the first element of
+    ``among`` where ``failed`` is."""
     import jax.numpy as jnp
     from jax.experimental import checkify
 
-    first = jnp.ravel(info)[jnp.argmax(jnp.ravel(info) != 0)]
-    problem = "is not positive-definite" if "cholesky" in api_name else "is singular"
-    message = f"LinAlgError: {api_name}: the input {problem} (info {{info}}: the failing diagonal element or leading minor)"
-    checkify.check(jnp.all(info == 0), message, info=first)
+    values = {} if among is None else {"first": jnp.ravel(among)[jnp.argmax(jnp.ravel(failed))]}
+    checkify.check(~jnp.any(failed), f"{kind}: {template}", **values)
 
 
 @contextlib.contextmanager
