@@ -26,6 +26,15 @@ from tests.helpers.hop_db import MESH, ROWS, SAMPLES, forward_backward, fresh  #
 from tests.helpers.snapshot import TestCase  # noqa: E402
 
 
+def outputs_and_gradients(run, inputs):
+    """``run``'s outputs (flattened) and the gradients of the inputs it reaches, at a cotangent that
+    differs at every element of every floating output (a transposed or mirrored gradient shows)."""
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    outputs = torch.utils._pytree.tree_leaves(run(*leaves))
+    loss = sum((o * torch.linspace(0.5, 1.5, o.numel()).view(o.shape)).sum() for o in outputs if o.is_floating_point())
+    return outputs, [g for g in torch.autograd.grad(loss, leaves, allow_unused=True) if g is not None]
+
+
 class TestHopsJax(TestCase):
     def setUp(self):
         torch._dynamo.reset()
@@ -327,12 +336,8 @@ class TestHopsJax(TestCase):
         for i, transform in enumerate(transforms):
             with self.subTest(transform=i):
                 torch._dynamo.reset()
-                results = []
-                for run in (torch.compile(transform, backend=hops_jax, fullgraph=True), transform):
-                    leaf = x.clone().requires_grad_()
-                    out = run(leaf)
-                    results.append((out, *torch.autograd.grad((out * out.detach().sin()).sum(), leaf)))
-                torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)
+                compiled = torch.compile(transform, backend=hops_jax, fullgraph=True)
+                torch.testing.assert_close(outputs_and_gradients(compiled, (x,)), outputs_and_gradients(transform, (x,)), rtol=1e-4, atol=1e-4)
 
     def test_linear_algebra_and_its_gradients_as_eager(self):
         # torch.linalg's factorizations and solves: values, statuses and gradients (at a cotangent
@@ -367,13 +372,8 @@ class TestHopsJax(TestCase):
         for i, program in enumerate(programs):
             with self.subTest(program=i):
                 torch._dynamo.reset()
-                results = []
-                for run in (torch.compile(program, backend=hops_jax, fullgraph=True), program):
-                    leaves = (a.clone().requires_grad_(), b.clone().requires_grad_())
-                    outputs = torch.utils._pytree.tree_leaves(run(*leaves))
-                    loss = sum((o * torch.linspace(0.5, 1.5, o.numel()).view(o.shape)).sum() for o in outputs if o.is_floating_point())
-                    results.append((outputs, [g for g in torch.autograd.grad(loss, leaves, allow_unused=True) if g is not None]))
-                torch.testing.assert_close(results[0], results[1], rtol=2e-3, atol=2e-3)
+                compiled = torch.compile(program, backend=hops_jax, fullgraph=True)
+                torch.testing.assert_close(outputs_and_gradients(compiled, (a, b)), outputs_and_gradients(program, (a, b)), rtol=2e-3, atol=2e-3)
 
     def test_randint_and_normal_draw_from_torchs_seed_in_their_ranges_and_dtypes(self):
         def program(x, mean, std):
