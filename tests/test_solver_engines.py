@@ -7,6 +7,7 @@ the neighbourhood search alone at the same time limit, with a busy loop on the m
 depend on the timing, so these assert properties, not plans."""
 
 import math
+import os
 import subprocess
 import sys
 import time
@@ -23,6 +24,8 @@ from passes.solver.reduce import Reduced
 from tests.helpers.random_problems import brute_force, forbidden_as_1e18_problem
 
 pytestmark = pytest.mark.skipif(not wcsp.available(), reason="pytoulbar2 is not installed")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def random_problem(seed, nodes, strategies, edges, forbid, memory):
@@ -262,3 +265,71 @@ class TestPortfolio:
         assert solution.stats["search"] == "exact" and "wcsp_runs" not in solution.stats
         with pytest.raises(ImportError, match="pytoulbar2"):
             solve_problem(problem, time_limit=1.0, search="toulbar2")
+
+
+def _children_running(parent: int, script: str) -> list[int]:
+    """The pids of ``parent``'s running children whose command line holds ``script`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z" and script in command:
+            found.append(int(entry))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the parent-death signal is Linux's")
+def test_a_toulbar2_run_dies_with_the_solver_that_started_it():
+    """A solver killed while toulbar2 runs (SIGKILL: none of its cleanup runs) leaves no worker
+    solving on. The run is a pigeonhole problem (13 choices of 12 strategies, no two alike), whose
+    proof toulbar2 searches for silently: before, its worker (which holds the GIL and writes
+    nothing while it proves) ran on for minutes after a test runner's timeout or a shell's kill."""
+    script = (
+        f"import math, sys, time; sys.path.insert(0, {ROOT!r})\n"
+        "import numpy as np\n"
+        "from passes.solver import StrategyProblem, wcsp\n"
+        "from passes.solver.reduce import Reduced\n"
+        "from passes.solver.search import Search\n"
+        "n = 12\n"
+        "pairs = [(i, j) for i in range(n + 1) for j in range(i + 1, n + 1)]\n"
+        "table = np.where(np.eye(n, dtype=bool), np.inf, 0.0)\n"
+        "problem = StrategyProblem([np.zeros(n)] * (n + 1), [np.zeros(n)] * (n + 1), [(0, 1)] * (n + 1), pairs, [table] * len(pairs))\n"
+        "reduced = Reduced(problem)\n"
+        "reduced.reduce(None, math.inf, eliminate=False)\n"
+        "wcsp.solve_wcsp(Search(reduced, seed=0), time.perf_counter() + 300)\n"
+    )
+    solver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        until = time.monotonic() + 120
+        workers = []
+        while not workers and solver.poll() is None and time.monotonic() < until:
+            time.sleep(0.1)
+            workers = _children_running(solver.pid, "wcsp_worker.py")
+        time.sleep(1.0)  # (past its start: solving)
+        assert solver.poll() is None and all(_running(pid) for pid in workers), "the run ended before the solver was killed"
+    finally:
+        solver.kill()
+        solver.wait()
+    assert workers, "the solver started no toulbar2 worker"
+    until = time.monotonic() + 10
+    while any(_running(pid) for pid in workers) and time.monotonic() < until:
+        time.sleep(0.1)
+    alive = [pid for pid in workers if _running(pid)]
+    for pid in alive:  # (not left behind by a failing run)
+        os.kill(pid, 9)
+    assert not alive, f"toulbar2 workers {alive} outlived their solver"

@@ -144,7 +144,7 @@ def _solved_by_toulbar2(search, deadline, upper, hint, seed, vns, rows, first_by
     process = None
     try:
         with open(path, "rb") as stdin:
-            process = subprocess.Popen([sys.executable, _WORKER], stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            process = subprocess.Popen([sys.executable, _WORKER, str(os.getpid())], stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         _follow(process, log, deadline, first_by, stop)
     finally:
         if process is not None:

@@ -11,7 +11,8 @@ last solution is optimal, or with none, no solution beats ``upper``, or with no 
 costs less than ``top``) or ``error``, and toulbar2's dual bound. Nothing is written after
 that. The model is built here, not by the caller, so that building it (seconds for thousands
 of nodes on a busy machine) counts against the caller's deadline: the caller kills this
-process at its deadline and keeps the last solution read. It imports numpy and pytoulbar2 only.
+process at its deadline and keeps the last solution read, and it dies with the caller
+(``_die_with``). It imports numpy and pytoulbar2 only.
 
 The model: ``domains`` (strategies per variable), ``unary`` (a cost list per variable),
 ``binary`` (``(i, j, costs)``, costs flattened row-major, ``i``'s strategy the row),
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pickle
 import struct
 import sys
@@ -202,7 +204,24 @@ def _read(stream) -> object | None:
     return pickle.loads(stream.read(size))
 
 
+def _die_with(parent: int) -> None:
+    """This process killed when ``parent`` (the solver that started it, as ``argv[1]``) dies.
+    toulbar2 holds the GIL and writes nothing while it proves, so neither a thread nor a broken
+    pipe would notice: a solver killed by a shell or a test runner's timeout left its run
+    solving for minutes. (Linux: the kernel's parent-death signal, which the spawning thread's
+    exit also sends; that thread waits for this process, so it fires only when the solver dies.)"""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # (it died before the signal was asked for)
+        os._exit(1)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        _die_with(int(sys.argv[1]))
     data = _read(sys.stdin.buffer)
     if data is not None:
         model, scale = build_model(data)
