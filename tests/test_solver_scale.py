@@ -342,48 +342,85 @@ def test_search_is_checked():
         solve_problem(problem, search="fast")
 
 
-def test_the_axis_search_returns_a_valid_plan_no_better_than_the_optimum_and_within_the_budget():
-    """Random problems whose options are every per-axis layout on 3 axes (2 per axis): the
-    search's plan has finite cost, fits the budget, costs what ``evaluate`` says, and is never
-    below the brute-force optimum (which the exact program meets)."""
+def _random_axis_problem(seed: int, budgeted: bool):
+    """A random problem whose options are every per-axis layout on 3 axes (2 per axis), four
+    choices all live together, each with 3 neighbours (none is eliminated); the budget (if
+    ``budgeted``) at the median peak. (problem, its brute-force optimum)."""
     import itertools
 
-    from hypothesis import given, settings
-    from hypothesis import strategies as st
-
-    from passes.solver import peak_usage, problem_cost, solve_problem
     from passes.solver.solve import Factor, MemoryTerm, choice_problem
 
     layouts = np.array(list(itertools.product(range(2), repeat=3)))  # 8 options, a code per axis
+    rng = np.random.default_rng(seed)
+    costs = [rng.uniform(0, 3, 8) for _ in range(4)]
+    terms = [MemoryTerm(i, 0, 1, rng.integers(0, 5, 8).astype(float)) for i in range(4)]
+    factors = []
+    for a, b in itertools.combinations(range(4), 2):
+        table = rng.uniform(0, 3, (8, 8))
+        table[rng.uniform(size=(8, 8)) < 0.2] = np.inf
+        np.fill_diagonal(table, 0.0)  # equal layouts: nothing to move
+        factors.append(Factor(a, b, np.arange(8), np.arange(8), table))
+    problem, _ = choice_problem(costs, factors, terms, None, [layouts] * 4)
+    # Every plan's cost and peak from the raw arrays, at once.
+    plans = np.array(list(itertools.product(range(8), repeat=4)))
+    totals = sum(costs[i][plans[:, i]] for i in range(4))
+    totals = totals + sum(f.table[plans[:, f.a], plans[:, f.b]] for f in factors)
+    peaks = sum(t.usage[plans[:, t.choice]] for t in terms)
+    budget = float(np.median(peaks)) if budgeted else None
+    problem = problem.with_usage_limit(budget)
+    optimum = float(totals[peaks <= budget + 1e-9].min() if budget is not None else totals.min())
+    return problem, optimum
+
+
+def _check_axis_plan(problem, searched, optimum) -> None:
+    from passes.solver import peak_usage, problem_cost
+
+    assert searched.stats["search"] == "axes"
+    assert np.isfinite(searched.cost) and searched.cost == pytest.approx(problem_cost(problem, searched.strategies))
+    assert searched.cost >= optimum - 1e-9
+    if problem.usage_limit is not None:
+        assert peak_usage(problem, searched.strategies) <= problem.usage_limit + 1e-9
+
+
+def test_the_axis_search_returns_a_valid_plan_no_better_than_the_optimum_and_within_the_budget():
+    """Random problems on 3 mesh axes: the search's plan has finite cost, fits the budget,
+    costs what ``evaluate`` says, and is never below the brute-force optimum (which the exact
+    program meets)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from passes.solver import solve_problem
 
     @settings(max_examples=25, deadline=None)
     @given(st.integers(0, 2**32 - 1), st.booleans())
     def check(seed, budgeted):
-        rng = np.random.default_rng(seed)
-        costs = [rng.uniform(0, 3, 8) for _ in range(4)]
-        terms = [MemoryTerm(i, 0, 1, rng.integers(0, 5, 8).astype(float)) for i in range(4)]
-        factors = []
-        for a, b in itertools.combinations(range(4), 2):  # every choice has 3 neighbours: none is eliminated
-            table = rng.uniform(0, 3, (8, 8))
-            table[rng.uniform(size=(8, 8)) < 0.2] = np.inf
-            np.fill_diagonal(table, 0.0)  # equal layouts: nothing to move
-            factors.append(Factor(a, b, np.arange(8), np.arange(8), table))
-        problem, _ = choice_problem(costs, factors, terms, None, [layouts] * 4)
-        # Every plan's cost and peak from the raw arrays, at once (all four live together).
-        plans = np.array(list(itertools.product(range(8), repeat=4)))
-        totals = sum(costs[i][plans[:, i]] for i in range(4))
-        totals = totals + sum(f.table[plans[:, f.a], plans[:, f.b]] for f in factors)
-        peaks = sum(t.usage[plans[:, t.choice]] for t in terms)
-        budget = float(np.median(peaks)) if budgeted else None
-        problem = problem.with_usage_limit(budget)
-        optimum = float(totals[peaks <= budget + 1e-9].min() if budget is not None else totals.min())
+        problem, optimum = _random_axis_problem(seed, budgeted)
         exact = solve_problem(problem, search="exact", dominance="equal")
         assert exact.cost == pytest.approx(optimum, rel=1e-9)
-        searched = solve_problem(problem, search="axes", dominance="equal")
-        assert searched.stats["search"] == "axes"
-        assert np.isfinite(searched.cost) and searched.cost == pytest.approx(problem_cost(problem, searched.strategies))
-        assert searched.cost >= optimum - 1e-9
-        if budget is not None:
-            assert peak_usage(problem, searched.strategies) <= budget + 1e-9
+        _check_axis_plan(problem, solve_problem(problem, search="axes", dominance="equal"), optimum)
+
+    check()
+
+
+def test_the_axis_search_refines_the_heuristics_plan_when_its_coarse_level_gets_no_time(monkeypatch):
+    """With a time limit the mesh-axis policy starts from the heuristics' plan: where its coarse
+    program does not finish (here: given no time), the neighbourhoods refine that plan and the
+    call still answers with a valid one (before, it raised ``NoPlanFoundError``: a 478-node
+    decoder on a 2x2x2 mesh at a 3 s limit)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    import passes.solver.search as search_module
+    from passes.solver import solve_problem
+
+    monkeypatch.setattr(search_module, "_COARSE_SHARE", 0.0)
+
+    @settings(max_examples=8, deadline=None)
+    @given(st.integers(0, 2**32 - 1), st.booleans())
+    def check(seed, budgeted):
+        problem, optimum = _random_axis_problem(seed, budgeted)
+        searched = solve_problem(problem, search="axes", dominance="equal", time_limit=20)
+        _check_axis_plan(problem, searched, optimum)
+        assert searched.stats["coarse_costs"] == []  # (the coarse level did not run)
 
     check()
