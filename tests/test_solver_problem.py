@@ -466,6 +466,55 @@ forbidden_problems = st.builds(
 )
 
 
+class TestDualRestricted:
+    """``_restricted_by_the_dual``: the whole program over each node's plan strategy and the
+    strategies the diffusion's reparametrized costs rank cheapest."""
+
+    @staticmethod
+    def _search(problem):
+        reduced = reduce_module.Reduced(problem)
+        reduced.reduce(problem.usage_limit, math.inf, eliminate=False)
+        return search_module.Search(reduced, seed=0)
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(case=forbidden_problems, seed=st.integers(0, 2**32 - 1))
+    def test_the_plan_only_improves_and_stays_within_the_limit(self, case, seed):
+        problem, raw = case
+        best = brute_force_1e18(raw)
+        if math.isinf(best):
+            return
+        search = self._search(problem)
+        rng = np.random.default_rng(seed)
+        search.assign(np.array([int(rng.integers(len(c))) for c in search.cost], dtype=np.int64))
+        valid = search.violation() == 0 and search.objective() < search.big
+        before = search.objective()
+        search.diffusion_bound(math.inf)
+        search_module._restricted_by_the_dual(search, time.perf_counter() + 5.0)
+        if valid:
+            assert search.violation() == 0 and search.objective() <= before
+        if search.violation() == 0 and search.objective() < search.big:
+            assert problem_cost(problem, search.plan()) == pytest.approx(search.objective(), rel=1e-9)
+            assert search.objective() >= best * (1 - 1e-12) - 1e-9
+
+    def test_it_moves_every_layout_at_once_where_single_moves_and_small_neighbourhoods_cannot(self):
+        # A chain of 40 values with 60 layouts each: a change of layout along an edge costs 100,
+        # layout 7 is free everywhere, layout 0 (the plan) costs 5. No node gains by moving
+        # alone, and a neighbourhood of a few edges (3,600 pairs each) only moves its inside at
+        # the price of two changes; the dual ranks layout 7 first at every node.
+        n, k = 40, 60
+        costs = [np.where(np.arange(k) == 7, 0.0, np.where(np.arange(k) == 0, 5.0, 10.0)) for _ in range(n)]
+        table = np.where(np.eye(k, dtype=bool), 0.0, 100.0)
+        edges = [(i, i + 1) for i in range(n - 1)]
+        problem = StrategyProblem(costs, [np.zeros(k)] * n, [[0, 1]] * n, edges, [table] * len(edges))
+        search = self._search(problem)
+        search.assign(np.zeros(n, dtype=np.int64))
+        assert search.descend(math.inf) == 0  # (no single move pays)
+        search.diffusion_bound(math.inf)
+        width = search_module._restricted_by_the_dual(search, time.perf_counter() + 30.0)
+        assert width >= search_module._DUAL_FIRST_WIDTH
+        assert search.objective() == 0.0 and list(search.plan()) == [7] * n
+
+
 # Tight memory limits (the least peak): the cheapest plans break them, so priced rounds run.
 tight_forbidden_problems = st.builds(
     lambda seed, nodes, forbid, infinity: forbidden_as_1e18_problem(
