@@ -12,38 +12,45 @@ mesh-axis codes. Per problem this prints the cost ``solve_problem`` reaches with
 cheaper of the two), the reference's status, and the seconds taken. Every plan is checked by
 ``problem_cost`` and ``peak_usage``.
 
-Measured (idle 2-core machine, torch 2.13 venv, commit "solver: the mesh-axis policy starts from
-the heuristics' plan"; ``--shapes 128x2 --meshes 2x2,2x4,2x2x2 --reference-limit 60``):
+Measured (idle 2-core machine, torch 2.13 venv, ``--shapes 128x2 --meshes 2x2,2x4,2x2x2
+--reference-limit 60``), before and after commit "solver: a neighbourhood of values, each node
+restricted to the strategies the dual ranks first" (each run's reference is its own 60 s call):
 
-| shape | mesh | budget | nodes | 10 s / reference | reference (60 s) |
-|---|---|---|---|---|---|
-| 128x2 | 2x2 | none | 478 | 1.0000 | optimal (0.9 s) |
-| 128x2 | 2x2 | 0.5 | 478 | 1.1052 | optimal (30 s) |
-| 128x2 | 2x2 | 0.2 | 478 | 1.1442 | not proven |
-| 128x2 | 2x4 | none | 478 | 1.0000 | optimal (1.4 s) |
-| 128x2 | 2x4 | 0.5 | 478 | 1.1280 | not proven |
-| 128x2 | 2x4 | 0.2 | 478 | 1.1624 | not proven |
-| 128x2 | 2x2x2 | none | 478 | 1.4179 | not proven |
-| 128x2 | 2x2x2 | 0.5 | 478 | 1.2252 | not proven |
-| 128x2 | 2x2x2 | 0.2 | 478 | 1.4557 | not proven |
+| shape | mesh | budget | nodes | before: 10 s / reference | after: 10 s / reference | after: reference (60 s) |
+|---|---|---|---|---|---|---|
+| 128x2 | 2x2 | none | 478 | 1.0000 | 1.0000 | optimal (1.0 s) |
+| 128x2 | 2x2 | 0.5 | 478 | 1.1052 | 1.1061 | optimal (31 s) |
+| 128x2 | 2x2 | 0.2 | 478 | 1.1442 | 1.2436 | not proven |
+| 128x2 | 2x4 | none | 478 | 1.0000 | 1.0000 | optimal (1.3 s) |
+| 128x2 | 2x4 | 0.5 | 478 | 1.1280 | 1.0904 | not proven |
+| 128x2 | 2x4 | 0.2 | 478 | 1.1624 | 1.0148 | not proven |
+| 128x2 | 2x2x2 | none | 478 | 1.4179 | 1.0106 | not proven |
+| 128x2 | 2x2x2 | 0.5 | 478 | 1.2252 | 1.0176 | not proven |
+| 128x2 | 2x2x2 | 0.2 | 478 | 1.4557 | 1.0476 | not proven |
 
-geometric mean 1.1727, worst 1.4557, every call within its limit.
+Geometric mean 1.1727 before, 1.0565 after; worst 1.4557, then 1.2436. Every call kept its limit.
 
-What this family shows that the contest-like one does not:
-- **A budget shared by every step.** Parameters and optimizer state live throughout, so the
-  budget binds every step at once. The whole-program integer program with memory rows does not
-  finish in half of 10 s, and the priced rounds get no round of their least length. Shorter
-  rounds for every problem were tried and left out: 1.00-1.07x on four of five budgeted
-  problems, but 1.44x on a 2x2x2 one, and 3-8% lost on contest-like problems of 2-8k nodes at
-  10 s.
-- **Many strategies on a 3-D mesh** (105 per node, 3.25M pair variables). Without the
-  mesh-axis codes the format drops, the neighbourhoods (a few edges each) cannot move the
-  layouts of many values together. The 2x2x2 problem without a budget ends at 3.76e8 at 10 s
-  and 2.65e8 at 60 s; the FX front's own solve, with the codes, reaches 2.49e8 in 9 s (its
-  coarse level ties two mesh axes across the whole program). Larger first neighbourhoods
-  (100k, 300k pair variables) did not help.
-The FX front itself solves without a time limit by default (to the proven optimum, or by the
-mesh-axis policy on 3-D meshes, in the times ``benchmarks/solver_scaling.py`` prints).
+**Many strategies on a 3-D mesh.** This mesh has 105 strategies per value and 3.25M pair
+variables, and the contest's format drops the mesh-axis codes. A node neighbourhood of 20k pair
+variables is then a few edges, so it cannot move the layouts of many values together.
+- Before: 3.76e8 at 10 s and 2.65e8 at 60 s.
+- The FX front's own solve reaches 2.49e8 in 9 s, using the codes.
+- Larger first neighbourhoods (100k, 300k pair variables) did not help.
+- What did help is the dual-restricted program: every node limited to the few strategies the
+  bound's diffusion ranks first, solved whole. It reaches 2.49e8 in under a second once the
+  ranking has had its time.
+
+**A budget shared by every step.** Parameters and optimizer state live throughout, so the
+budget binds every step at once.
+- The whole-program integer program with memory rows does not finish in half of 10 s.
+- The priced rounds get no round of their least length.
+- Shorter rounds for every problem were tried and left out. They gave 1.00-1.07x on four of
+  five budgeted problems, but 1.44x on a 2x2x2 one, and lost 3-8% on contest-like problems of
+  2-8k nodes at 10 s.
+- The 2x2 0.2 row varies most between runs: 1.02-1.24x at 10 s over four runs of the same code.
+
+The FX front itself solves without a time limit by default: to the proven optimum, or by the
+mesh-axis policy on 3-D meshes, in the times ``benchmarks/solver_scaling.py`` prints.
 
 Usage: python benchmarks/solver_fx_family.py [--shapes 128x2,256x1] [--meshes 2x2,2x4,2x2x2]
        [--budgets none,0.5,0.2] [--time-limit 10] [--reference-limit 90] [--write DIR]

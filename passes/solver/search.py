@@ -101,6 +101,7 @@ class Search:
         self.edges = []  # (local i, local j, matrix)
         self.adjacent: list[list[tuple[int, np.ndarray, np.ndarray]]] = [[] for _ in self.nodes]
         self.edge_class_ids = []
+        self.diffused: list[np.ndarray] | None = None  # (``diffusion_bound``'s reparametrized node costs)
         check(deadline)
         for count, (eid, (i, j, m)) in enumerate(reduced.edges.items()):
             if count % _CHECK_EVERY == 0:
@@ -820,8 +821,9 @@ class _Run:
             runner.incumbent.offer(search.objective(), search.s)
 
     def neighbourhoods(self) -> None:
-        """A min-sum diffusion bound (a tenth of the time left), memory priced (where there is
-        time for its rounds), then large neighbourhoods until the deadline."""
+        """A min-sum diffusion bound (a tenth of the time left), the dual-restricted programs
+        (``_restricted_by_the_dual``, where they are small), memory priced (where there is time
+        for its rounds), then large neighbourhoods until the deadline."""
         search, stats, deadline = self.search, self.stats, self.deadline
         self.method = "milp-lns" if self.method == "milp" else "lns"
         began = time.perf_counter()
