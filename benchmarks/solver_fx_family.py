@@ -47,7 +47,8 @@ budget binds every step at once.
 - Shorter rounds for every problem were tried and left out. They gave 1.00-1.07x on four of
   five budgeted problems, but 1.44x on a 2x2x2 one, and lost 3-8% on contest-like problems of
   2-8k nodes at 10 s.
-- The 2x2 0.2 row varies most between runs: 1.02-1.24x at 10 s over four runs of the same code.
+- The 2x2 0.2 row varies most between runs: 1.02-1.24x at 10 s over three runs of this change
+  as it was tuned (before it: 1.14-1.23x over four runs).
 
 The FX front itself solves without a time limit by default: to the proven optimum, or by the
 mesh-axis policy on 3-D meshes, in the times ``benchmarks/solver_scaling.py`` prints.
