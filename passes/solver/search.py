@@ -86,6 +86,8 @@ _CHECK_EVERY = 256
 class Search:
     """The reduced problem as arrays, with an incumbent and the memory it uses over time."""
 
+    diffused: list[np.ndarray] | None = None  # (``diffusion_bound``'s reparametrized node costs)
+
     def __init__(self, reduced: Reduced, seed: int, deadline: float = math.inf) -> None:
         """``deadline``: ``OutOfTime`` is raised past it (the arrays of a 20k-node problem
         take half a second)."""
@@ -101,7 +103,6 @@ class Search:
         self.edges = []  # (local i, local j, matrix)
         self.adjacent: list[list[tuple[int, np.ndarray, np.ndarray]]] = [[] for _ in self.nodes]
         self.edge_class_ids = []
-        self.diffused: list[np.ndarray] | None = None  # (``diffusion_bound``'s reparametrized node costs)
         check(deadline)
         for count, (eid, (i, j, m)) in enumerate(reduced.edges.items()):
             if count % _CHECK_EVERY == 0:
@@ -579,7 +580,9 @@ def solve_problem(
             reduce_seconds=reduce_seconds,
             search_seconds_allowed=deadline - begin,
         )
-        run = _Run(problem, searched, "axes" if by_axes else "exact" if search == "axes" else search, time_limit, begin, deadline, seed, dominance, start, stats)
+        # (``"axes"`` on a problem without codes on 3 or more mesh axes: the exact route.)
+        mode = "axes" if by_axes else "exact" if search == "axes" else search
+        run = _Run(problem, searched, mode, time_limit, begin, deadline, seed, dominance, start, stats)
         if len(searched.nodes):
             candidates = run.heuristic_plans()
             run.start_portfolio(candidates)
@@ -1301,8 +1304,8 @@ _BOUND_SHARE = 0.1
 def _dual_pairs(search: Search, width: int) -> int:
     """At most the pair variables of the dual-restricted program of ``width`` (each node's
     ``width`` strategies and its plan's)."""
-    counts = np.array([min(width + 1, len(c)) for c in search.cost], dtype=np.int64)
-    return int(sum(counts[i] * counts[j] for i, j, _ in search.edges))
+    counts = np.minimum(width + 1, np.diff(search.cost_start))
+    return int((counts[search.edge_i] * counts[search.edge_j]).sum())
 
 
 def _restricted_by_the_dual(search: Search, deadline: float) -> int:
@@ -1317,15 +1320,13 @@ def _restricted_by_the_dual(search: Search, deadline: float) -> int:
     ranks = [np.argsort(costs, kind="stable") for costs in search.diffused]
     sizes = np.array([len(r) for r in ranks])
     solved, width = 0, _DUAL_FIRST_WIDTH
-    while time.perf_counter() < deadline:
+    while time.perf_counter() < deadline and _dual_pairs(search, width) <= _DUAL_PAIRS:
         masks = {}
         for v, order in enumerate(ranks):
             mask = np.zeros(len(order), dtype=bool)
             mask[order[:width]] = True
             mask[search.s[v]] = True
             masks[v] = mask
-        if _dual_pairs(search, width) > _DUAL_PAIRS:
-            break
         valid = search.violation() == 0 and search.objective() < search.big
         status, chosen, _ = search.solve_milp(
             np.arange(len(search.nodes)), deadline - time.perf_counter(), valid, deadline=deadline, masks=masks, gap=_NEIGHBOURHOOD_GAP
