@@ -267,30 +267,35 @@ class TestPortfolio:
             solve_problem(problem, time_limit=1.0, search="toulbar2")
 
 
-def _children_running(parent: int, script: str) -> list[int]:
-    """The pids of ``parent``'s running children whose command line holds ``script`` (from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                command = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if int(fields[1]) == parent and fields[0] != "Z" and script in command:
-            found.append(int(entry))
-    return found
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command's name (state first, then the parent's
+    pid), or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
 
 
 def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def _children_running(parent: int, script: str) -> list[int]:
+    """The pids of ``parent``'s running children whose command line holds ``script`` (from /proc)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        fields = _stat(int(entry))
+        if fields is None or int(fields[1]) != parent or fields[0] == "Z":
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if script in f.read().decode(errors="replace"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the parent-death signal is Linux's")
