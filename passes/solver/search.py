@@ -300,6 +300,10 @@ class Search:
         """Memory above the limit, summed over the constraints."""
         return float(np.maximum(self.load - self.rhs, 0.0).sum()) if len(self.rhs) else 0.0
 
+    def has_plan(self) -> bool:
+        """Whether the plan is one: within the memory limit, no forbidden choice."""
+        return self.violation() == 0 and self.objective() < self.big
+
     def lower_bound(self) -> float:
         """Node minima: every remaining edge is >= 0 after the reductions."""
         return self.reduced.constant + math.fsum(self.least_cost.tolist())
@@ -752,8 +756,12 @@ class _Run:
         self.stats["start_violation"] = search.violation()
         best = search.objective()
         self.stats["heuristic_cost"] = best
-        if self.runner is not None and search.violation() == 0 and best < search.big:
-            self.runner.incumbent.offer(best, search.s)
+        self.share_plan()
+
+    def share_plan(self) -> None:
+        """The search's plan offered to toulbar2's thread (the portfolio), if it is one."""
+        if self.runner is not None and self.search.has_plan():
+            self.runner.incumbent.offer(self.search.objective(), self.search.s)
 
     def search_to_the_deadline(self) -> None:
         """toulbar2 alone (``search="toulbar2"``); else the program over the whole reduced
@@ -782,7 +790,7 @@ class _Run:
         program over the whole reduced problem where they found none."""
         search, stats = self.search, self.stats
         stats["exact_pair_variables"] = stats["pairs_left"]
-        incumbent = (search.s.copy(), search.objective()) if search.violation() == 0 and search.objective() < search.big else None
+        incumbent = (search.s.copy(), search.objective()) if search.has_plan() else None
         found = _axis_search(search, self.deadline, incumbent)
         if found is None:
             self.whole_program(last=True)
@@ -820,8 +828,8 @@ class _Run:
         if runner is not None and stats["milp_optimal"]:
             runner.incumbent.proven.set()
             runner.incumbent.stop.set()
-        elif runner is not None and search.violation() == 0 and search.objective() < search.big:
-            runner.incumbent.offer(search.objective(), search.s)
+        else:
+            self.share_plan()
 
     def neighbourhoods(self) -> None:
         """A min-sum diffusion bound (a tenth of the time left), the dual-restricted programs
@@ -842,8 +850,7 @@ class _Run:
         if dual and search.diffused is not None:
             until = min(began + _DUAL_SHARE * (deadline - began), time.perf_counter() + _DUAL_MOST_SECONDS)
             stats["dual_restricted"] = _restricted_by_the_dual(search, until)
-            if self.runner is not None and search.violation() == 0 and search.objective() < search.big:
-                self.runner.incumbent.offer(search.objective(), search.s)
+            self.share_plan()
         began = time.perf_counter()
         priced = _LAGRANGIAN_SHARE * (deadline - began)
         # Rounds shortened (to a floor) so that the least number of them fits.
@@ -1032,7 +1039,7 @@ def _wcsp_phase(
     the problem infeasible (if the model is exact, ``wcsp.WcspResult``)."""
     began = time.perf_counter()
     best_s = search.s.copy()
-    best = search.objective() if search.violation() == 0 and search.objective() < search.big else math.inf
+    best = search.objective() if search.has_plan() else math.inf
     # Without a plan within the limit: toulbar2's plan that breaks it least (it makes no
     # forbidden choice), left for the neighbourhood search to repair with memory priced.
     nearest: tuple[float, np.ndarray] | None = None
@@ -1144,7 +1151,7 @@ class _WcspRunner:
         fork = self._fork
         try:
             self._lower, self._proven = _wcsp_phase(fork, self._deadline, self._seed, self.stats, self.incumbent)
-            if fork.violation() == 0 and fork.objective() < fork.big:
+            if fork.has_plan():
                 self.best, self.best_cost = fork.s.copy(), fork.objective()
             if self._proven:
                 self.incumbent.proven.set()
@@ -1318,7 +1325,7 @@ def _restricted_by_the_dual(search: Search, deadline: float) -> int:
     does with the codes the contest's format drops. The plan only improves (it is in every
     program). Returns the widest width solved (0: none)."""
     ranks = [np.argsort(costs, kind="stable") for costs in search.diffused]
-    sizes = np.array([len(r) for r in ranks])
+    widest = int(np.diff(search.cost_start).max())
     solved, width = 0, _DUAL_FIRST_WIDTH
     while time.perf_counter() < deadline and _dual_pairs(search, width) <= _DUAL_PAIRS:
         masks = {}
@@ -1327,7 +1334,7 @@ def _restricted_by_the_dual(search: Search, deadline: float) -> int:
             mask[order[:width]] = True
             mask[search.s[v]] = True
             masks[v] = mask
-        valid = search.violation() == 0 and search.objective() < search.big
+        valid = search.has_plan()
         status, chosen, _ = search.solve_milp(
             np.arange(len(search.nodes)), deadline - time.perf_counter(), valid, deadline=deadline, masks=masks, gap=_NEIGHBOURHOOD_GAP
         )
@@ -1336,7 +1343,7 @@ def _restricted_by_the_dual(search: Search, deadline: float) -> int:
         if status != "optimal":
             break
         solved = width
-        if width >= sizes.max():
+        if width >= widest:
             break
         width *= 2
     return solved
