@@ -60,7 +60,6 @@ Usage: python benchmarks/solver_fx_family.py [--shapes 128x2,256x1] [--meshes 2x
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import sys
@@ -71,29 +70,21 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import hops  # noqa: E402
 import passes  # noqa: E402
 from passes.solver import CostModel, NoPlanFoundError, peak_usage, problem_cost, read_iopddl, solve_problem, write_iopddl  # noqa: E402
 from passes.solver.solve import placement_problem  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = {"4": ((4,), ("model",)), "2x2": ((2, 2), ("data", "model")), "2x4": ((2, 4), ("data", "model")),
           "4x4": ((4, 4), ("data", "model")), "2x2x2": ((2, 2, 2), ("data", "fsdp", "tensor"))}
 COST_SCALE = 1e12  # seconds to picoseconds: the contest's files hold integer costs
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("auto_shard", os.path.join(ROOT, "examples", "auto_shard.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
 def fx_problems(shape: str, mesh_name: str, budgets: list[float | None]):
     """(budget, problem) of the decoder ``DIMxLAYERS`` (unrolled) on the mesh, per budget share."""
-    example = _example()
+    import auto_shard as example  # (examples/, on the path above)
     dim, layers = (int(x) for x in shape.split("x"))
     config = example.Config(dim=dim, heads=8, kv_heads=4, vocab=1024, ffn=3 * dim, layers=layers, batch=8, seq=256)
     mesh = hops.Mesh(*MESHES[mesh_name])
