@@ -27,6 +27,7 @@ from passes.solver import (
 from passes.solver import reduce as reduce_module
 from passes.solver import search as search_module
 from passes.solver.deadline import start_workers, wait_for_workers
+from passes.solver.families import contest_like
 from tests.helpers.random_problems import brute_force as brute_force_1e18
 from tests.helpers.random_problems import forbidden_as_1e18_problem
 
@@ -513,6 +514,32 @@ class TestDualRestricted:
         width = search_module._restricted_by_the_dual(search, time.perf_counter() + 30.0)
         assert width >= search_module._DUAL_FIRST_WIDTH
         assert search.objective() == 0.0 and list(search.plan()) == [7] * n
+
+    def test_where_memory_binds_they_run_before_the_whole_program_and_start_it(self, monkeypatch):
+        # The whole program with memory rows seldom improves the plan within a short limit: the
+        # dual-restricted programs go first, and the whole program starts from their plan.
+        problem = contest_like(seed=0, nodes=200, tightness=1.1)
+        calls = []
+        original = search_module.Search.solve_milp
+
+        def recorded(search, free, time_limit, warm, **options):
+            if len(free) == len(search.nodes):
+                calls.append((search, "dual" if options.get("masks") is not None else "whole", search.objective()))
+            return original(search, free, time_limit, warm, **options)
+
+        monkeypatch.setattr(search_module.Search, "solve_milp", recorded)
+        solution = solve_problem(problem, time_limit=5, search="exact")
+        # (The calls on the main search: the unconstrained problem has a search of its own.)
+        duals = [search for search, kind, _ in calls if kind == "dual"]
+        assert duals, "the dual-restricted programs did not run"
+        main = duals[0]
+        kinds = [kind for search, kind, _ in calls if search is main]
+        objectives = [objective for search, _, objective in calls if search is main]
+        assert "whole" in kinds and kinds.index("dual") < kinds.index("whole"), kinds
+        # (The whole program starts from a plan no worse than the dual programs'.)
+        first_whole = kinds.index("whole")
+        assert objectives[first_whole] <= min(objectives[:first_whole])
+        assert peak_usage(problem, solution.strategies) <= problem.usage_limit
 
 
 # Tight memory limits (the least peak): the cheapest plans break them, so priced rounds run.
