@@ -3,6 +3,7 @@ budgets bind or are refused, a scan solved once, the cost model, meta-free."""
 
 import itertools
 import math
+import unittest.mock
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import hops
 import passes
 from hops import Mesh, Partial, Replicate, Shard, ShardingSpec
-from passes.solver import CostModel, InfeasiblePlacementError, peak_usage, problem_cost, solve_problem
+from passes.solver import CostModel, InfeasiblePlacementError, NoPlanFoundError, StrategyProblem, peak_usage, problem_cost, solve_problem
+from passes.solver import solve as solve_module
 from passes.solver.solve import Factor, MemoryTerm, choice_problem, full_plan, placement_problem, solve_graph
 from tests.helpers.snapshot import TestCase, aot_trace, delete_meta
 
@@ -253,6 +255,21 @@ class TestMemoryBudget(TestCase):
         self.assertGreater(bound.cost, free.cost)
         sharded = [k for k in ("forward/primals_2", "forward/primals_3") if bound.placements[k] != (R, R)]
         self.assertTrue(sharded, bound.placements)
+
+    def test_without_a_time_limit_a_budgeted_solve_answers_where_its_timed_search_found_no_plan(self):
+        # The budgeted search gets a share of the unbudgeted call's time. Given none here, it
+        # finds no plan (the cheapest strategies break the budget, the smallest make a forbidden
+        # pair); the call asked for no time limit, so it still answers, with the optimum.
+        table = np.array([[0.0, 0.0], [0.0, math.inf]])
+        problem = StrategyProblem([np.array([0.0, 5.0])] * 2, [np.array([10.0, 1.0])] * 2, [[0, 1]] * 2, [(0, 1)], [table])
+        with unittest.mock.patch.object(solve_module, "_BUDGET_TIME_FACTOR", 0.0), unittest.mock.patch.object(
+            solve_module, "_BUDGET_MIN_SECONDS", 1e-9
+        ):
+            with self.assertRaises(NoPlanFoundError):  # (the timed search alone)
+                solve_problem(problem.with_usage_limit(11.0), time_limit=1e-9)
+            result = solve_module._solve_with_budget(problem.with_usage_limit(11.0), 11.0, None, True, "auto")
+        self.assertEqual(result.cost, 5.0)
+        self.assertEqual(result.stats["status"], "optimal")
 
     def test_memory_is_the_peak_of_the_values_live_together(self):
         # Two products are made and summed one after the other: the second is made after the
