@@ -637,12 +637,13 @@ def solve_graph(
 # A budgeted solve without a time limit gets this many times what the unbudgeted call took
 # (its graph, its problem and its solve; the graph is most of it at production sizes), at
 # least ``_BUDGET_MIN_SECONDS`` (the search's workers start in about that), after the
-# unbudgeted solve: the caller pays about 2.6x the unbudgeted call, within the 3x the FX front
-# promises (a floor of 2 s made the N=4 scan of benchmarks/solver_scaling.py 3.9x). The integer program with memory rows
-# is far slower to prove (the decoder of examples/auto_shard.py, dim 256 on 2x2: 3 s of CPU
-# without a budget, 66 s at 0.8x the unbudgeted peak, most of it in HiGHS's root LP and its
-# cuts), so the plan is the search's best in that time: that decoder at 0.8x and 0.6x ends
-# 1.04-1.05x the plan of a 30 s search, HF Llama (dim 256, 2x2) at 0.6x 1.4x a 60 s one.
+# unbudgeted solve: the caller pays 2-2.6x the unbudgeted call, within the 3x the FX front
+# promises (a floor of 2 s made the 4-layer scan of benchmarks/solver_scaling.py 3.9x). The
+# integer program with memory rows is far slower to prove (the decoder of
+# examples/auto_shard.py, dim 256 on 2x2: 3 s of CPU without a budget, 66 s at 0.8x the
+# unbudgeted peak, most of it in HiGHS's root LP and its cuts), so the plan is the search's
+# best in that time: that decoder at 0.8x and 0.6x ends 1.04-1.05x the plan of a 30 s search,
+# HF Llama (dim 256, 2x2) at 0.6x about 1.4x a 60 s one.
 _BUDGET_TIME_FACTOR = 1.6
 _BUDGET_MIN_SECONDS = 0.25
 
