@@ -1525,7 +1525,7 @@ class _Lns:
                 self.current = new
                 self.improvements += 1
                 self.stuck = 0
-                if incumbent is not None and search.violation() == 0 and new < search.big:
+                if incumbent is not None and search.has_plan():  # (its score is then its cost)
                     incumbent.offer(new, search.s)
             else:
                 for v, a in zip(free.tolist(), previous.tolist()):
